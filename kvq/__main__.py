@@ -1,0 +1,5 @@
+"""`python -m kvq` runs the command line."""
+
+from kvq.cli import main
+
+main()

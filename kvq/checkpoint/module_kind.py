@@ -1,0 +1,36 @@
+"""Classify a tensor name into the module kind that the plan, inspect and recipes reason about."""
+
+from __future__ import annotations
+
+import re
+
+MODULE_KINDS = (
+    "attention",
+    "dense_mlp",
+    "routed_experts",
+    "shared_experts",
+    "router",
+    "embeddings",
+    "norms",
+    "kv_scales",
+    "other",
+)
+
+_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("kv_scales", re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale)$")),
+    ("embeddings", re.compile(r"(^|\.)(embed_tokens|lm_head|wte|shared_head\.head)\.")),
+    ("norms", re.compile(r"(^|\.)[a-z_]*norm[a-z_]*\.(weight|bias)$")),
+    ("router", re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$|\.router\.")),
+    ("routed_experts", re.compile(r"\.mlp\.experts\.")),
+    ("shared_experts", re.compile(r"\.mlp\.shared_experts?\.")),
+    ("attention", re.compile(r"\.(self_attn|attention)\.")),
+    ("dense_mlp", re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.")),
+)
+
+
+def module_kind(name: str) -> str:
+    """The module kind of a tensor name, e.g. `model.layers.3.mlp.experts.7.up_proj.weight` -> routed_experts."""
+    for kind, pattern in _RULES:
+        if pattern.search(name):
+            return kind
+    return "other"

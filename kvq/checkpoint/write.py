@@ -1,0 +1,53 @@
+"""Atomic writes: every output goes to a temporary name in the same directory and is renamed when complete."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvq.checkpoint.reader import INDEX_NAME
+
+TMP_SUFFIX = ".kvq-tmp"
+
+
+def tmp_path(path: Path) -> Path:
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def save_safetensors_atomic(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict | None = None) -> int:
+    """Write a safetensors file under a temporary name, fsync, rename; return its size in bytes."""
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt", **(metadata or {})})
+        _replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+def write_json_atomic(data: object, path: Path) -> None:
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        _replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_index(root: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+    """Write `model.safetensors.index.json` with tensors in sorted order."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    write_json_atomic(index, Path(root) / INDEX_NAME)

@@ -1,0 +1,47 @@
+"""The `kvq` command line: registers each subcommand and turns user errors into one line and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvq import __version__
+from kvq.commands.default_model import default_model_command
+from kvq.commands.inspect_cmd import inspect_command
+from kvq.errors import KvqError
+
+app = typer.Typer(
+    name="kvq",
+    help="Compress LLM checkpoints to INT4, calibrate FP8 KV-cache scales, and serve them from a checked paged KV pool.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+bench_app = typer.Typer(help="Benchmarks whose numbers go into BENCHMARKS.md.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+app.command("inspect")(inspect_command)
+app.command("default-model")(default_model_command)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        print(f"kvq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True, help="Print the version."),
+) -> None:
+    """kvq: compressed LLM inference toolkit."""
+
+
+def main() -> None:
+    """Console-script entry point: a `KvqError` becomes `kvq: error: ...` on stderr and exit code 2."""
+    try:
+        app()
+    except KvqError as e:
+        print(f"kvq: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -1,0 +1,72 @@
+"""Summarize a checkpoint from its headers alone: format, and per module kind the tensors, parameters, dtypes, bytes.
+
+Parameters count logical weight elements: a `weight_packed` int32 word holds 8 int4 values; quantization
+metadata (`weight_scale`, `weight_scale_inv`, `weight_shape`, `k_scale`/`v_scale`) adds bytes but no parameters.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from kvq.checkpoint.header import TensorInfo
+from kvq.checkpoint.module_kind import MODULE_KINDS, module_kind
+from kvq.checkpoint.reader import Checkpoint
+
+METADATA_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point", "weight_global_scale",
+                     "input_scale", "k_scale", "v_scale", "q_scale")
+
+
+@dataclass
+class KindSummary:
+    tensors: int = 0
+    parameters: int = 0
+    bytes: int = 0
+    dtypes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class InspectReport:
+    path: str
+    format: str
+    num_shards: int
+    kinds: dict[str, KindSummary]
+    total: KindSummary
+    quant_method: str | None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def logical_parameters(info: TensorInfo) -> int:
+    """Logical weight elements stored by a tensor (0 for quantization metadata)."""
+    suffix = info.name.rsplit(".", 1)[-1]
+    if suffix in METADATA_SUFFIXES:
+        return 0
+    if suffix == "weight_packed":
+        return info.numel * 8
+    return info.numel
+
+
+def summarize(ckpt: Checkpoint) -> InspectReport:
+    """Group every stored tensor by module kind and total it; reads no tensor data."""
+    kinds: dict[str, KindSummary] = defaultdict(KindSummary)
+    dtypes: dict[str, set[str]] = defaultdict(set)
+    for info in ckpt.tensors.values():
+        kind = module_kind(info.name)
+        row = kinds[kind]
+        row.tensors += 1
+        row.parameters += logical_parameters(info)
+        row.bytes += info.nbytes
+        dtypes[kind].add(info.dtype)
+    ordered = {k: kinds[k] for k in MODULE_KINDS if k in kinds}
+    for kind, row in ordered.items():
+        row.dtypes = sorted(dtypes[kind])
+    total = KindSummary(
+        tensors=sum(r.tensors for r in ordered.values()),
+        parameters=sum(r.parameters for r in ordered.values()),
+        bytes=sum(r.bytes for r in ordered.values()),
+        dtypes=sorted(set().union(*dtypes.values())) if dtypes else [],
+    )
+    return InspectReport(str(ckpt.root), ckpt.format, len(ckpt.shards), ordered, total,
+                         ckpt.quantization_config.get("quant_method"))
