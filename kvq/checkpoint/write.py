@@ -31,6 +31,8 @@ def save_safetensors_atomic(tensors: Mapping[str, torch.Tensor], path: Path, met
     tmp = tmp_path(path)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt", **(metadata or {})})
+        # safetensors creates 0600 files whatever the umask; servers often read as another user.
+        os.chmod(tmp, 0o644)
         _replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
