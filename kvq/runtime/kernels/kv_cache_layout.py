@@ -1,0 +1,73 @@
+"""The paged KV cache contract shared by `store_kv` and `paged_decode_attention`, and its checks.
+
+Per layer: `k_cache`, `v_cache` `[num_pages, page_size, num_kv_heads, head_dim]`, bfloat16 or
+float8_e4m3fn (fp16/fp32 work too), innermost dim contiguous. `k_scale`/`v_scale`: fp32 per tensor
+(a scalar or `[1]`) or per head (`[num_kv_heads]`; `[num_kv_heads, 1, 1]` is accepted); None means 1.
+FP8 pages store clamp(k / k_scale, +-448) cast to fp8 and read fp8.float() * k_scale; other pages
+ignore the scales. `block_tables` int32 `[B, max_pages]` (only the first ceil(seq_len / page_size)
+entries are read; padding may be -1 or anything), `seq_lens` int32 `[B]`, `slot_mapping` int64 `[T]`
+= page * page_size + offset, negative = skip. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+KV_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """True for float8_e4m3fn pages (the only dtype that uses k_scale/v_scale)."""
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(page_size, num_kv_heads, head_dim) of a valid K/V cache pair, else ValueError/TypeError."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+            "[num_pages, page_size, num_kv_heads, head_dim]"
+        )
+    if k_cache.dtype not in KV_CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(
+            f"KV cache dtypes must match and be one of {KV_CACHE_DTYPES}, got {k_cache.dtype}, "
+            f"{v_cache.dtype}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous in head_dim (stride 1)")
+    if k_cache.device != v_cache.device:
+        raise ValueError(f"k_cache is on {k_cache.device} but v_cache on {v_cache.device}")
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    return page_size, num_kv_heads, head_dim
+
+
+def per_head_scale(
+    scale: torch.Tensor | float | None, num_kv_heads: int, device: torch.device, name: str
+) -> torch.Tensor:
+    """A per-tensor or per-head KV scale as fp32 `[num_kv_heads]` (an expanded view for per-tensor)."""
+    if scale is None:
+        scale = 1.0
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
+    if scale.numel() == 1:
+        return scale.expand(num_kv_heads)
+    if scale.numel() != num_kv_heads:
+        raise ValueError(
+            f"{name} has {scale.numel()} values, expected 1 (per tensor) or {num_kv_heads} (per head)"
+        )
+    return scale.contiguous()
+
+
+def quantize_kv(values: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """K or V `[T, Hkv, D]` as stored in pages of `cache_dtype`; `scale` fp32 `[Hkv]` (fp8 only)."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return values.to(cache_dtype)
+    scaled = values.float() / scale[None, :, None]
+    return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+
+
+def dequantize_kv(pages: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Stored K or V `[..., Hkv, D]` -> fp32 values; `scale` fp32 `[Hkv]` (ignored for 16-bit pages)."""
+    if pages.dtype != torch.float8_e4m3fn:
+        return pages.float()
+    return pages.float() * scale[:, None]

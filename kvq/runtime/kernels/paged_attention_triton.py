@@ -1,0 +1,245 @@
+"""Triton paged decode attention (flash-decoding) over FP8 e4m3 or 16-bit pages with GQA.
+
+Spec: `paged_attention.paged_decode_attention_reference`. Grid (B, Hkv, num_splits): a program takes one
+KV head with all its query heads (padded to BLOCK_H >= 16 rows for `tl.dot`) over one slice of the
+sequence, gathering token rows through the block table (any page_size, holes, shared pages). FP8 K/V
+are converted to fp16 exactly (q, pre-multiplied by sm_scale, too) and the per-head k/v scales are
+folded into the scores and the output. With several splits, each writes (out, log-sum-exp) and torch
+combines them.
+Imports Triton; loaded lazily by `kvq.runtime.kernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.runtime.kernels.kv_cache_layout import is_fp8, per_head_scale
+from kvq.runtime.kernels.paged_attention import check_attention_inputs, default_sm_scale
+from kvq.runtime.kernels.triton_launch import (
+    dot_dtype,
+    is_interpreted,
+    kernel_for,
+    next_pow2,
+    output_dtype,
+    sm_count_for,
+    tl_dtype,
+)
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    o_ptr,
+    lse_ptr,
+    sm_scale,
+    page_size,
+    tokens_per_split,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_btb,
+    stride_btp,
+    stride_ks,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IS_FP32_DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_kvh = tl.program_id(1).to(tl.int64)
+    pid_s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    start = pid_s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = pid_kvh * QUERIES_PER_KV + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_hd = (offs_h < QUERIES_PER_KV)[:, None] & mask_d[None, :]
+    q = tl.load(
+        q_ptr + pid_b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_hd,
+        other=0.0,
+    )
+    q = (q.to(tl.float32) * sm_scale).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_D], pre-scaled: small for fp16
+    k_base = k_cache_ptr + pid_kvh * stride_kh + offs_d[None, :] * stride_kd
+    v_base = v_cache_ptr + pid_kvh * stride_vh + offs_d[None, :] * stride_vd
+    qk_scale = 1.4426950408889634  # log2(e): scores in log2 units for exp2
+    if IS_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + pid_kvh * stride_ks)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        mask_t = offs_t < end
+        page = tl.load(
+            block_tables_ptr + pid_b * stride_btb + (offs_t // page_size) * stride_btp, mask=mask_t, other=0
+        ).to(tl.int64)
+        slot = (offs_t % page_size).to(tl.int64)
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        k = tl.load(k_base + page[:, None] * stride_kp + slot[:, None] * stride_kt, mask=mask_td, other=0.0)
+        if IS_FP32_DOT:
+            scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
+        scores = tl.where(mask_t[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + page[:, None] * stride_vp + slot[:, None] * stride_vt, mask=mask_td, other=0.0)
+        if IS_FP32_DOT:
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    v_scale = 1.0
+    if IS_FP8:
+        v_scale = tl.load(v_scale_ptr + pid_kvh * stride_vs)
+    is_empty = l_i == 0.0  # no token in this split
+    safe_l = tl.where(is_empty, 1.0, l_i)
+    out = acc * (v_scale / safe_l)[:, None]
+    o_ptrs = (
+        o_ptr
+        + pid_b * stride_ob
+        + heads[:, None] * stride_oh
+        + pid_s * stride_os
+        + offs_d[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_hd)
+    if IS_SPLIT:
+        lse = tl.where(is_empty, float("-inf"), (m_i + tl.log2(safe_l)) * 0.6931471805599453)  # natural log
+        tl.store(
+            lse_ptr + pid_b * stride_lb + heads * stride_lh + pid_s * stride_ls,
+            lse,
+            mask=offs_h < QUERIES_PER_KV,
+        )
+
+
+def combine_splits(out_splits: torch.Tensor, lse_splits: torch.Tensor) -> torch.Tensor:
+    """Merge per-split outputs `[B, Hq, S, D]` by their log-sum-exp `[B, Hq, S]` -> fp32 `[B, Hq, D]`."""
+    lse_max = lse_splits.amax(dim=-1, keepdim=True)
+    lse_max = torch.where(torch.isinf(lse_max), torch.zeros_like(lse_max), lse_max)  # empty sequences
+    weights = torch.exp(lse_splits - lse_max)  # [B, Hq, S]
+    total = weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    return torch.einsum("bhs,bhsd->bhd", weights / total, out_splits)
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
+) -> int:
+    """Split long sequences until the grid has ~2 programs per SM, keeping >= 4 token tiles per split."""
+    wanted = triton.cdiv(2 * sm_count_for(device), max(num_seqs * num_kv_heads, 1))
+    return max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n)))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    sm_scale: float | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton path of `paged_decode_attention`; `max_seq_len` (>= every seq_len) avoids a device sync."""
+    page_size, num_kv_heads, head_dim = check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    num_seqs, num_q_heads, _ = q.shape
+    sm_scale = default_sm_scale(head_dim) if sm_scale is None else sm_scale
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if num_seqs else 0
+    kernel = kernel_for(paged_decode_kernel, q.device)
+    interpreted = is_interpreted(kernel)
+    block_n = block_n or (16 if interpreted else 64)
+    if num_seqs == 0 or max_seq_len == 0:
+        return torch.zeros_like(q)
+    num_splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, q.device)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_seq_len, tokens_per_split)
+    is_split = num_splits > 1
+    if is_split:
+        out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.empty_like(q, dtype=output_dtype(q.dtype, interpreted)).unsqueeze(2)  # [B, Hq, 1, D]
+        lse = torch.empty((0, 0, 0), dtype=torch.float32, device=q.device)
+    k_scale = per_head_scale(k_scale, num_kv_heads, q.device, "k_scale")  # [Hkv], stride 0 if per tensor
+    v_scale = per_head_scale(v_scale, num_kv_heads, q.device, "v_scale")
+    # fp8 pages convert to fp16 in one instruction (to bf16 in two); fp32 queries keep fp32 dots
+    dot_input_dtype = torch.float16 if is_fp8(k_cache) and q.dtype != torch.float32 else q.dtype
+    operand_dtype = dot_dtype(dot_input_dtype, interpreted)
+    queries_per_kv = num_q_heads // num_kv_heads
+    kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        k_scale,
+        v_scale,
+        out,
+        lse,
+        sm_scale,
+        page_size,
+        tokens_per_split,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        k_scale.stride(0),
+        v_scale.stride(0),
+        *out.stride(),
+        *lse.stride(),
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_DIM=head_dim,
+        IS_FP8=is_fp8(k_cache),
+        IS_SPLIT=is_split,
+        DOT_DTYPE=tl_dtype(operand_dtype),
+        IS_FP32_DOT=operand_dtype == torch.float32,
+        BLOCK_H=max(16, next_pow2(queries_per_kv)),
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        num_warps=4,
+        num_stages=2,
+    )
+    if is_split:
+        return combine_splits(out, lse).to(q.dtype)
+    return out.squeeze(2).to(q.dtype)

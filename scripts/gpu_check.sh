@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU check of the kvq kernels: the gpu-marked kernel tests, then the kernel benchmark, whose table is
+# printed and written to RESULTS_DIR/kernel_bench.json. Needs a CUDA device, torch with CUDA and triton
+# (+ pytest); installs nothing; under 5 minutes (each step has a timeout).
+# Usage: scripts/gpu_check.sh RESULTS_DIR
+# Exit: 0 all good; 1 a test failed, a kernel mismatched its reference, a step errored or timed out;
+#       2 usage or no CUDA device; 3 an H100/H200 target was missed (numbers still written).
+set -euo pipefail
+
+if [[ $# -ne 1 ]]; then
+    echo "usage: $0 RESULTS_DIR" >&2
+    exit 2
+fi
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$1"
+results_dir=$(cd "$1" && pwd)
+python=$repo_root/.venv/bin/python
+[[ -x $python ]] || python=python3
+cd "$repo_root"
+unset TRITON_INTERPRET KVQ_KERNELS  # compiled kernels, auto dispatch
+
+"$python" - <<'PY' || exit 2
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA device; run this on a GPU machine")
+import triton
+
+print(f"gpu_check: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+PY
+
+tests_status=0
+timeout 120 "$python" -m pytest -q -m gpu -p no:cacheprovider tests/runtime/kernels \
+    --junitxml="$results_dir/kernel_gpu_tests.xml" 2>&1 | tee "$results_dir/kernel_gpu_tests.log" \
+    || tests_status=$?
+
+bench_status=0
+timeout 170 "$python" -m kvq.runtime.kernels.bench --out "$results_dir/kernel_bench.json" 2>&1 \
+    | tee "$results_dir/kernel_bench.log" || bench_status=$?
+
+echo "gpu_check: tests exit $tests_status, bench exit $bench_status; results in $results_dir"
+if [[ $tests_status -ne 0 ]]; then
+    exit 1
+fi
+if [[ $bench_status -eq 3 ]]; then
+    exit 3
+fi
+[[ $bench_status -eq 0 ]] || exit 1

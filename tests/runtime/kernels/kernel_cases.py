@@ -1,0 +1,113 @@
+"""Fresh random kernel inputs of irregular shapes, and the one closeness check the kernel tests use.
+
+Weights are packed with compressed-tensors' own `pack_to_int32` (the layout's oracle). Paged caches put
+sequences on shuffled pages with unused pages, a page shared by two sequences, block-table padding of
+-1 and garbage, and NaN in every slot no sequence owns, so a kernel that reads past seq_len shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX
+
+# Tolerances, as a fraction of max |expected|, by the dtype the kernel computes and returns in.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    """max |actual - expected| <= rel * max |expected| (in fp32), with the numbers in the message."""
+    assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
+    err = (actual.float() - expected.float()).abs().max().item() if expected.numel() else 0.0
+    bound = rel * max(expected.float().abs().max().item() if expected.numel() else 0.0, 1e-6)
+    assert err <= bound, f"max abs error {err:.3g} > {bound:.3g} (rel {rel})"
+
+
+def random_w4a16(
+    num_rows: int, in_features: int, group_size: int, gen: torch.Generator, num_experts: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`weight_packed` int32 `[(E,) N, K/8]`, `weight_scale` bf16 `[(E,) N, K/G]`) of random q in -8..7."""
+    experts = num_experts or 1
+    q = torch.randint(-8, 8, (experts, num_rows, in_features), generator=gen, dtype=torch.int8)
+    packed = torch.stack([pack_to_int32(q_e, 4) for q_e in q])  # [E, N, K/8]
+    scale = (
+        (torch.rand(experts, num_rows, in_features // group_size, generator=gen) + 0.5) / 8 / in_features**0.5
+    )
+    scale = scale.to(torch.bfloat16)
+    return (packed, scale) if num_experts else (packed[0], scale[0])
+
+
+@dataclass
+class PagedKV:
+    """A paged K/V cache with its tables, scales and the real (unquantized) K/V of each sequence."""
+
+    k_cache: torch.Tensor  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+    k_scale: torch.Tensor  # [] or [Hkv] fp32
+    v_scale: torch.Tensor
+    k_real: list[torch.Tensor]  # per sequence [L, Hkv, D] fp32 values the cache encodes
+    v_real: list[torch.Tensor]
+
+
+def _scale_for(values: torch.Tensor, is_per_head: bool) -> torch.Tensor:
+    amax = values.abs().amax(dim=(0, 2)) if is_per_head else values.abs().amax()
+    return (amax / FP8_E4M3_MAX).float()
+
+
+def random_paged_kv(
+    seq_lens: list[int],
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cache_dtype: torch.dtype,
+    is_per_head: bool,
+    gen: torch.Generator,
+) -> PagedKV:
+    """Sequences on shuffled pages (2 spare pages, seq 1 reuses seq 0's first page), NaN in unowned slots."""
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_seq) + 2
+    perm = torch.randperm(num_pages, generator=gen)
+    max_pages = max(pages_per_seq) + 2
+    block_tables = torch.full((len(seq_lens), max_pages), -1, dtype=torch.int32)
+    block_tables[::2, -1] = 10**6  # padding may be garbage, not only -1
+    real = torch.full((num_pages, page_size, num_kv_heads, head_dim, 2), float("nan"))
+    k_real, v_real, used = [], [], 0
+    for b, (seq_len, num) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
+        pages = perm[used : used + num].clone()
+        used += num
+        if b == 1 and num and pages_per_seq[0] and seq_lens[0] >= page_size:
+            pages[0] = block_tables[0, 0]  # prefix sharing: same full first page
+        block_tables[b, :num] = pages.to(torch.int32)
+        slots = torch.arange(seq_len)
+        fresh = torch.randn(seq_len, num_kv_heads, head_dim, 2, generator=gen) * 2
+        dense = real[pages].flatten(0, 1)  # [num*page_size, Hkv, D, 2]
+        dense[:seq_len] = torch.where(torch.isnan(dense[:seq_len]), fresh, dense[:seq_len])
+        real[pages] = dense.view(num, page_size, num_kv_heads, head_dim, 2)
+        k_real.append(dense[slots, ..., 0].clone())
+        v_real.append(dense[slots, ..., 1].clone())
+    owned = (
+        torch.cat(k_real + v_real) if seq_lens and sum(seq_lens) else torch.ones(1, num_kv_heads, head_dim)
+    )
+    k_scale = _scale_for(owned, is_per_head)
+    v_scale = _scale_for(owned, is_per_head) * 1.25
+    if cache_dtype == torch.float8_e4m3fn:
+        shape = (1, 1, -1, 1) if is_per_head else ()
+        k_cache = (real[..., 0] / k_scale.view(shape)).to(cache_dtype)
+        v_cache = (real[..., 1] / v_scale.view(shape)).to(cache_dtype)
+    else:
+        k_cache, v_cache = real[..., 0].to(cache_dtype), real[..., 1].to(cache_dtype)
+    return PagedKV(
+        k_cache,
+        v_cache,
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        k_scale,
+        v_scale,
+        k_real,
+        v_real,
+    )

@@ -1,0 +1,84 @@
+"""KV store: Triton writes the same bytes as the reference; the reference's quantization semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvq.runtime.kernels import store_kv, store_kv_reference
+from kvq.runtime.kernels.kv_store_triton import store_kv_triton
+
+FP8 = torch.float8_e4m3fn
+
+
+def _empty_caches(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sentinel = torch.full(
+        (num_pages, page_size, num_kv_heads, head_dim), -3.0
+    )  # must survive untouched slots
+    return sentinel.to(dtype), (sentinel * 2).to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+# (Hkv, head_dim, cache dtype, scales): non-power-of-two heads/dims exercise the masks
+STORE_CASES = [
+    (3, 64, FP8, "per_head"),
+    (2, 80, FP8, "per_tensor"),
+    (3, 64, torch.bfloat16, "per_head"),
+]
+
+
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "cache_dtype", "scales"), STORE_CASES)
+def test_triton_writes_the_reference_bytes(
+    num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype, scales: str
+) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    page_size, num_pages = 5, 6
+    slot_mapping = torch.tensor([3, -1, 7, 29, 0, -5, 12, 18, 4], dtype=torch.int64)
+    k = (torch.randn(9, num_kv_heads, head_dim, generator=gen) * 4).to(torch.bfloat16)
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, -0.0])  # clamp to +-448 and signed zeros
+    v = torch.randn(9, num_kv_heads, head_dim, generator=gen).to(torch.float16)
+    if scales == "per_head":
+        k_scale, v_scale = (
+            torch.rand(num_kv_heads, generator=gen) / 50 + 0.005,
+            torch.rand(num_kv_heads) / 100 + 0.001,
+        )
+    else:
+        k_scale, v_scale = torch.tensor([0.013]), torch.tensor(0.004)
+    expected = _empty_caches(num_pages, page_size, num_kv_heads, head_dim, cache_dtype)
+    actual = tuple(c.clone() for c in expected)
+    store_kv_reference(k, v, *expected, slot_mapping, k_scale, v_scale)
+    store_kv_triton(k, v, *actual, slot_mapping, k_scale, v_scale)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(_bytes(a), _bytes(e))
+
+
+def test_fp8_store_rounds_every_e4m3_midpoint_to_even() -> None:
+    # the interpreter's own fp32->fp8 cast gets these wrong; the kernel must not
+    values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    values = values[~values.isnan()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    probes = torch.cat([values, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    probes = probes[: probes.numel() // 8 * 8]
+    k = probes.view(-1, 1, 8)  # [T, 1, 8]
+    slot_mapping = torch.arange(k.shape[0])
+    caches = _empty_caches(k.shape[0], 1, 1, 8, FP8)
+    store_kv_triton(k, k, *caches, slot_mapping, 1.0, 1.0)
+    assert torch.equal(_bytes(caches[0].view(-1)), _bytes(probes.to(FP8)))
+
+
+def test_reference_quantizes_with_scale_and_clamp_and_skips_negative_slots() -> None:
+    k = torch.tensor([[[0.5, -1.0, 100.0, -100.0]], [[9.0, 9.0, 9.0, 9.0]]])  # [T=2, Hkv=1, D=4]
+    k_cache, v_cache = _empty_caches(2, 2, 1, 4, FP8)
+    store_kv(k, k, k_cache, v_cache, torch.tensor([3, -1]), torch.tensor(0.125), 0.5, backend="torch")
+    assert torch.equal(
+        k_cache[1, 1, 0].float() * 0.125, torch.tensor([0.5, -1.0, 56.0, -56.0])
+    )  # 448 * 0.125
+    assert torch.equal(
+        v_cache[1, 1, 0].float() * 0.5, torch.tensor([0.5, -1.0, 96.0, -96.0])
+    )  # 200 ties to even 192
+    assert (k_cache[:1].float() == -3.0).all() and (k_cache[1, 0].float() == -3.0).all()

@@ -1,0 +1,110 @@
+"""Paged decode attention: the reference against dense SDPA, and Triton/torch against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvq.runtime.kernels import paged_decode_attention, paged_decode_attention_reference
+from kvq.runtime.kernels.paged_attention_triton import paged_decode_attention_triton
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
+
+FP8 = torch.float8_e4m3fn
+# (page_size, Hkv, queries per KV head, head_dim, cache dtype, per-head scales, q dtype, num_splits)
+ATTENTION_CASES = [
+    (16, 2, 2, 64, FP8, True, torch.float16, None),
+    (15, 2, 4, 128, FP8, False, torch.bfloat16, 3),
+    (17, 1, 3, 64, torch.bfloat16, False, torch.float16, 1),
+    (16, 2, 1, 128, torch.bfloat16, True, torch.bfloat16, 2),
+    (8, 1, 4, 64, FP8, True, torch.float32, None),
+    (1, 2, 8, 64, torch.bfloat16, False, torch.float16, 2),  # one-token pages, GQA 8
+]
+
+
+def _seq_lens(page_size: int) -> list[int]:
+    return [page_size + 3, 1, page_size - 1, page_size, page_size + 1, 3 * page_size + 5]
+
+
+@pytest.mark.parametrize(
+    (
+        "page_size",
+        "num_kv_heads",
+        "queries_per_kv",
+        "head_dim",
+        "cache_dtype",
+        "is_per_head",
+        "dtype",
+        "num_splits",
+    ),
+    ATTENTION_CASES,
+)
+def test_triton_matches_reference(
+    page_size: int,
+    num_kv_heads: int,
+    queries_per_kv: int,
+    head_dim: int,
+    cache_dtype: torch.dtype,
+    is_per_head: bool,
+    dtype: torch.dtype,
+    num_splits: int | None,
+) -> None:
+    gen = torch.Generator().manual_seed(page_size * head_dim)
+    kv = random_paged_kv(
+        _seq_lens(page_size), page_size, num_kv_heads, head_dim, cache_dtype, is_per_head, gen
+    )
+    q = torch.randn(len(kv.seq_lens), num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
+    y = paged_decode_attention_triton(
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        kv.seq_lens,
+        kv.k_scale,
+        kv.v_scale,
+        sm_scale=0.3,
+        num_splits=num_splits,
+    )
+    expected = paged_decode_attention_reference(
+        q.float(), kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale, sm_scale=0.3
+    )
+    assert y.dtype == dtype and not torch.isnan(y).any()
+    assert_close_rel(y, expected, REL_TOL[dtype])
+
+
+@pytest.mark.parametrize(("cache_dtype", "is_per_head"), [(FP8, True), (FP8, False), (torch.bfloat16, False)])
+def test_reference_matches_dense_sdpa(cache_dtype: torch.dtype, is_per_head: bool) -> None:
+    gen = torch.Generator().manual_seed(7)
+    kv = random_paged_kv(_seq_lens(16), 16, 2, 64, cache_dtype, is_per_head, gen)
+    q = torch.randn(len(kv.seq_lens), 6, 64, generator=gen)
+    y = paged_decode_attention_reference(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale
+    )
+    # fp8 pages hold K/V to within half an e4m3 step (2^-4 relative); compare with a matching tolerance
+    rel = 0.1 if cache_dtype == FP8 else 2e-2
+    for b, (k, v) in enumerate(zip(kv.k_real, kv.v_real, strict=True)):
+        dense = F.scaled_dot_product_attention(
+            q[b, :, None], k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True
+        )
+        assert_close_rel(y[b], dense[:, 0], rel)
+
+
+def test_empty_sequence_gives_zeros_and_api_dispatches() -> None:
+    gen = torch.Generator().manual_seed(8)
+    kv = random_paged_kv([0, 5, 20], 8, 2, 64, FP8, True, gen)
+    q = torch.randn(3, 4, 64, generator=gen, dtype=torch.float16)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale)
+    by_torch = paged_decode_attention(*args, backend="torch")
+    by_triton = paged_decode_attention(*args, backend="triton", max_seq_len=20)
+    assert torch.equal(by_torch[0], torch.zeros_like(q[0])) and torch.equal(
+        by_triton[0], torch.zeros_like(q[0])
+    )
+    assert_close_rel(by_triton, by_torch, REL_TOL[torch.float16])
+
+
+def test_rejects_q_heads_not_a_multiple_of_kv_heads() -> None:
+    gen = torch.Generator().manual_seed(9)
+    kv = random_paged_kv([3], 8, 2, 64, torch.bfloat16, False, gen)
+    q = torch.randn(1, 3, 64)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, backend="torch")
