@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from kvq.checkpoint.fp8_block_layout import FP8_BLOCK_QUANTIZATION_CONFIG, fp8_block_specs
+from kvq.checkpoint.specs import TensorSpec, checkpoint_specs
 from kvq.checkpoint.write import save_safetensors_atomic, write_index, write_json_atomic
 from kvq.errors import KvqError
 from kvq.formats.fp8_block import quantize_fp8_block
-from kvq.testing.fp8_block_layout import FP8_BLOCK_QUANTIZATION_CONFIG, fp8_block_specs
 from kvq.testing.sharding import plan_shards, shard_file_names, spec_nbytes
 from kvq.testing.staging import staged_dir
-from kvq.testing.tiny_models import TensorSpec, checkpoint_specs, random_tensor, tiny_config
+from kvq.testing.tiny_models import random_tensor, tiny_config
 from kvq.testing.tiny_tokenizer import tiny_tokenizer
 
 FORMATS = ("bf16", "fp8-block")

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from itertools import pairwise
 
-from kvq.testing.tiny_models import TensorSpec
+from kvq.checkpoint.specs import TensorSpec
 
 MIN_SHARDS = 3
 

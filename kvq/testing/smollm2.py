@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from kvq.checkpoint.specs import TensorSpec
 from kvq.errors import KvqError
 from kvq.paths import cache_dir as default_cache_dir
 from kvq.testing.checkpoint_fixtures import write_checkpoint
 from kvq.testing.staging import staged_dir
-from kvq.testing.tiny_models import TensorSpec
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"

@@ -10,7 +10,6 @@ tensor's values depend only on (seed, name, shape) and any fixture can be built 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -22,8 +21,9 @@ from transformers import (
     PreTrainedModel,
 )
 
+from kvq.checkpoint.expert_layout import fuse_experts
+from kvq.checkpoint.specs import TensorSpec, checkpoint_specs, meta_model
 from kvq.errors import KvqError
-from kvq.testing.expert_layout import fuse_experts, split_expert_shapes
 from kvq.testing.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 
 ARCHITECTURES = ("llama", "glm4_moe", "glm_moe_dsa")
@@ -70,15 +70,6 @@ _ARCH_EXTRAS: dict[str, dict] = {
 }
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor as stored on disk: its name, shape and dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 def tiny_config(
     arch: str,
     *,
@@ -121,25 +112,7 @@ def tiny_config(
 
 
 def _causal_lm_class_name(config: PretrainedConfig) -> str:
-    return type(_meta_model(config)).__name__
-
-
-def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def checkpoint_specs(config: PretrainedConfig) -> list[TensorSpec]:
-    """Every tensor of the model as a real HF checkpoint stores it (per-expert 2-D), in module order.
-
-    Dtypes are the BF16 checkpoint's: bf16 everywhere except the fp32 router `e_score_correction_bias`.
-    """
-    specs: list[TensorSpec] = []
-    for name, tensor in _meta_model(config).state_dict().items():
-        for disk_name, shape in split_expert_shapes(name, tuple(tensor.shape)):
-            dtype = torch.float32 if disk_name.endswith("e_score_correction_bias") else torch.bfloat16
-            specs.append(TensorSpec(disk_name, shape, dtype))
-    return specs
+    return type(meta_model(config)).__name__
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

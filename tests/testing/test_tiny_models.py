@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
+from kvq.checkpoint.expert_layout import fuse_experts, split_expert_shapes
+from kvq.checkpoint.fp8_block_layout import fp8_block_specs
+from kvq.checkpoint.specs import TensorSpec, checkpoint_specs
 from kvq.errors import KvqError
-from kvq.testing.expert_layout import fuse_experts, split_expert_shapes
-from kvq.testing.fp8_block_layout import fp8_block_specs
-from kvq.testing.tiny_models import ARCHITECTURES, TensorSpec, checkpoint_specs, random_tensor, tiny_config
+from kvq.testing.tiny_models import ARCHITECTURES, random_tensor, tiny_config
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq.testing.fp8_block_layout import fp8_block_specs, is_fp8_block_weight
-from kvq.testing.tiny_models import TensorSpec
+from kvq.checkpoint.fp8_block_layout import fp8_block_specs, is_fp8_block_weight
+from kvq.checkpoint.specs import TensorSpec
 
 FP8 = [
     "model.layers.3.self_attn.q_a_proj.weight",

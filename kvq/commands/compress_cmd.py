@@ -1,0 +1,104 @@
+"""`kvq compress SRC OUT --recipe R`: FP8-block/BF16 checkpoint -> compressed-tensors INT4, shard by shard."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from kvq.commands.render import console, human_bytes
+from kvq.compress.manifest import MANIFEST_NAME
+from kvq.compress.recipe import load_recipe
+from kvq.compress.runner import CompressReport, PreparedJob, peak_rss_bound, prepare, run
+
+_SHOWN_KEPT = 8
+
+
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def compress_command(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint directory (BF16/FP16/FP32 or FP8-block).")],
+    out: Annotated[
+        Path,
+        typer.Argument(
+            help="Output directory (new, empty, or an interrupted run of the same job, which is resumed)."
+        ),
+    ],
+    recipe: Annotated[
+        str,
+        typer.Option(
+            "--recipe", help="Recipe name in recipes/ (w4a16-experts, w4a16-linear) or a YAML path."
+        ),
+    ],
+    group_size: Annotated[
+        int | None, typer.Option("--group-size", help="Override the recipe's group size (32, 64 or 128).")
+    ] = None,
+    workers: Annotated[
+        int, typer.Option("--workers", help="Shards compressed in parallel, one process each.")
+    ] = default_workers(),
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+) -> None:
+    """Compress SRC into OUT as compressed-tensors pack-quantized INT4 (W4A16, symmetric) per the recipe.
+
+    One job per source shard, run on --workers processes; each reads only the tensors it needs (a
+    weight_scale_inv in another shard included), dequantizes FP8 blocks in fp32, quantizes, packs and
+    writes its shard under a temporary name, then renames it. Then the index, config.json (with the
+    compressed-tensors quantization_config), tokenizer/generation files and kvq_manifest.json.
+
+    Memory: tensors are streamed one at a time, so peak RSS is bounded by the workers, not by the model
+    or shard size: about 0.5 GB + workers x (0.25 GB + 12 bytes x the elements of the largest weight
+    quantized, 5 per element of the largest FP8 weight kept, at least 64 MiB); printed at start.
+    Resume: re-run the same command on the same OUT; shards whose size and sha256 match the manifest are
+    kept. SRC is never modified.
+    """
+    job = prepare(src, out, load_recipe(recipe, group_size))
+    workers = max(1, min(workers, len(job.jobs)))
+    console.print(
+        f"kvq compress: {job.ckpt.root} ({job.ckpt.format}, {len(job.jobs)} shards, "
+        f"{human_bytes(job.input_bytes)}) -> {job.out}, recipe {job.recipe.name} "
+        f"(group {job.recipe.group_size}), {workers} workers, peak memory <= ~"
+        f"{human_bytes(peak_rss_bound(job.plan, workers))}"
+    )
+    try:
+        report = _run(job, workers, quiet)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: finished shards are recorded in {job.out / MANIFEST_NAME}; "
+                      "re-run the same command to resume")
+        raise typer.Exit(130) from None
+    _print_report(report, job.input_bytes)
+
+
+def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:
+    if quiet:
+        return run(job, workers)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("compressing", total=job.input_bytes)  # input bytes: bytes/s and ETA of the job
+        return run(job, workers, progress=lambda n: bar.advance(task, n))
+
+
+def _print_report(report: CompressReport, input_bytes: int) -> None:
+    resumed = f", {len(report.shards_resumed)} kept from an earlier run" if report.shards_resumed else ""
+    console.print(
+        f"wrote {len(report.shards_written)} shard(s){resumed}: {human_bytes(input_bytes)} -> "
+        f"{human_bytes(report.output_bytes)} in {report.wall_s:.1f} s -> {report.out}"
+    )
+    if report.kept:
+        console.print(f"kept at source precision ({len(report.kept)}):")
+        for kept in report.kept[:_SHOWN_KEPT]:
+            console.print(f"  {kept.name} {list(kept.shape)}: {kept.reason}")
+        if len(report.kept) > _SHOWN_KEPT:
+            console.print(f"  ... and {len(report.kept) - _SHOWN_KEPT} more (listed in kvq_manifest.json)")

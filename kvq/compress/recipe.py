@@ -1,0 +1,238 @@
+"""Recipes: YAML in llm-compressor's schema (one `QuantizationModifier`) saying which Linears become INT4.
+
+kvq reads the data-free subset of that schema, strictly: one stage, one `QuantizationModifier` with
+`targets` + `scheme: W4A16`, or one `config_groups` group of symmetric INT4 group weights; `ignore`.
+Matching is compressed-tensors': a target is `Linear` (every Linear weight), an exact module name, or
+`re:<regex>` applied with `re.match` to the module name. The same file drives llm-compressor unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from kvq.errors import KvqError
+from kvq.formats.pack_quantized import GROUP_SIZES
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+_MODIFIER = "QuantizationModifier"
+_MODIFIER_KEYS = {"targets", "scheme", "config_groups", "ignore"}
+_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
+# Data-free round-to-nearest: any min/max observer sees the whole weight once, so they agree.
+_OBSERVERS = {None, "minmax", "static_minmax", "memoryless_minmax"}
+_WEIGHTS = {
+    "num_bits": 4,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "group",
+    "dynamic": False,
+    "actorder": None,
+    "observer": None,
+    "group_size": None,
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated INT4 recipe: which modules to quantize, with which group size."""
+
+    name: str
+    path: Path
+    sha256: str
+    targets: tuple[str, ...]
+    ignore: tuple[str, ...]
+    group_size: int
+
+    def matches(self, module: str) -> bool:
+        """True if the Linear `module` is targeted and not ignored (compressed-tensors semantics)."""
+        return any(matches_target(module, t) for t in self.targets) and not any(
+            matches_target(module, i) for i in self.ignore
+        )
+
+    def with_group_size(self, group_size: int | None) -> Recipe:
+        if group_size is None or group_size == self.group_size:
+            return self
+        _check_group_size(group_size, f"--group-size {group_size}")
+        return replace(self, group_size=group_size)
+
+    def weights_args(self) -> dict:
+        """The compressed-tensors `QuantizationArgs` fields of the INT4 weights."""
+        return {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": self.group_size,
+            "dynamic": False,
+        }
+
+    def quantization_config(self):
+        """The recipe as a compressed-tensors `QuantizationConfig` (what llm-compressor builds from it)."""
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+        scheme = QuantizationScheme(
+            targets=list(self.targets), weights=QuantizationArgs(**self.weights_args())
+        )
+        return QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(self.ignore))
+
+    def identity(self) -> dict:
+        """What distinguishes this recipe in a job: its name, file content hash and group size."""
+        return {"name": self.name, "sha256": self.sha256, "group_size": self.group_size}
+
+
+def matches_target(module: str, target: str) -> bool:
+    """compressed-tensors' name matching: `Linear` (any Linear), `re:<regex>` (re.match), or an exact name."""
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target.removeprefix("re:"), module) is not None
+    return module == target
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe_path(recipe: str) -> Path:
+    """A recipe name from `recipes/` (e.g. `w4a16-experts`) or a path to a YAML file."""
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise KvqError(
+                f"{path}: no such recipe file; pass an existing YAML file or one of: "
+                f"{', '.join(available_recipes())}"
+            )
+        return path
+    named = RECIPES_DIR / f"{recipe}.yaml"
+    if not named.is_file():
+        raise KvqError(
+            f"recipe {recipe!r} is not known; use one of {', '.join(available_recipes())} "
+            f"(in {RECIPES_DIR}) or pass a path to a YAML recipe"
+        )
+    return named
+
+
+def load_recipe(recipe: str, group_size: int | None = None) -> Recipe:
+    """Load and validate a recipe by name or path; `group_size` overrides the recipe's."""
+    path = resolve_recipe_path(recipe)
+    raw = path.read_bytes()
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise KvqError(f"{path}: not valid YAML ({e}); fix the recipe file") from e
+    targets, ignore, size = _parse(path, data)
+    return Recipe(path.stem, path, hashlib.sha256(raw).hexdigest(), targets, ignore, size).with_group_size(
+        group_size
+    )
+
+
+def _fail(path: Path, where: str, problem: str) -> KvqError:
+    return KvqError(f"{path}: {where}: {problem}")
+
+
+def _one(path: Path, where: str, mapping: object, what: str) -> tuple[str, object]:
+    if not isinstance(mapping, dict) or len(mapping) != 1:
+        found = list(mapping) if isinstance(mapping, dict) else type(mapping).__name__
+        raise _fail(path, where, f"expected exactly one {what}, found {found}")
+    return next(iter(mapping.items()))
+
+
+def _unknown_keys(path: Path, where: str, mapping: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise _fail(
+            path,
+            where,
+            f"unknown recipe key(s) {', '.join(unknown)}; kvq compress (data-free "
+            f"INT4) accepts only {', '.join(sorted(allowed))}: remove them",
+        )
+
+
+def _parse(path: Path, data: object) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    stage_name, stage = _one(path, "top level", data, "stage (e.g. `quant_stage:`)")
+    group_name, modifiers = _one(path, stage_name, stage, "modifier group (e.g. `quant_modifiers:`)")
+    modifier_name, modifier = _one(path, f"{stage_name}.{group_name}", modifiers, f"modifier ({_MODIFIER})")
+    where = f"{stage_name}.{group_name}.{modifier_name}"
+    if modifier_name != _MODIFIER:
+        raise _fail(path, where, f"kvq compress is data-free and runs only {_MODIFIER}, not {modifier_name}")
+    if not isinstance(modifier, dict):
+        raise _fail(path, where, "expected a mapping of QuantizationModifier fields")
+    _unknown_keys(path, where, modifier, _MODIFIER_KEYS)
+    ignore = tuple(_string_list(path, f"{where}.ignore", modifier.get("ignore", [])))
+    if ("scheme" in modifier) == ("config_groups" in modifier):
+        raise _fail(path, where, "set exactly one of `scheme` (with `targets`) and `config_groups`")
+    if "scheme" in modifier:
+        if modifier["scheme"] != "W4A16":
+            raise _fail(
+                path,
+                f"{where}.scheme",
+                f"{modifier['scheme']!r} is not supported; use W4A16 "
+                "or a config_groups entry with 4-bit symmetric group weights",
+            )
+        return tuple(_string_list(path, f"{where}.targets", modifier.get("targets", ["Linear"]))), ignore, 128
+    if "targets" in modifier:
+        raise _fail(path, f"{where}.targets", "with config_groups, put targets inside the group")
+    group_key, group = _one(path, f"{where}.config_groups", modifier["config_groups"], "config group")
+    return _parse_group(path, f"{where}.config_groups.{group_key}", group, ignore)
+
+
+def _parse_group(
+    path: Path, where: str, group: object, ignore: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    if not isinstance(group, dict):
+        raise _fail(path, where, "expected a mapping with targets and weights")
+    _unknown_keys(path, where, group, _GROUP_KEYS)
+    for key in ("input_activations", "output_activations"):
+        if group.get(key) is not None:
+            raise _fail(
+                path,
+                f"{where}.{key}",
+                "activation quantization needs calibration data; "
+                "kvq compress writes weight-only (W4A16) checkpoints: remove it",
+            )
+    if group.get("format", "pack-quantized") != "pack-quantized":
+        raise _fail(path, f"{where}.format", f"{group['format']!r}: kvq writes pack-quantized")
+    targets = tuple(_string_list(path, f"{where}.targets", group.get("targets")))
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise _fail(
+            path, f"{where}.weights", "expected a mapping (num_bits, type, symmetric, strategy, group_size)"
+        )
+    _unknown_keys(path, f"{where}.weights", weights, set(_WEIGHTS))
+    for key, expected in _WEIGHTS.items():
+        if key in ("group_size", "observer") or key not in weights:
+            continue
+        if weights[key] != expected:
+            raise _fail(
+                path,
+                f"{where}.weights.{key}",
+                f"{weights[key]!r} is not supported; kvq writes "
+                f"{key}: {expected} (symmetric INT4 group weights)",
+            )
+    if weights.get("observer") not in _OBSERVERS:
+        raise _fail(
+            path,
+            f"{where}.weights.observer",
+            f"{weights['observer']!r}: kvq rounds to nearest with a min/max scale; use minmax",
+        )
+    size = weights.get("group_size", 128)
+    _check_group_size(size, f"{path}: {where}.weights.group_size")
+    return targets, ignore, size
+
+
+def _check_group_size(size: object, where: str) -> None:
+    if size not in GROUP_SIZES:
+        raise KvqError(
+            f"{where}: group size {size!r} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}"
+        )
+
+
+def _string_list(path: Path, where: str, value: object) -> list[str]:
+    is_empty_targets = value == [] and where.endswith("targets")
+    if not isinstance(value, list) or is_empty_targets or not all(isinstance(v, str) for v in value):
+        raise _fail(path, where, f"expected a list of module names or re: patterns, found {value!r}")
+    return value

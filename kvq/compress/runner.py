@@ -1,0 +1,221 @@
+"""`kvq compress` end to end: validate the whole job, run the shard jobs, then index, config and manifest.
+
+`prepare` reads headers only and raises before anything is written (bad shards, missing or misshapen
+scales, recipe problems, OUT inside SRC, OUT holding another job). `run` writes: output shards through the
+worker pool (recording each in the manifest as it lands), then the index, config.json with the
+compressed-tensors `quantization_config`, the tokenizer/generation files, and the completed manifest.
+SRC is only ever read.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvq import __version__
+from kvq.checkpoint.dense import block_size
+from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint
+from kvq.checkpoint.write import TMP_SUFFIX, tmp_path, write_index, write_json_atomic
+from kvq.compress.manifest import (
+    MANIFEST_NAME,
+    describe_identity,
+    job_identity,
+    read_manifest,
+    source_fingerprint,
+    write_manifest,
+)
+from kvq.compress.output_config import quantization_config
+from kvq.compress.pool import run_jobs
+from kvq.compress.recipe import Recipe
+from kvq.compress.shard_job import ShardJob, ShardResult
+from kvq.compress.shard_writer import COPY_CHUNK_BYTES
+from kvq.compress.tensor_plan import FP8_BLOCK, INT4, CompressPlan, KeptTensor, build_plan
+from kvq.errors import KvqError
+
+
+@dataclass
+class PreparedJob:
+    """A validated job: nothing has been written yet."""
+
+    ckpt: Checkpoint
+    out: Path
+    recipe: Recipe
+    plan: CompressPlan
+    identity: dict
+    jobs: list[ShardJob]
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(job.input_bytes for job in self.jobs)
+
+
+# Measured on this code (kvq bench compress, and one 33.5M-element FP8 weight): ~0.25 GB per Python process
+# with torch, ~9-12 bytes per element while a weight is dequantized and quantized, ~5 while an FP8 weight is
+# checked and copied, and the 64 MiB chunks plain tensors are copied in.
+PROCESS_BASE_BYTES = 256 * 1024**2
+INT4_BYTES_PER_ELEMENT = 12
+FP8_BYTES_PER_ELEMENT = 5
+
+
+def peak_rss_bound(plan: CompressPlan, workers: int) -> int:
+    """Upper estimate of the process tree's peak RSS: CLI, forkserver, and each worker at its largest task."""
+    largest = COPY_CHUNK_BYTES
+    for task in plan.tasks:
+        if task.action == INT4:
+            largest = max(largest, INT4_BYTES_PER_ELEMENT * task.source.numel)
+        elif task.action == FP8_BLOCK:
+            largest = max(largest, FP8_BYTES_PER_ELEMENT * task.source.numel)
+    return 2 * PROCESS_BASE_BYTES + workers * (PROCESS_BASE_BYTES + largest)
+
+
+@dataclass
+class CompressReport:
+    out: Path
+    shards_written: list[str] = field(default_factory=list)
+    shards_resumed: list[str] = field(default_factory=list)
+    output_bytes: int = 0
+    kept: list[KeptTensor] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def prepare(src: str | Path, out: str | Path, recipe: Recipe) -> PreparedJob:
+    """Open SRC (all headers), plan and validate every tensor, check OUT; raise `KvqError` on any problem."""
+    ckpt = Checkpoint.open(src)
+    out = Path(out)
+    _check_out_outside_src(ckpt.root, out)
+    plan = build_plan(ckpt.tensors, recipe, block_size(ckpt))
+    identity = job_identity(recipe.identity(), source_fingerprint(ckpt))
+    recorded = _recorded_shards(out, identity)
+    jobs = [
+        ShardJob(shard, out / shard, tuple(tasks), recipe.group_size, plan.block, recorded.get(shard))
+        for shard, tasks in sorted(plan.shards.items())
+    ]
+    return PreparedJob(ckpt, out, recipe, plan, identity, jobs)
+
+
+def run(job: PreparedJob, workers: int, progress: Callable[[int], None] | None = None) -> CompressReport:
+    """Write the output directory (resuming a killed run of the same job); return what was done."""
+    start = time.perf_counter()
+    out = job.out
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"*{TMP_SUFFIX}"):  # left by a killed run: never complete
+        stale.unlink()
+    previous = read_manifest(out)
+    shards = dict((previous or {}).get("shards", {}))
+    if previous is None:
+        write_manifest(out, _manifest_header(job, shards, is_complete=False))
+    report = CompressReport(out, kept=list(job.plan.kept))
+    weight_map: dict[str, str] = {}
+
+    def on_done(result: ShardResult) -> None:
+        weight_map.update(result.weight_map)
+        (report.shards_resumed if result.is_resumed else report.shards_written).append(result.shard)
+        report.output_bytes += result.file_bytes
+        if not result.is_resumed:
+            shards[result.shard] = {
+                "bytes": result.file_bytes,
+                "sha256": result.sha256,
+                "tensor_bytes": result.tensor_bytes,
+            }
+            write_manifest(out, {"shards": dict(sorted(shards.items())), "complete": False})
+
+    try:
+        run_jobs(job.jobs, max(1, min(workers, len(job.jobs))), on_done, progress)
+    finally:
+        for stale in out.glob(f"*{TMP_SUFFIX}"):
+            stale.unlink()
+    # A finished job re-run changes nothing, so it keeps what `kvq calibrate` added to index and config.
+    if not (previous and previous.get("complete") and not report.shards_written):
+        _finish(job, weight_map, shards)
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+def _finish(job: PreparedJob, weight_map: dict[str, str], shards: dict) -> None:
+    out, src = job.out, job.ckpt.root
+    total = sum(shards[name]["tensor_bytes"] for name in set(weight_map.values()))
+    write_index(out, weight_map, total)
+    config = dict(job.ckpt.config)
+    kv_cache_scheme = job.ckpt.quantization_config.get("kv_cache_scheme")
+    config["quantization_config"] = quantization_config(job.recipe, job.plan, kv_cache_scheme)
+    write_json_atomic(config, out / CONFIG_NAME)
+    for path in sorted(src.iterdir()):
+        if _is_side_file(path):
+            tmp = tmp_path(out / path.name)
+            shutil.copyfile(path, tmp)
+            tmp.replace(out / path.name)
+    write_manifest(out, _manifest_header(job, shards, is_complete=True))
+
+
+def _is_side_file(path: Path) -> bool:
+    """Tokenizer, generation config, chat template, license: plain files but weights and what kvq writes."""
+    return (
+        path.is_file()
+        and not path.name.startswith(".")
+        and path.suffix != ".safetensors"
+        and path.name not in (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME)
+    )
+
+
+def _manifest_header(job: PreparedJob, shards: dict, *, is_complete: bool) -> dict:
+    recipe = job.recipe
+    return {
+        "kvq_version": __version__,
+        "job": job.identity,
+        "recipe": {
+            **recipe.identity(),
+            "path": str(recipe.path),
+            "targets": list(recipe.targets),
+            "ignore": list(recipe.ignore),
+            "text": recipe.path.read_text(),
+        },
+        "source": {
+            "path": str(job.ckpt.root.resolve()),
+            "fingerprint": job.identity["source_fingerprint"],
+            "format": job.ckpt.format,
+        },
+        "shards": dict(sorted(shards.items())),
+        "kept_at_source_precision": [
+            {"name": k.name, "shape": list(k.shape), "reason": k.reason} for k in job.plan.kept
+        ],
+        "complete": is_complete,
+    }
+
+
+def _check_out_outside_src(src: Path, out: Path) -> None:
+    src_real, out_real = src.resolve(), out.resolve()
+    if out_real == src_real or src_real in out_real.parents:
+        raise KvqError(
+            f"{out}: OUT is inside SRC ({src}); kvq never writes into the source: choose an OUT "
+            "directory outside it"
+        )
+    if out_real in src_real.parents:
+        raise KvqError(
+            f"{out}: OUT contains SRC ({src}); choose an OUT directory that does not hold the source"
+        )
+
+
+def _recorded_shards(out: Path, identity: dict) -> dict[str, tuple[int, str]]:
+    """Finished shards of an earlier run of this same job in OUT; error if OUT holds anything else."""
+    if not out.exists():
+        return {}
+    if not out.is_dir():
+        raise KvqError(f"{out}: exists and is not a directory; choose another OUT")
+    manifest = read_manifest(out)
+    if manifest is None:
+        leftovers = [p.name for p in out.iterdir() if not p.name.endswith(TMP_SUFFIX)]
+        if leftovers:
+            raise KvqError(
+                f"{out}: not empty ({', '.join(sorted(leftovers)[:3])}, ...) and holds no "
+                f"{MANIFEST_NAME}; choose a new or empty OUT directory"
+            )
+        return {}
+    if manifest.get("job") != identity:
+        raise KvqError(
+            f"{out}: already holds a different job ({describe_identity(manifest.get('job') or {})}); "
+            f"this one is {describe_identity(identity)}: choose another OUT or delete it"
+        )
+    return {name: (rec["bytes"], rec["sha256"]) for name, rec in (manifest.get("shards") or {}).items()}

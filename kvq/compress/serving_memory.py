@@ -1,0 +1,85 @@
+"""Per-GPU weight memory and how many KV-cache tokens fit beside it, from config.json alone.
+
+KV bytes per token: MLA models (DeepSeek-V3, Kimi-K2, GLM-5) cache the compressed latent, `kv_lora_rank +
+qk_rope_head_dim` values per layer, replicated on every tensor-parallel rank; GLM-5's DSA indexer adds its
+key, `index_head_dim` values per layer. GQA models cache K and V, `2 * num_key_value_heads * head_dim`
+per layer, split across ranks (at least one head per rank). Weights are split evenly over `tp` ranks.
+Not counted: activations, CUDA graphs, the runtime's own reserve; treat the token count as an upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+from kvq.errors import KvqError
+
+KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+@dataclass(frozen=True)
+class ServingMemory:
+    tp: int
+    gpu_mem_bytes: int
+    kv_dtype: str
+    weight_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int
+    kv_layout: str
+    kv_tokens: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' -> 80e9, '141GiB' -> 141 * 2^30; a unit is required (GB and GiB differ by 7%)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)\s*", text.upper())
+    if match is None:
+        raise KvqError(f"--gpu-mem {text!r}: give a size with a unit, e.g. 80GB, 141GiB or 96GiB")
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def kv_bytes_per_token(config: dict, kv_dtype: str, tp: int) -> tuple[int, str]:
+    """(KV-cache bytes per token on one of `tp` GPUs, a description of the layout)."""
+    text = config.get("text_config") or config
+    elem = KV_DTYPE_BYTES[kv_dtype]
+    layers = int(text["num_hidden_layers"])
+    if text.get("kv_lora_rank"):
+        per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim", 0))
+        layout = f"MLA latent {text['kv_lora_rank']}+{text.get('qk_rope_head_dim', 0)}"
+        if text.get("index_head_dim") and text.get("index_topk"):
+            per_layer += int(text["index_head_dim"])
+            layout += f" + DSA indexer key {text['index_head_dim']}"
+        return layers * per_layer * elem, f"{layout} per layer x {layers} layers (replicated per GPU)"
+    heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    heads_per_gpu = max(1, heads // tp)
+    return (
+        layers * 2 * heads_per_gpu * head_dim * elem,
+        f"K+V {heads_per_gpu} of {heads} heads x {head_dim} per layer x {layers} layers",
+    )
+
+
+def serving_memory(
+    config: dict, weight_bytes: int, tp: int, gpu_mem_bytes: int, kv_dtype: str
+) -> ServingMemory:
+    if tp < 1:
+        raise KvqError(f"--tp {tp}: must be at least 1")
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise KvqError(f"--kv-dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPE_BYTES)}")
+    per_gpu = math.ceil(weight_bytes / tp)
+    kv_per_token, layout = kv_bytes_per_token(config, kv_dtype, tp)
+    tokens = max(0, gpu_mem_bytes - per_gpu) // kv_per_token
+    return ServingMemory(tp, gpu_mem_bytes, kv_dtype, per_gpu, kv_per_token, layout, tokens)

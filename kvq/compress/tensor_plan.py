@@ -1,0 +1,237 @@
+"""Decide from tensor names, dtypes and shapes alone what every stored tensor becomes; validate it up front.
+
+Per stored tensor: `int4` (a targeted Linear weight -> `weight_packed` + `weight_scale` + `weight_shape`),
+`fp8_block` (an FP8-block weight kept as FP8 -> compressed-tensors `weight` + block `weight_scale`), or
+`copy` (bytes unchanged). `weight_scale_inv` tensors are consumed by their weight wherever they are
+stored. Each task lands in the output shard named like its weight's source shard. Pure: no tensor data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvq.checkpoint.dtypes import FLOAT_CODES, itemsize
+from kvq.checkpoint.header import TensorInfo
+from kvq.compress.recipe import Recipe
+from kvq.errors import KvqError
+from kvq.formats.fp8_block import scale_inv_shape
+from kvq.formats.pack_quantized import PACK_FACTOR
+
+INT4, FP8_BLOCK, COPY = "int4", "fp8_block", "copy"
+_EMBEDDING_MODULES = ("embed_tokens", "wte", "word_embeddings")
+_COMPRESSED_SUFFIXES = ("weight_packed", "weight_shape", "weight_zero_point")
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of an output shard: name, safetensors dtype code, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorTask:
+    """One stored tensor (with its FP8 `weight_scale_inv`, wherever stored) and the tensors it becomes."""
+
+    action: str
+    source: TensorInfo
+    scale_inv: TensorInfo | None
+    outputs: tuple[OutputTensor, ...]
+
+    @property
+    def module(self) -> str:
+        return self.source.name.rpartition(".")[0]
+
+    @property
+    def input_bytes(self) -> int:
+        return self.source.nbytes + (self.scale_inv.nbytes if self.scale_inv else 0)
+
+
+@dataclass(frozen=True)
+class KeptTensor:
+    """A targeted Linear weight left at source precision, and why."""
+
+    name: str
+    shape: tuple[int, ...]
+    reason: str
+
+
+@dataclass
+class CompressPlan:
+    """Every task, grouped by output shard, and the module lists the output config.json needs."""
+
+    group_size: int
+    block: tuple[int, int]
+    shards: dict[str, list[TensorTask]] = field(default_factory=dict)
+    kept: list[KeptTensor] = field(default_factory=list)
+    int4_modules: list[str] = field(default_factory=list)
+    fp8_modules: list[str] = field(default_factory=list)
+    dense_linear_modules: list[str] = field(default_factory=list)
+    has_lm_head: bool = True
+
+    @property
+    def tasks(self) -> list[TensorTask]:
+        return [task for tasks in self.shards.values() for task in tasks]
+
+
+def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """A 2-D `.weight` of a Linear: not a norm (compressed-tensors' rule) and not a token embedding."""
+    module, _, param = name.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    return (
+        param == "weight"
+        and len(shape) == 2
+        and not module.endswith("norm")
+        and leaf not in _EMBEDDING_MODULES
+    )
+
+
+def build_plan(tensors: Mapping[str, TensorInfo], recipe: Recipe, block: tuple[int, int]) -> CompressPlan:
+    """Plan the whole job; raise `KvqError` naming the tensor for anything that cannot be compressed."""
+    plan = CompressPlan(recipe.group_size, block, has_lm_head="lm_head.weight" in tensors)
+    consumed: set[str] = set()
+    for name in sorted(tensors):
+        info = tensors[name]
+        if name.endswith(".weight_scale_inv") or name.rpartition(".")[2] in _COMPRESSED_SUFFIXES:
+            _check_not_compressed(info)
+            continue
+        task = _task(info, tensors, recipe, block, plan)
+        if task.scale_inv is not None:
+            consumed.add(task.scale_inv.name)
+        plan.shards.setdefault(info.file.name, []).append(task)
+    orphans = sorted(n for n in tensors if n.endswith(".weight_scale_inv") and n not in consumed)
+    if orphans:
+        info = tensors[orphans[0]]
+        raise KvqError(
+            f"{info.file}: {orphans[0]!r} has no FP8 weight {orphans[0].removesuffix('_scale_inv')!r} "
+            f"({len(orphans)} such scale(s)); the checkpoint is incomplete: restore the missing shard"
+        )
+    for tasks in plan.shards.values():
+        tasks.sort(key=lambda t: (t.source.file.name, t.source.start))  # sequential reads within a shard
+    return plan
+
+
+def _check_not_compressed(info: TensorInfo) -> None:
+    """weight_packed / weight_shape / an FP8 weight's weight_scale: a compressed-tensors checkpoint."""
+    if not info.name.endswith(".weight_scale_inv"):
+        raise KvqError(
+            f"{info.file}: tensor {info.name!r} is already compressed-tensors output; kvq compress "
+            "takes BF16/FP16/FP32 or FP8-block checkpoints: pass the original source"
+        )
+
+
+def _task(
+    info: TensorInfo,
+    tensors: Mapping[str, TensorInfo],
+    recipe: Recipe,
+    block: tuple[int, int],
+    plan: CompressPlan,
+) -> TensorTask:
+    module = info.name.rpartition(".")[0]
+    is_linear = is_linear_weight(info.name, info.shape)
+    if info.dtype == "F8_E4M3":
+        scale_inv = _scale_inv(info, tensors, block)
+    elif info.dtype.startswith("F8_"):
+        raise KvqError(
+            f"{info.file}: tensor {info.name!r} is {info.dtype}; kvq reads FP8 e4m3 (F8_E4M3) "
+            "block checkpoints only"
+        )
+    else:
+        scale_inv = None
+    if not is_linear:
+        if scale_inv is not None:
+            raise KvqError(
+                f"{info.file}: FP8 tensor {info.name!r} {list(info.shape)} is not a 2-D Linear weight; "
+                "kvq cannot dequantize it"
+            )
+        return TensorTask(COPY, info, None, (OutputTensor(info.name, info.dtype, info.shape),))
+    is_float = scale_inv is not None or info.dtype in FLOAT_CODES
+    if is_float and recipe.matches(module):
+        if info.shape[1] % recipe.group_size == 0:
+            plan.int4_modules.append(module)
+            return _int4_task(info, scale_inv, recipe.group_size)
+        plan.kept.append(
+            KeptTensor(
+                info.name,
+                info.shape,
+                f"in_features {info.shape[1]} is not a multiple of group_size {recipe.group_size}",
+            )
+        )
+    if scale_inv is not None:
+        plan.fp8_modules.append(module)
+        return TensorTask(
+            FP8_BLOCK,
+            info,
+            scale_inv,
+            (
+                OutputTensor(info.name, "F8_E4M3", info.shape),
+                OutputTensor(f"{module}.weight_scale", "F32", scale_inv.shape),
+            ),
+        )
+    plan.dense_linear_modules.append(module)
+    return TensorTask(COPY, info, None, (OutputTensor(info.name, info.dtype, info.shape),))
+
+
+def _int4_task(info: TensorInfo, scale_inv: TensorInfo | None, group_size: int) -> TensorTask:
+    rows, cols = info.shape
+    module = info.name.rpartition(".")[0]
+    scale_dtype = (
+        "BF16" if scale_inv is not None else info.dtype
+    )  # FP8 is dequantized to bf16, as llm-compressor does
+    outputs = (
+        OutputTensor(f"{module}.weight_packed", "I32", (rows, cols // PACK_FACTOR)),
+        OutputTensor(f"{module}.weight_scale", scale_dtype, (rows, cols // group_size)),
+        OutputTensor(f"{module}.weight_shape", "I64", (2,)),
+    )
+    return TensorTask(INT4, info, scale_inv, outputs)
+
+
+def _scale_inv(info: TensorInfo, tensors: Mapping[str, TensorInfo], block: tuple[int, int]) -> TensorInfo:
+    name = f"{info.name}_scale_inv"
+    scale = tensors.get(name)
+    if scale is None and f"{info.name}_scale" in tensors:
+        _check_not_compressed(tensors[f"{info.name}_scale"])
+    if scale is None:
+        raise KvqError(
+            f"{info.file}: FP8 tensor {info.name!r} has no {name!r} in the checkpoint (all shards "
+            "and the index searched); restore the shard that holds it or re-download the model"
+        )
+    if len(info.shape) != 2:
+        raise KvqError(
+            f"{info.file}: FP8 tensor {info.name!r} has shape {list(info.shape)}; FP8-block weights "
+            "must be 2-D"
+        )
+    expected = scale_inv_shape(info.shape, block)
+    if scale.shape != expected:
+        raise KvqError(
+            f"{scale.file}: {name!r} has shape {list(scale.shape)}, expected {list(expected)} for "
+            f"weight {list(info.shape)} with {block[0]}x{block[1]} blocks; the shard is corrupt or "
+            f"config.json quantization_config.weight_block_size is wrong"
+        )
+    if scale.dtype not in FLOAT_CODES:
+        raise KvqError(
+            f"{scale.file}: {name!r} has dtype {scale.dtype}; a weight_scale_inv must be floating point"
+        )
+    return scale
+
+
+def virtual_tensors(
+    specs: list[tuple[str, str, tuple[int, ...]]], shard: str = "model.safetensors"
+) -> dict[str, TensorInfo]:
+    """`TensorInfo`s for tensors that exist only on paper (a bare config.json), laid out in one shard."""
+    out: dict[str, TensorInfo] = {}
+    offset = 0
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * itemsize(dtype)
+        out[name] = TensorInfo(name, Path(shard), dtype, tuple(shape), offset, offset + nbytes)
+        offset += nbytes
+    return out

@@ -1,0 +1,38 @@
+"""The fast FP8-block decoder equals the reference dequantization, bit for bit, on every byte value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvq.compress.fp8_decode import decode_fp8_block, first_nan, fp8_bits, has_nan
+from kvq.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
+
+ALL_FINITE = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.7e-5, 2.0**-20, 1e-38, 0.0137, 250.0, 2.0**100])
+def test_every_finite_byte_value(scale):
+    weight = ALL_FINITE[torch.arange(254 * 2) % 254].reshape(4, 127).view(torch.float8_e4m3fn)
+    scale_inv = torch.full((1, 1), scale)
+    expected = dequantize_fp8_block(weight, scale_inv, (128, 128))
+    assert torch.equal(decode_fp8_block(fp8_bits(weight), scale_inv, (128, 128)), expected)
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (128, 576), (83, 192), (1, 1)])
+def test_partial_blocks_match_the_reference(shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    weight, scale_inv = quantize_fp8_block(torch.randn(shape, generator=gen) * 0.05)
+    scale_inv *= torch.rand(scale_inv.shape, generator=gen) + 0.5
+    expected = dequantize_fp8_block(weight, scale_inv, (128, 128))
+    assert torch.equal(decode_fp8_block(fp8_bits(weight), scale_inv, (128, 128)), expected)
+
+
+def test_nan_bytes_are_found_both_signs():
+    weight, _ = quantize_fp8_block(torch.randn(64, 64))
+    assert not has_nan(fp8_bits(weight))
+    for byte, where in ((0x7F, (3, 4)), (0xFF, (60, 1))):
+        bad = weight.clone()
+        bad.view(torch.uint8)[where] = byte
+        bits = fp8_bits(bad)
+        assert has_nan(bits) and first_nan(bits) == where

@@ -1,0 +1,123 @@
+"""Recipes: the shipped files parse (kvq and llm-compressor) and match what the issue says; bad ones fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvq.compress.recipe import RECIPES_DIR, available_recipes, load_recipe
+from kvq.errors import KvqError
+
+NEVER_QUANTIZED = [
+    "lm_head",
+    "model.embed_tokens",
+    "model.layers.3.mlp.gate",
+    "model.layers.78.eh_proj",
+    "model.layers.3.self_attn.indexer.weights_proj",
+    "model.layers.78.shared_head.head",
+]
+
+
+def test_shipped_recipes():
+    assert {"w4a16-experts", "w4a16-linear"} <= set(available_recipes())
+
+
+def test_experts_recipe_targets_routed_and_shared_experts_only():
+    recipe = load_recipe("w4a16-experts")
+    assert recipe.group_size == 128
+    for module in ["model.layers.3.mlp.experts.255.down_proj", "model.layers.3.mlp.shared_experts.gate_proj"]:
+        assert recipe.matches(module)
+    for module in [
+        *NEVER_QUANTIZED,
+        "model.layers.3.self_attn.q_a_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.3.self_attn.indexer.wq_b",
+    ]:
+        assert not recipe.matches(module), module
+
+
+def test_linear_recipe_targets_every_linear_but_lm_head_and_routers():
+    recipe = load_recipe("w4a16-linear")
+    for module in [
+        "model.layers.3.self_attn.q_a_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.3.mlp.experts.7.up_proj",
+        "model.layers.3.self_attn.indexer.weights_proj",
+    ]:
+        assert recipe.matches(module)
+    for module in ["lm_head", "model.layers.3.mlp.gate", "model.embed_tokens"]:
+        assert not recipe.matches(module)
+
+
+def test_group_size_override():
+    assert load_recipe("w4a16-experts", 32).group_size == 32
+    with pytest.raises(KvqError, match="group size 96 is not supported; use one of 32, 64, 128"):
+        load_recipe("w4a16-experts", 96)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["w4a16-experts", "w4a16-linear"])
+def test_llm_compressor_reads_the_same_file(name):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.recipe import Recipe
+
+    recipe = load_recipe(name)
+    (modifier,) = Recipe.create_instance(str(recipe.path)).modifiers
+    assert isinstance(modifier, QuantizationModifier)
+    config = modifier.resolve_quantization_config()
+    ours = recipe.quantization_config()
+    assert config.config_groups["group_0"].targets == ours.config_groups["group_0"].targets
+    # llm-compressor fills in its default weight observer (memoryless_minmax); the quantization is the same.
+    theirs_args = config.config_groups["group_0"].weights.model_dump(exclude={"observer"})
+    assert theirs_args == ours.config_groups["group_0"].weights.model_dump(exclude={"observer"})
+    assert list(config.ignore) == list(ours.ignore)
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BASE = (RECIPES_DIR / "w4a16-linear.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            BASE.replace("QuantizationModifier:", "GPTQModifier:"),
+            "runs only QuantizationModifier, not GPTQModifier",
+        ),
+        (
+            BASE.replace("      ignore:", "      kv_cache_scheme: {num_bits: 8}\n      ignore:"),
+            r"unknown recipe key\(s\) kv_cache_scheme",
+        ),
+        (
+            BASE.replace("dynamic: false", "dynamic: false\n            mystery: 1"),
+            r"weights: unknown recipe key\(s\) mystery",
+        ),
+        (BASE.replace("symmetric: true", "symmetric: false"), "symmetric: False is not supported"),
+        (BASE.replace("num_bits: 4", "num_bits: 8"), "num_bits: 8 is not supported"),
+        (BASE.replace("group_size: 128", "group_size: 100"), "group size 100 is not supported"),
+        (BASE.replace('targets: ["Linear"]', "targets: []"), "expected a list of module names"),
+        ("quant_stage: [1, 2", "not valid YAML"),
+        ("a: 1\nb: 2\n", "top level: expected exactly one stage"),
+    ],
+)
+def test_bad_recipes_name_the_file_and_key(tmp_path, text, match):
+    with pytest.raises(KvqError, match=match):
+        load_recipe(write(tmp_path, text))
+
+
+def test_scheme_form_is_accepted(tmp_path):
+    text = ("s:\n  m:\n    QuantizationModifier:\n      scheme: W4A16\n      targets: [Linear]\n"
+            "      ignore: [lm_head]\n")
+    recipe = load_recipe(write(tmp_path, text))
+    assert recipe.targets == ("Linear",) and recipe.group_size == 128 and not recipe.matches("lm_head")
+
+
+def test_unknown_recipe_name_lists_the_known_ones():
+    with pytest.raises(KvqError, match="recipe 'w8a8' is not known; use one of .*w4a16-experts"):
+        load_recipe("w8a8")
