@@ -1,0 +1,158 @@
+"""`calibrate(path, config)`: validate, sample text, stream the layers, write the scales; the library entry.
+
+Every check that can fail on user input (dataset, sequence length, attention layers, tokenizer,
+existing scales, config.json, manifest) runs before the first layer is loaded, and nothing is written
+until every layer has been observed, so a failed run leaves the checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kvq import __version__
+from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.kv_layout import KvLayout, kv_layout, layer_tensor_names
+from kvq.calibrate.layer_stream import embed, hf_config, meta_model, run_layers
+from kvq.calibrate.observers import KvRecorder
+from kvq.calibrate.samples import CalibrationSamples, build_samples
+from kvq.calibrate.scales import layer_scales
+from kvq.calibrate.write_scales import SCALES_FILE, apply_update, plan_update
+from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint
+from kvq.data.texts import load_texts, source_name
+from kvq.errors import KvqError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+OBSERVED = {
+    "gqa": "post-RoPE K and V, per KV head, as they enter the cache",
+    "mla": "the cached MLA latent: kv_c (kv_a_layernorm output) and k_pe (after RoPE)",
+}
+
+LayerDone = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    layout: KvLayout
+    samples: CalibrationSamples
+    recorder: KvRecorder
+    scales: dict[str, torch.Tensor]  # tensor name -> bf16 scale, as written
+    record: dict  # the manifest's kv_calibration entry
+
+
+def calibrate(
+    path: str | Path,
+    config: CalibrationConfig,
+    on_layer_done: LayerDone | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> CalibrationResult:
+    """Calibrate FP8 KV scales for the checkpoint at `path` and write them into it."""
+    ckpt = Checkpoint.open(path)
+    layout = kv_layout(ckpt.config, str(ckpt.root / CONFIG_NAME))
+    check_run(layout, config, str(ckpt.root / CONFIG_NAME))
+    layer_names = layer_tensor_names(ckpt, layout.num_layers)
+    samples = build_samples(
+        load_texts(config.dataset, config.split),
+        load_tokenizer(ckpt.root),
+        num_samples=config.num_samples,
+        seq_len=config.seq_len,
+        seed=config.seed,
+        source=source_name(config.dataset),
+    )
+    # Fail now, not after the forward, on anything writing would reject (foreign scales, bad JSON).
+    plan_update(ckpt, {}, config.strategy, {})
+    if on_start is not None:
+        on_start(layout.num_layers)
+    recorder = measure_kv(ckpt, layout, layer_names, samples.input_ids, DTYPES[config.dtype], on_layer_done)
+    scales: dict[str, torch.Tensor] = {}
+    for i in range(layout.num_layers):
+        scales |= layer_scales(layout, config.strategy, i, recorder.amax[i])
+    record = run_record(layout, config, samples, recorder, scales)
+    apply_update(ckpt, scales, plan_update(ckpt, scales, config.strategy, record))
+    return CalibrationResult(layout, samples, recorder, scales, record)
+
+
+def check_run(layout: KvLayout, config: CalibrationConfig, where: str) -> None:
+    """Reject settings the model cannot take: too long samples, per-head scales for a one-latent cache."""
+    if layout.max_positions and config.seq_len > layout.max_positions:
+        raise KvqError(
+            f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings "
+            f"({layout.max_positions}, {where}); use --seq-len {layout.max_positions} or less"
+        )
+    if config.strategy == "attn_head" and layout.is_mla:
+        raise KvqError(
+            f"{where}: an MLA model caches one latent per token (kv_c + k_pe), not per-head K/V, "
+            "and servers quantize it with one scale; use --strategy tensor"
+        )
+
+
+def load_tokenizer(root: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(root)
+    except (OSError, ValueError, TypeError) as e:
+        raise KvqError(
+            f"{root}: cannot load the tokenizer ({e}); calibration tokenizes text with the model's "
+            "own tokenizer: copy tokenizer.json and tokenizer_config.json from the source model"
+        ) from e
+
+
+def measure_kv(
+    ckpt: Checkpoint,
+    layout: KvLayout,
+    layer_names: list[list[str]],
+    input_ids: torch.Tensor,
+    dtype: torch.dtype,
+    on_layer_done: LayerDone | None = None,
+) -> KvRecorder:
+    """Stream the layers over `input_ids` `[N, S]` and return the running maxima (no writing)."""
+    model = meta_model(hf_config(ckpt), dtype)
+    state = embed(model, ckpt, input_ids)
+    recorder = KvRecorder(layout)
+    run_layers(model, ckpt, layer_names, state, recorder, on_layer_done)
+    return recorder
+
+
+def run_record(
+    layout: KvLayout,
+    config: CalibrationConfig,
+    samples: CalibrationSamples,
+    recorder: KvRecorder,
+    scales: dict[str, torch.Tensor],
+) -> dict:
+    """The manifest entry: what was observed, on which tokens, and every layer's amax and scales."""
+    layers = []
+    for i in range(layout.num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        layers.append(
+            {
+                "layer": i,
+                "num_tokens": recorder.num_tokens.get(i, 0),
+                "amax": {name: recorder.amax[i][name].tolist() for name in layout.observed},
+                "k_scale": scales[prefix + "k_scale"].float().flatten().tolist(),
+                "v_scale": scales[prefix + "v_scale"].float().flatten().tolist(),
+            }
+        )
+    return {
+        "kvq_version": __version__,
+        "observed": OBSERVED[layout.kind],
+        "kv_layout": asdict(layout),
+        "strategy": config.strategy,
+        "scale": "amax / 448 (float8_e4m3fn max), bfloat16",
+        "tensor_file": SCALES_FILE,
+        "dataset": {
+            "source": samples.source,
+            "split": config.split,
+            "num_texts": samples.num_texts,
+            "num_stream_tokens": samples.num_stream_tokens,
+            "token_ids_sha256": samples.fingerprint,
+        },
+        "num_samples": config.num_samples,
+        "seq_len": config.seq_len,
+        "seed": config.seed,
+        "dtype": config.dtype,
+        "layers": layers,
+    }

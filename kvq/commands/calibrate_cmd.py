@@ -1,0 +1,96 @@
+"""`kvq calibrate CKPT`: measure FP8 KV-cache scales layer by layer and write them into the checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvq.calibrate.config import STRATEGIES, CalibrationConfig
+from kvq.commands.render import console
+
+if TYPE_CHECKING:  # the run module imports transformers' model classes: only load it when calibrating
+    from kvq.calibrate.run import CalibrationResult
+
+_DEFAULTS = CalibrationConfig()
+
+
+class LayerProgress:
+    """A per-layer progress bar on stderr, shown only once validation passed and layers start streaming."""
+
+    def __init__(self) -> None:
+        self.progress: Progress | None = None
+        self.task = TaskID(0)
+
+    def start(self, num_layers: int) -> None:
+        columns = (TextColumn("calibrating layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        self.progress = Progress(*columns, console=Console(stderr=True))
+        self.task = self.progress.add_task("layers", total=num_layers)
+        self.progress.start()
+
+    def advance(self, _layer_idx: int) -> None:
+        assert self.progress is not None
+        self.progress.advance(self.task)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def render(result: CalibrationResult, root: Path) -> Table:
+    record = result.record
+    dataset = record["dataset"]
+    table = Table(
+        title=f"{root}: {result.layout.kind.upper()} KV scales, strategy {record['strategy']}",
+        caption=f"{record['num_samples']} x {record['seq_len']} tokens of {dataset['source']} "
+        f"({dataset['split']}), token ids sha256 {dataset['token_ids_sha256'][:16]}",
+    )
+    observed = result.layout.observed
+    for col in ("layer", *(f"amax {name}" for name in observed), "k_scale", "v_scale"):
+        table.add_column(col, justify="right")
+    for row in record["layers"]:
+        amax = [f"{max(row['amax'][name]):.4g}" for name in observed]
+        table.add_row(str(row["layer"]), *amax, f"{max(row['k_scale']):.4g}", f"{max(row['v_scale']):.4g}")
+    return table
+
+
+def calibrate_command(
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="Checkpoint directory (BF16, FP8-block or kvq-compressed); scales are written into it."
+        ),
+    ],
+    dataset: Annotated[
+        Path | None,
+        typer.Option(
+            help="Calibration text: .txt (documents separated by blank "
+            "lines) or .jsonl (a 'text' field per line). Default: "
+            "Wikipedia articles bundled in gensim."
+        ),
+    ] = _DEFAULTS.dataset,
+    num_samples: Annotated[int, typer.Option(help="Token windows to run.")] = _DEFAULTS.num_samples,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = _DEFAULTS.seq_len,
+    strategy: Annotated[
+        str, typer.Option(help=f"Scale granularity: {' | '.join(STRATEGIES)} (per KV head).")
+    ] = _DEFAULTS.strategy,
+    seed: Annotated[int, typer.Option(help="Seed of the window selection.")] = _DEFAULTS.seed,
+) -> None:
+    """Calibrate FP8 KV-cache scales (amax/448 of post-RoPE K and V, or of the MLA latent) one decoder layer
+    at a time, and add them to the checkpoint: kv_scales.safetensors, index, config.json kv_cache_scheme,
+    kvq_manifest.json."""
+    from kvq.calibrate.run import calibrate
+
+    config = CalibrationConfig(
+        dataset=dataset, num_samples=num_samples, seq_len=seq_len, strategy=strategy, seed=seed
+    )
+    progress = LayerProgress()
+    try:
+        result = calibrate(path, config, on_start=progress.start, on_layer_done=progress.advance)
+    finally:
+        progress.stop()
+    console.print(render(result, path))

@@ -1,0 +1,1 @@
+"""Text corpora for calibration and evaluation: the bundled Wikipedia articles, .txt and .jsonl files."""
