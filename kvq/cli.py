@@ -7,8 +7,15 @@ import sys
 import typer
 
 from kvq import __version__
+from kvq.bench.calibrate import bench_calibrate_command
+from kvq.bench.compress import bench_compress_command
+from kvq.bench.decode import bench_decode_command
+from kvq.commands.calibrate_cmd import calibrate_command
+from kvq.commands.compress_cmd import compress_command
 from kvq.commands.default_model import default_model_command
+from kvq.commands.generate_cmd import generate_command
 from kvq.commands.inspect_cmd import inspect_command
+from kvq.commands.plan_cmd import plan_command
 from kvq.errors import KvqError
 
 app = typer.Typer(
@@ -23,6 +30,13 @@ app.add_typer(bench_app, name="bench")
 
 app.command("inspect")(inspect_command)
 app.command("default-model")(default_model_command)
+app.command("plan")(plan_command)
+app.command("compress")(compress_command)
+bench_app.command("compress")(bench_compress_command)
+bench_app.command("decode")(bench_decode_command)
+app.command("generate")(generate_command)
+app.command("calibrate")(calibrate_command)
+bench_app.command("calibrate")(bench_calibrate_command)
 
 
 def _version_callback(value: bool) -> None:

@@ -1,0 +1,319 @@
+"""`kvq bench decode`: the runtime's decode speed, weight memory and KV capacity on SmolLM2, in one run.
+
+1. Concurrency 1: kvq with BF16 weights, kvq with INT4 weights (kvq compress, W4A16 group 64), and
+   transformers `generate` (BF16) on the same chat prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median.
+2. Resident weights after load (fresh subprocesses, RSS delta) vs the checkpoint's tensor bytes, and
+   transformers' load of the same compressed checkpoint (it decompresses to dense BF16).
+3. KV pool: tokens held by BF16 and FP8 pools of the same bytes.
+4. Admission: a KV budget where BF16 pages admit 32 requests; FP8 pages of the same bytes admit 64; the
+   same 64-request workload through both (INT4 weights), total generated tokens / wall time.
+The INT4 model is built once (kvq compress + kvq calibrate) under `kvq.paths.cache_dir()/bench`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import psutil
+import torch
+import typer
+from rich.table import Table
+
+from kvq.commands.render import console, human_bytes
+from kvq.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    """Every setting of the benchmark (the CLI flags default to these)."""
+
+    threads: int = 2
+    repeats: int = 5
+    new_tokens: int = 64  # concurrency-1 runs
+    group_size: int = 64  # SmolLM2's hidden size 576 is not a multiple of 128
+    calib_samples: int = 32
+    calib_seq_len: int = 512
+    pool_bytes: int = 64 * 1024**2  # capacity comparison
+    admission_requests: int = 64
+    admission_bf16_slots: int = 32  # the BF16 budget holds this many full requests
+    admission_prompt_tokens: int = 32
+    admission_max_tokens: int = 64
+    page_size: int = 16
+
+
+@dataclass
+class DecodeBenchResult:
+    config: dict
+    tok_s: dict[str, float] = field(default_factory=dict)  # concurrency 1
+    memory: dict[str, dict] = field(default_factory=dict)
+    pool_tokens: dict[str, int] = field(default_factory=dict)
+    admission: dict[str, dict] = field(default_factory=dict)
+
+
+PROMPT = "Tell me about the history of the city of Paris."
+_LOAD_SNIPPET = """
+import ctypes, gc, json, sys, psutil, torch
+torch.set_num_threads(1)
+kind, path = sys.argv[1], sys.argv[2]
+process, libc = psutil.Process(), ctypes.CDLL("libc.so.6")
+
+def rss():  # what stays resident: freed heap handed back first
+    gc.collect()
+    libc.malloc_trim(0)
+    return process.memory_info().rss
+
+if kind == "kvq":
+    import kvq.runtime.engine  # imports first, so the delta is the load
+    from kvq.runtime.config import EngineConfig
+    before = rss()
+    engine = kvq.runtime.engine.Engine(EngineConfig(model=path, kv_memory=1 << 20))
+    weight_bytes, ckpt_bytes = engine.weight_bytes, engine.ckpt.tensor_bytes
+else:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+    from kvq.checkpoint.reader import Checkpoint
+    before = rss()
+    tokenizer = AutoTokenizer.from_pretrained(path)  # the engine holds one too
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True))
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}
+    weight_bytes = sum(t.numel() * t.element_size() for t in unique.values())
+    ckpt_bytes = Checkpoint.open(path).tensor_bytes
+print(json.dumps({"rss_delta": rss() - before, "weight_bytes": weight_bytes, "checkpoint_bytes": ckpt_bytes}))
+"""
+
+
+def int4_model(config: DecodeBenchConfig, bf16: Path) -> Path:
+    """SmolLM2 compressed (w4a16-linear) and calibrated, built once under the bench cache."""
+    from kvq.calibrate.config import CalibrationConfig
+    from kvq.calibrate.run import calibrate
+    from kvq.compress.recipe import load_recipe
+    from kvq.compress.runner import prepare, run
+
+    path = cache_dir() / "bench" / f"smollm2-w4a16-g{config.group_size}-kv"
+    if not (path / "kv_scales.safetensors").is_file():
+        run(prepare(bf16, path, load_recipe("w4a16-linear", config.group_size)), workers=1)
+        calibrate(path, CalibrationConfig(num_samples=config.calib_samples, seq_len=config.calib_seq_len))
+    return path
+
+
+def engine(path: Path, config: DecodeBenchConfig, **kwargs):
+    from kvq.runtime.config import EngineConfig
+    from kvq.runtime.engine import Engine
+
+    return Engine(EngineConfig(model=str(path), threads=config.threads, page_size=config.page_size, **kwargs))
+
+
+Generate = Callable[[int], object]  # generate(n): one request, n new tokens, greedy
+
+
+def decode_tok_s(contenders: dict[str, Generate], config: DecodeBenchConfig) -> dict[str, float]:
+    """Decode tokens/s of each contender: (N - 1) / (t(N) - t(1)), prefill and first token cancelling out.
+
+    Contenders take turns within every repeat (so drift on a shared machine hits all alike); median.
+    """
+    decode_times: dict[str, list[float]] = {name: [] for name in contenders}
+    for generate in contenders.values():
+        generate(8)  # warm-up
+    for _ in range(config.repeats):
+        for name, generate in contenders.items():
+            start = time.perf_counter()
+            generate(1)
+            middle = time.perf_counter()
+            generate(config.new_tokens)
+            decode_times[name].append(time.perf_counter() - middle - (middle - start))
+    return {name: (config.new_tokens - 1) / statistics.median(t) for name, t in decode_times.items()}
+
+
+def kvq_generate(path: Path, config: DecodeBenchConfig, kv_cache_dtype: str) -> Generate:
+    from kvq.runtime.sampling import SamplingParams
+
+    e = engine(path, config, kv_cache_dtype=kv_cache_dtype, kv_memory="64MiB", max_num_seqs=1)
+    prompt = e.encode_chat(PROMPT)
+    return lambda n: e.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+def transformers_generate(path: Path) -> Generate:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    input_ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+
+    @torch.inference_mode()
+    def generate(n: int) -> object:
+        return model.generate(
+            input_ids,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+
+    return generate
+
+
+def resident_after_load(kind: str, path: Path) -> dict:
+    """RSS delta of loading `path` in a fresh process ("kvq" engine or "transformers"), with byte counts."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_SNIPPET, kind, str(path)], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def admission_run(path: Path, config: DecodeBenchConfig, kv_cache_dtype: str, kv_memory: int) -> dict:
+    """The admission workload on a pool of `kv_memory` bytes: throughput, peak running, preemptions."""
+    from kvq.runtime.sampling import SamplingParams
+
+    e = engine(path, config, kv_cache_dtype=kv_cache_dtype, kv_memory=kv_memory, max_num_seqs=256)
+    tokens = e.encode(
+        " ".join(f"Paris is the capital of France and item {i} of a long list." for i in range(200))
+    )
+    n = config.admission_prompt_tokens
+    prompts = [tokens[7 * i : 7 * i + n] for i in range(config.admission_requests)]  # distinct windows
+    params = SamplingParams(max_tokens=config.admission_max_tokens, ignore_eos=True)
+    e.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    for prompt in prompts:
+        e.add_request(prompt, params)
+    process = psutil.Process()
+    rss_start = process.memory_info().rss  # every request queued, none admitted yet
+    peak_running, peak_rss, generated, start = 0, rss_start, 0, time.perf_counter()
+    while e.has_unfinished_requests():
+        outputs = e.step()
+        peak_running = max(peak_running, len(e.scheduler.running) + sum(o.finished for o in outputs))
+        peak_rss = max(peak_rss, process.memory_info().rss)
+        generated += sum(len(o.token_ids) for o in outputs if o.finished)
+    wall = time.perf_counter() - start
+    return {
+        "kv_pages": e.kv_pool.num_pages,
+        "kv_tokens": e.kv_pool.num_tokens,
+        "peak_running": peak_running,
+        "preemptions": e.scheduler.num_preemptions,
+        "rss_growth": peak_rss - rss_start,
+        "wall_s": wall,
+        "tok_s": generated / wall,
+    }
+
+
+def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchResult:
+    from kvq.runtime.kv_pool import page_bytes
+
+    torch.set_num_threads(config.threads)
+    result = DecodeBenchResult(config=asdict(config))
+    contenders = {
+        "kvq bf16 weights, bf16 kv": kvq_generate(bf16, config, "bf16"),
+        "kvq int4 weights, bf16 kv": kvq_generate(int4, config, "bf16"),
+        "kvq int4 weights, fp8 kv": kvq_generate(int4, config, "fp8_e4m3"),
+        "transformers generate, bf16": transformers_generate(bf16),
+    }
+    result.tok_s = decode_tok_s(contenders, config)
+    del contenders
+    result.memory["kvq bf16"] = resident_after_load("kvq", bf16)
+    result.memory["kvq int4"] = resident_after_load("kvq", int4)
+    result.memory["transformers int4 (decompressed)"] = resident_after_load("transformers", int4)
+    e = engine(int4, config, kv_memory=1 << 20)
+    layers, heads, dim = len(e.kv_pool.k_caches), e.model.num_kv_heads, e.model.head_dim
+    for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
+        result.pool_tokens[name] = (
+            config.pool_bytes // page_bytes(layers, config.page_size, heads, dim, dtype) * config.page_size
+        )
+    pages_per_request = -(-(config.admission_prompt_tokens + config.admission_max_tokens) // config.page_size)
+    budget = (
+        config.admission_bf16_slots
+        * pages_per_request
+        * page_bytes(layers, config.page_size, heads, dim, torch.bfloat16)
+    )
+    for name in ("bf16", "fp8_e4m3"):
+        result.admission[name] = {"kv_bytes": budget, **admission_run(int4, config, name, budget)}
+    return result
+
+
+def render(result: DecodeBenchResult) -> Table:
+    table = Table(title="kvq bench decode (SmolLM2-135M-Instruct)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in result.tok_s.items():
+        table.add_row(f"concurrency 1: {name}", f"{value:.1f} tok/s")
+    tok = result.tok_s
+    table.add_row(
+        "INT4 / BF16 weights (bf16 kv)",
+        f"{tok['kvq int4 weights, bf16 kv'] / tok['kvq bf16 weights, bf16 kv']:.2f}x",
+    )
+    table.add_row(
+        "kvq INT4 + FP8 kv / transformers",
+        f"{tok['kvq int4 weights, fp8 kv'] / tok['transformers generate, bf16']:.2f}x",
+    )
+    for name, m in result.memory.items():
+        table.add_row(
+            f"resident after load: {name}",
+            f"{human_bytes(m['rss_delta'])} RSS, {human_bytes(m['weight_bytes'])} "
+            f"weights, checkpoint {human_bytes(m['checkpoint_bytes'])}",
+        )
+    table.add_row(
+        "pool tokens bf16 / fp8 (same bytes)",
+        f"{result.pool_tokens['bf16']} / {result.pool_tokens['fp8_e4m3']} "
+        f"= {result.pool_tokens['fp8_e4m3'] / result.pool_tokens['bf16']:.2f}x",
+    )
+    for name, a in result.admission.items():
+        table.add_row(
+            f"admission {name} kv ({human_bytes(a['kv_bytes'])})",
+            f"peak running {a['peak_running']}, preemptions {a['preemptions']}, {a['tok_s']:.1f} tok/s, "
+            f"RSS growth while serving {human_bytes(a['rss_growth'])}",
+        )
+    a = result.admission
+    table.add_row("FP8 / BF16 total throughput", f"{a['fp8_e4m3']['tok_s'] / a['bf16']['tok_s']:.2f}x")
+    return table
+
+
+def bench_decode_command(
+    threads: Annotated[
+        int, typer.Option(help="torch threads (pinned for every contender).")
+    ] = DecodeBenchConfig.threads,
+    repeats: Annotated[
+        int, typer.Option(help="Timed runs per contender (median).")
+    ] = DecodeBenchConfig.repeats,
+    new_tokens: Annotated[
+        int, typer.Option(help="Tokens generated per concurrency-1 run.")
+    ] = DecodeBenchConfig.new_tokens,
+    int4: Annotated[
+        Path | None,
+        typer.Option(
+            help="A compressed + calibrated SmolLM2 (default: built once with kvq compress + kvq calibrate)."
+        ),
+    ] = None,
+    admission_slots: Annotated[
+        int, typer.Option(help="Requests a BF16 KV budget admits (FP8 pages of the same bytes: twice).")
+    ] = DecodeBenchConfig.admission_bf16_slots,
+    admission_requests: Annotated[
+        int, typer.Option(help="Requests in the admission workload.")
+    ] = DecodeBenchConfig.admission_requests,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
+    ] = None,
+) -> None:
+    """Decode speed (INT4 vs BF16 weights vs transformers), resident weight memory, FP8 vs BF16 KV capacity
+    and admission throughput on the embedded SmolLM2-135M-Instruct; all ratios from one run."""
+    from kvq.testing.smollm2 import ensure_smollm2
+
+    config = DecodeBenchConfig(
+        threads=threads,
+        repeats=repeats,
+        new_tokens=new_tokens,
+        admission_bf16_slots=admission_slots,
+        admission_requests=admission_requests,
+    )
+    bf16 = ensure_smollm2().bf16
+    result = run_bench(config, bf16, int4 or int4_model(config, bf16))
+    console.print(render(result))
+    if json_out is not None:
+        json_out.write_text(json.dumps(asdict(result), indent=2))

@@ -1,0 +1,83 @@
+"""`kvq generate MODEL "prompt"`: stream a completion from the runtime engine to stdout."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.sampling import SamplingParams
+
+
+def generate_command(
+    model: Annotated[
+        Path, typer.Argument(help="Checkpoint directory (BF16, FP8-block or compressed-tensors).")
+    ],
+    prompt: Annotated[str, typer.Argument(help="The user message (sent through the chat template if any).")],
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = SamplingParams.max_tokens,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = SamplingParams.temperature,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 is off).")] = SamplingParams.top_p,
+    top_k: Annotated[
+        int, typer.Option(help="Sample from the k most likely tokens (0 is off).")
+    ] = SamplingParams.top_k,
+    seed: Annotated[int | None, typer.Option(help="Seed of this request's sampler.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable); not printed.")] = None,
+    kv_cache_dtype: Annotated[
+        str,
+        typer.Option(
+            help="auto (fp8_e4m3 when the checkpoint has kv scales, else the activation dtype), "
+            "bf16 or fp8_e4m3."
+        ),
+    ] = EngineConfig.kv_cache_dtype,
+    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = EngineConfig.page_size,
+    kv_memory: Annotated[
+        str | None, typer.Option(help="KV pool size, e.g. 512MiB (default: a fraction of free memory).")
+    ] = None,
+    require_kv_scales: Annotated[
+        bool,
+        typer.Option(
+            "--require-kv-scales", help="Fail instead of warning when FP8 KV has no calibrated scales."
+        ),
+    ] = False,
+    dtype: Annotated[
+        str,
+        typer.Option(help="Activations: auto (bfloat16) or float32 (reference mode, weights dequantized)."),
+    ] = EngineConfig.dtype,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
+) -> None:
+    """Generate a completion for one prompt, streaming the text as it is produced."""
+    from kvq.runtime.engine import Engine
+
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop=list(stop or []),
+    )
+    config = EngineConfig(
+        model=str(model),
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        page_size=page_size,
+        kv_memory=kv_memory,
+        require_kv_scales=require_kv_scales,
+        threads=threads,
+        max_num_seqs=1,
+    )
+    engine = Engine(config)
+    token_ids = engine.encode_chat(prompt) if chat else engine.encode(prompt)
+    error = None
+    for out in engine.stream(token_ids, params):
+        sys.stdout.write(out.delta)
+        sys.stdout.flush()
+        error = out.error
+    sys.stdout.write("\n")
+    if error is not None:
+        print(f"kvq: error: {error}", file=sys.stderr)
+        raise typer.Exit(1)

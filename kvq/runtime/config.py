@@ -1,0 +1,132 @@
+"""The engine's settings: one flat dataclass, validated on creation, whose defaults the CLI reads.
+
+Imports torch, psutil and kvq.errors only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from kvq.errors import KvqError
+
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_WEIGHT_MODES = ("per-use", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the requests. Invalid values raise `KvqError` at creation.
+
+    dtype: activation dtype. "auto" is bfloat16 (the fast path: INT4 weights run through the CPU int4 op);
+      "float32" is the reference mode: every weight dequantized to fp32, KV pages fp32 unless set.
+    kv_cache_dtype: "auto" is fp8_e4m3 when the checkpoint has a `kv_cache_scheme` (calibrated scales),
+      else the activation dtype; "bf16" / "fp8_e4m3" force it (names as in vLLM / SGLang).
+    kv_memory: bytes for the KV pool ("512MiB", "2G" or an integer); unset: kv_memory_fraction of the free
+      memory of the device.
+    decode_reserve_ratio: a request is admitted only when its prompt pages plus this fraction of the
+      pages its remaining max_tokens may need (for it and every running request) are free. 1.0 never
+      preempts a request that runs to max_tokens; 0.0 admits on prompt pages alone (vLLM) and relies on
+      preemption by recompute when decode runs out of pages.
+    fp8_weights: FP8-block weights dequantized at every use ("per-use", memory as stored) or once at
+      load to BF16 ("bf16", faster, twice the memory).
+    """
+
+    model: str
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    page_size: int = 16
+    kv_memory: str | int | None = None
+    kv_memory_fraction: float = 0.3
+    require_kv_scales: bool = False
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    decode_reserve_ratio: float = 1.0
+    enable_prefix_caching: bool = True
+    fp8_weights: str = "per-use"
+    device: str = "auto"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise KvqError(f"{self.model}: no such model directory; pass a checkpoint directory")
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
+        _choice("device", self.device, DEVICES)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise KvqError("device 'cuda' was requested but torch sees no CUDA device; use --device cpu")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise KvqError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise KvqError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.kv_memory_fraction <= 0.95:
+            raise KvqError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if not 0.0 <= self.decode_reserve_ratio <= 1.0:
+            raise KvqError(f"decode_reserve_ratio must be in [0, 1], got {self.decode_reserve_ratio}")
+        if self.threads is not None and self.threads < 1:
+            raise KvqError(f"threads must be >= 1, got {self.threads}")
+        if self.kv_memory is not None:
+            self.kv_memory = parse_bytes(self.kv_memory, "kv_memory")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype] or torch.bfloat16
+
+    @property
+    def is_reference(self) -> bool:
+        """fp32 reference mode: weights dequantized to fp32, meant to match transformers' fp32 forward."""
+        return self.activation_dtype == torch.float32
+
+    def kv_torch_dtype(self, has_kv_cache_scheme: bool) -> torch.dtype:
+        """The KV page dtype: the explicit choice, else FP8 for calibrated checkpoints, else activations."""
+        explicit = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if explicit is not None:
+            return explicit
+        return torch.float8_e4m3fn if has_kv_cache_scheme else self.activation_dtype
+
+    def kv_pool_bytes(self) -> int:
+        """The KV pool budget: `kv_memory`, else `kv_memory_fraction` of the device's free memory."""
+        if self.kv_memory is not None:
+            return int(self.kv_memory)
+        device = self.torch_device
+        free = (
+            torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        )
+        return int(free * self.kv_memory_fraction)
+
+
+def parse_bytes(value: str | int, what: str) -> int:
+    """'512MiB', '1.5G', '4096' -> bytes (K/M/G/T are powers of 1024); raises `KvqError` otherwise."""
+    if isinstance(value, int):
+        number, unit = float(value), ""
+    else:
+        match = _SIZE.match(value)
+        if match is None:
+            raise KvqError(f"{what} is {value!r}; expected a size like 512MiB, 2G or 1073741824")
+        number, unit = float(match[1]), match[2].upper()
+    size = int(number * 1024 ** "_KMGT".index(unit or "_"))
+    if size <= 0:
+        raise KvqError(f"{what} must be positive, got {value!r}")
+    return size
+
+
+def _choice(name: str, value: str, choices: Collection[str]) -> None:
+    if value not in choices:
+        raise KvqError(f"{name} is {value!r}; pick one of {', '.join(choices)}")

@@ -1,0 +1,247 @@
+"""The engine: load a checkpoint, accept requests, run scheduler steps, turn tokens into text.
+
+`Engine.generate(prompts, params)` runs requests to completion; `add_request` + `step` is the streaming
+API (each step returns what changed). Imports torch, transformers (config, tokenizer) and kvq.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from kvq.checkpoint.reader import Checkpoint
+from kvq.errors import KvqError
+from kvq.runtime.block_manager import BlockManager
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.kv_pool import KVPool
+from kvq.runtime.loader import WeightLoader
+from kvq.runtime.model_runner import ModelRunner
+from kvq.runtime.models.registry import model_class
+from kvq.runtime.sampling import SamplingParams, make_generator, sample
+from kvq.runtime.scheduler import Scheduler
+from kvq.runtime.sequence import Sequence
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: all tokens and text so far, and `delta`, the text new since the
+    previous output (stop strings are cut from `text`; held-back characters come with a later delta)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.ckpt = Checkpoint.open(config.model)
+        cls = model_class(self.ckpt.config, str(self.ckpt.root / "config.json"))
+        hf_config = AutoConfig.from_pretrained(self.ckpt.root)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.ckpt.root)
+        with WeightLoader(self.ckpt, config) as loader:
+            self.model = cls(hf_config, loader)
+            loader.finish()
+        self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
+        self.eos_token_ids = self._eos_token_ids()
+        self.kv_pool = self._kv_pool()
+        self.block_manager = BlockManager(
+            self.kv_pool.num_pages, config.page_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.decode_reserve_ratio,
+        )
+        self.runner = ModelRunner(self.model, config.page_size, self.kv_pool.zero_page, config.torch_device)
+        self._ids = itertools.count()
+
+    def _kv_pool(self) -> KVPool:
+        """Pages for the budget (no more than max_num_seqs full contexts), bound to every attention layer."""
+        config, layers = self.config, self.model.attention_layers()
+        kv_dtype = config.kv_torch_dtype(self.ckpt.quantization_config.get("kv_cache_scheme") is not None)
+        max_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
+        pool = KVPool.for_budget(
+            config.kv_pool_bytes(),
+            len(layers),
+            config.page_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            kv_dtype,
+            config.torch_device,
+            max_pages,
+        )
+        pool.bind(
+            [a.attn for a in layers],
+            [(a.k_scale, a.v_scale) for a in layers],
+            require_kv_scales=config.require_kv_scales,
+            where=str(self.ckpt.root),
+        )
+        return pool
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight tensor the model keeps resident."""
+        return sum(t.numel() * t.element_size() for t in self.model.tensors())
+
+    # -- requests -------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, verbose=False)  # length is checked by make_sequence, not here
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        """`prompt` as one user turn through the tokenizer's chat template (plain encoding without one)."""
+        if not self.tokenizer.chat_template:
+            return self.encode(prompt)
+        messages = [{"role": "user", "content": prompt}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        """Validate one request (raises `KvqError`) and make its sequence, not yet queued."""
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise KvqError("the prompt is empty; pass at least one token")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise KvqError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise KvqError(
+                f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
+                "(max_model_len), leaving no room to generate; shorten the prompt"
+            )
+        max_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        num_pages = self.block_manager.pages_for(max_len)
+        if num_pages > self.block_manager.num_pages:
+            raise KvqError(
+                f"a request of {max_len} tokens needs {num_pages} KV pages but the pool has "
+                f"{self.block_manager.num_pages}; raise --kv-memory or lower --max-tokens"
+            )
+        return Sequence(next(self._ids), token_ids, len(token_ids), params, max_len, make_generator(params))
+
+    def add_request(self, prompt: Prompt, params: SamplingParams) -> int:
+        """Queue one request (validated first); its id names its outputs."""
+        seq = self.make_sequence(prompt, params)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- running --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; outputs of the requests it advanced (finished ones are forgotten)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        logits = self.runner.run(seqs, is_prefill)
+        token_ids, is_finite = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        outputs = []
+        for seq, token_id, ok in zip(seqs, token_ids, is_finite, strict=True):
+            if ok:
+                self._append(seq, token_id)
+            else:
+                seq.finish_reason = "error"
+                seq.error = f"non-finite logits at position {seq.num_tokens}; the request was stopped"
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def generate(
+        self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. All prompts are validated first."""
+        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompts):
+            raise KvqError(
+                f"{len(prompts)} prompts but {len(param_list)} SamplingParams; pass one or one each"
+            )
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        final: dict[int, RequestOutput] = {}
+        while len(final) < len(seqs):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[s.seq_id] for s in seqs]
+
+    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
+        """One request, output by output (other queued requests advance alongside)."""
+        request_id = self.add_request(prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+
+    # -- tokens to text -------------------------------------------------------------------------------
+    def _append(self, seq: Sequence, token_id: int) -> None:
+        seq.token_ids.append(token_id)
+        params = seq.params
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens or seq.num_tokens >= seq.max_len:
+            seq.finish_reason = "length"
+        text = str(self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True))
+        cut = min(
+            (i for i in (text.find(s, max(0, len(seq.text) - len(s))) for s in params.stop) if i >= 0),
+            default=-1,
+        )
+        if cut >= 0:
+            text, seq.finish_reason = text[:cut], "stop"
+        seq.text = text
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        end = len(seq.text)
+        if seq.finish_reason is None:  # hold back what may still become a stop string or a UTF-8 character
+            end -= max((len(s) - 1 for s in seq.params.stop), default=0)
+            while end > seq.num_text_sent and seq.text[end - 1] == "\ufffd":
+                end -= 1
+        end = max(end, seq.num_text_sent)
+        delta, seq.num_text_sent = seq.text[seq.num_text_sent : end], end
+        return RequestOutput(
+            seq.seq_id,
+            seq.token_ids[: seq.num_prompt_tokens],
+            seq.completion_token_ids,
+            seq.text[:end],
+            delta,
+            seq.finish_reason is not None,
+            seq.finish_reason,
+            seq.error,
+        )
+
+    def _max_model_len(self, max_positions: int) -> int:
+        requested = self.config.max_model_len
+        if requested is not None and requested > max_positions:
+            raise KvqError(
+                f"max_model_len {requested} exceeds the model's max_position_embeddings "
+                f"{max_positions}; pass at most {max_positions}"
+            )
+        return requested or max_positions
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        try:
+            eos = GenerationConfig.from_pretrained(self.ckpt.root).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = self.ckpt.config.get("eos_token_id")
+        for value in (eos, self.tokenizer.eos_token_id):
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        return ids

@@ -1,0 +1,2 @@
+"""Building blocks the model files share: linear layers over stored weights, norms, rotary, attention,
+experts."""

@@ -1,0 +1,172 @@
+"""Linear layers over weights kept in their stored form: dense, FP8 block (float-quantized) or INT4 packed.
+
+Built by the loader from `StoredLinear` records; INT4 matmuls go through `kvq.runtime.kernels`.
+Imports torch, kvq.formats/kvq.checkpoint (FP8 dequantization) and kvq.runtime.kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvq.checkpoint.dense import dequantize_float_quantized
+from kvq.runtime.kernels import W4A16Weight, dequantize_w4a16, prepare_w4a16, w4a16_linear
+
+DENSE, FP8, INT4 = "dense", "fp8", "int4"
+
+
+@dataclass
+class StoredLinear:
+    """One Linear as the checkpoint stores it (before it is made ready to run).
+
+    dense: `weight` [N, K]; fp8: `weight` float8 [N, K] + `weight_scale` (block / channel / tensor) and
+    `block`; int4: `weight_packed` int32 [N, K/8] + `weight_scale` [N, K/G] and `group_size`.
+    """
+
+    kind: str
+    tensors: dict[str, torch.Tensor]
+    block: tuple[int, int] = (128, 128)
+    group_size: int = 0
+    bias: torch.Tensor | None = None
+    names: list[str] = field(default_factory=list)  # checkpoint names, for error messages
+
+    @property
+    def out_features(self) -> int:
+        return self.tensors["weight_packed" if self.kind == INT4 else "weight"].shape[0]
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The real-valued weight `[N, K]` in `dtype` (dequantized in fp32 first)."""
+        t = self.tensors
+        if self.kind == INT4:
+            return dequantize_w4a16(t["weight_packed"], t["weight_scale"], self.group_size, dtype)
+        if self.kind == FP8:
+            return dequantize_float_quantized(t["weight"], t["weight_scale"], self.block, dtype)
+        return t["weight"].to(dtype)
+
+
+class Linear:
+    """y = x @ W^T + b for x `[T, K]`; subclasses hold W in one form."""
+
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer keeps resident (for memory accounting)."""
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias  # [N, K]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]
+
+
+class Fp8Linear(Linear):
+    """FP8 weight dequantized to the activation dtype at every call: memory as stored, slower."""
+
+    def __init__(self, stored: StoredLinear, bias: torch.Tensor | None) -> None:
+        self.stored, self.bias = stored, bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.stored.dense(x.dtype))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.stored.tensors.values(), *([self.bias] if self.bias is not None else [])]
+
+
+class Int4Linear(Linear):
+    """INT4 pack-quantized weight (W4A16) through `kernels.w4a16_linear`."""
+
+    def __init__(self, weight: W4A16Weight, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return w4a16_linear(x, self.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        w = self.weight
+        held = (w.weight_packed, w.weight_scale, w.int4pack, w.scales_and_zeros, self.bias)
+        return [t for t in held if t is not None]
+
+
+class ConcatLinear(Linear):
+    """Row-stacked parts of different kinds (q/k/v or gate/up stored differently): outputs concatenated."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts, self.bias = parts, None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.tensors()]
+
+
+def merge_stored(parts: list[StoredLinear]) -> StoredLinear | None:
+    """Row-concatenate parts of one kind into a single stored Linear, or None when they cannot be.
+
+    Dense and INT4 (same group size) concatenate exactly; FP8 blocks only when every part's row count
+    is a multiple of the block height.
+    """
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if any(p.kind != first.kind or p.group_size != first.group_size or p.block != first.block for p in parts):
+        return None
+    if first.kind == FP8 and any(p.out_features % first.block[0] for p in parts[:-1]):
+        return None
+    if first.kind == FP8 and any(p.tensors["weight_scale"].shape[0] == 1 for p in parts):
+        return None  # per-tensor scales do not stack into a block grid
+    biases = [p.bias for p in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    tensors = {key: torch.cat([p.tensors[key] for p in parts]) for key in first.tensors}
+    bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+    names = [n for p in parts for n in p.names]
+    return StoredLinear(first.kind, tensors, first.block, first.group_size, bias, names)
+
+
+def build_linear(
+    parts: list[StoredLinear],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    is_reference: bool,
+    fp8_weights: str,
+) -> Linear:
+    """A ready-to-run Linear from stored parts (merged when possible).
+
+    Reference mode (fp32 activations) dequantizes everything to dense fp32; otherwise dense weights are
+    cast to `dtype`, FP8 stays FP8 (or becomes `dtype` with fp8_weights="bf16"), INT4 is prepared once
+    for the kernel (on CPU: repacked for `_weight_int4pack_mm_for_cpu`, no dense copy).
+    """
+    merged = merge_stored(parts)
+    if merged is None:
+        return ConcatLinear(
+            [
+                build_linear([p], dtype, device, is_reference=is_reference, fp8_weights=fp8_weights)
+                for p in parts
+            ]
+        )
+    bias = None if merged.bias is None else merged.bias.to(device=device, dtype=dtype)
+    if is_reference or merged.kind == DENSE or (merged.kind == FP8 and fp8_weights == "bf16"):
+        return DenseLinear(merged.dense(dtype).to(device), bias)
+    if merged.kind == FP8:
+        tensors = {k: v.to(device) for k, v in merged.tensors.items()}
+        return Fp8Linear(StoredLinear(FP8, tensors, merged.block, names=merged.names), bias)
+    t = merged.tensors
+    weight = prepare_w4a16(t["weight_packed"].to(device), t["weight_scale"].to(device), merged.group_size)
+    return Int4Linear(weight, bias)

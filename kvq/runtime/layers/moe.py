@@ -1,0 +1,86 @@
+"""Routed experts of a mixture-of-experts MLP: INT4 experts stacked for `kernels.fused_moe_w4a16`, any
+other stored form run expert by expert with the same arithmetic (SiLU(gate) * up in the activation dtype,
+fp32 sums). Routing (which experts, which weights) is the model's job.
+Imports torch and kvq.runtime.kernels / kvq.runtime.layers.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvq.runtime.kernels import fused_moe_w4a16, prepare_w4a16
+from kvq.runtime.layers.linear import INT4, Linear, StoredLinear, build_linear, merge_stored
+
+
+class Experts:
+    """y `[T, H]` = sum_j topk_weights[:, j] * expert[topk_ids[:, j]](x)."""
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class Int4Experts(Experts):
+    def __init__(self, w13, w2) -> None:  # W4A16Weight [E, 2I, H] (gate rows, then up rows), [E, H, I]
+        self.w13, self.w2 = w13, w2
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return fused_moe_w4a16(x, topk_ids, topk_weights, self.w13, self.w2)
+
+    def tensors(self) -> list[torch.Tensor]:
+        held = [
+            getattr(w, name)
+            for w in (self.w13, self.w2)
+            for name in ("weight_packed", "weight_scale", "int4pack", "scales_and_zeros")
+        ]
+        return [t for t in held if t is not None]
+
+
+class LoopExperts(Experts):
+    def __init__(self, gate_up: list[Linear], down: list[Linear]) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        for e in topk_ids.unique().tolist():
+            token_idx, slot_idx = (topk_ids == e).nonzero(as_tuple=True)
+            gate, up = self.gate_up[e](x[token_idx]).float().chunk(2, dim=-1)
+            a = (F.silu(gate) * up).to(x.dtype)  # [n, I]
+            out = self.down[e](a).float() * topk_weights[token_idx, slot_idx].float()[:, None]
+            y.index_add_(0, token_idx, out)
+        return y.to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in (*self.gate_up, *self.down) for t in layer.tensors()]
+
+
+def build_experts(
+    gate_up: list[list[StoredLinear]],
+    down: list[StoredLinear],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    is_reference: bool,
+    fp8_weights: str,
+) -> Experts:
+    """Stack all-INT4 experts for the fused kernel; otherwise build one Linear pair per expert."""
+    merged = [merge_stored(parts) for parts in gate_up]
+    group_sizes = {s.group_size for s in (*merged, *down) if s is not None and s.kind == INT4}
+    is_all_int4 = all(s is not None and s.kind == INT4 and s.bias is None for s in (*merged, *down))
+    if is_all_int4 and len(group_sizes) == 1 and not is_reference:
+        group_size = group_sizes.pop()
+
+        def stack(stored: list, key: str) -> torch.Tensor:
+            return torch.stack([s.tensors[key] for s in stored]).to(device)
+
+        w13 = prepare_w4a16(stack(merged, "weight_packed"), stack(merged, "weight_scale"), group_size)
+        w2 = prepare_w4a16(stack(down, "weight_packed"), stack(down, "weight_scale"), group_size)
+        return Int4Experts(w13, w2)
+
+    def build(parts: list[StoredLinear]) -> Linear:
+        return build_linear(parts, dtype, device, is_reference=is_reference, fp8_weights=fp8_weights)
+
+    return LoopExperts([build(parts) for parts in gate_up], [build([d]) for d in down])

@@ -1,0 +1,20 @@
+"""RMSNorm (Llama, GLM): torch's fused rms_norm, which normalizes in fp32 and rounds once (transformers
+rounds the normalized value, then the product with the weight: a bf16 rounding step apart; equal in
+fp32). Imports torch only."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class RMSNorm:
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        self.weight, self.eps = weight, eps  # [H]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x * rsqrt(mean(x^2) + eps) * weight, in fp32 inside, rounded once to x.dtype."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]

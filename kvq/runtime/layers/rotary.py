@@ -1,0 +1,62 @@
+"""Rotary position embedding on the first `rotary_dim` channels of each head (rotate-half convention).
+
+Llama rotates the whole head; GLM-4.5 the first half (partial_rotary_factor 0.5), both as transformers'
+`apply_rotary_pos_emb` does. Frequencies come from transformers' rope initializers, so every rope type
+it knows (default, llama3, yarn, ...) gives the same inv_freq. Imports torch and transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvq.errors import KvqError
+
+
+def _default_inv_freq(config: PretrainedConfig, rotary_dim: int) -> torch.Tensor:
+    base = config.rope_parameters["rope_theta"]
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
+class RotaryEmbedding:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        params = config.rope_parameters or {}
+        self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            inv_freq, scaling = _default_inv_freq(config, self.rotary_dim), 1.0
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        else:
+            raise KvqError(
+                f"config.json rope_type {rope_type!r} is unknown to transformers; "
+                f"known: default, {', '.join(ROPE_INIT_FUNCTIONS)}"
+            )
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float())  # [P, R/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, R]
+        # tables in the activation dtype, as transformers casts them (bf16 math in the fast path)
+        self.cos = (emb.cos() * scaling).to(device=device, dtype=dtype)
+        sin = emb.sin() * scaling
+        half = self.rotary_dim // 2  # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): one op fewer
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device=device, dtype=dtype)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[T, 1, R]` at `positions` `[T]`: looked up once per step, used by every layer."""
+        return self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
+
+    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Heads `[T, H, D]` (q and k heads side by side) rotated, in x.dtype."""
+        cos, sin_signed = cos_sin
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.addcmul(rot * cos, torch.cat([x2, x1], dim=-1), sin_signed)
+        return rotated if rest.shape[-1] == 0 else torch.cat([rotated, rest], dim=-1)

@@ -1,0 +1,201 @@
+"""Load a checkpoint into a runtime model without decompressing it: INT4 pack-quantized, FP8 block
+(float-quantized or `weight_scale_inv`) and dense tensors stay in their stored form.
+
+Model constructors ask a `WeightLoader` for what they need by checkpoint name; the loader notes every
+name it hands out and every name it could not find, and `finish()` reports all missing and unexpected
+tensors at once. Imports torch, safetensors, kvq.checkpoint and kvq.runtime.layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvq.checkpoint.dense import block_size
+from kvq.checkpoint.reader import Checkpoint
+from kvq.errors import KvqError
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.kernels.w4a16 import GROUP_SIZES
+from kvq.runtime.layers.linear import DENSE, FP8, INT4, Linear, StoredLinear, build_linear
+from kvq.runtime.layers.moe import Experts, build_experts
+
+SUPPORTED_QUANT_METHODS = (None, "fp8", "compressed-tensors")
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_MAX_LISTED = 40
+
+
+class WeightLoader:
+    """Hands out tensors of one checkpoint by name, on the engine's device, in the runtime's forms."""
+
+    def __init__(self, ckpt: Checkpoint, config: EngineConfig) -> None:
+        quant_method = ckpt.quantization_config.get("quant_method")
+        if quant_method not in SUPPORTED_QUANT_METHODS:
+            raise KvqError(
+                f"{ckpt.root / 'config.json'}: quantization_config.quant_method {quant_method!r} "
+                f"is not supported; kvq loads bf16, fp8 (block) and compressed-tensors checkpoints"
+            )
+        self.ckpt, self.config = ckpt, config
+        self.dtype, self.device = config.activation_dtype, config.torch_device
+        self.block = block_size(ckpt)
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+        self.mismatched: list[str] = []
+        self._files = contextlib.ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> WeightLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._files.close()
+        self._handles.clear()
+
+    # -- plain tensors --------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self.ckpt.tensors
+
+    def raw(self, name: str) -> torch.Tensor | None:
+        """The stored tensor as it is (CPU), marked used; None (and noted missing) when absent."""
+        info = self.ckpt.tensors.get(name)
+        if info is None:
+            self.missing.append(name)
+            return None
+        self.used.add(name)
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = self._handles[info.file] = self._files.enter_context(
+                safe_open(str(info.file), framework="pt")
+            )
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A float tensor (norm, bias, embedding, router) in `dtype` (default: activations) on the device."""
+        t = self.raw(name)
+        if t is None:
+            return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
+        self._check_shape(name, tuple(t.shape), shape)
+        return t.to(device=self.device, dtype=dtype or self.dtype)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        """A tensor that may be absent (k_scale / v_scale): None without noting it missing."""
+        return self.raw(name) if self.has(name) else None
+
+    # -- linear layers --------------------------------------------------------------------------------
+    def stored_linear(self, prefix: str, shape: tuple[int, int], bias: bool = False) -> StoredLinear:
+        """The stored form of Linear `prefix` with weight shape (out, in) = `shape`."""
+        bias_t = self.tensor(f"{prefix}.bias", (shape[0],)) if bias else None
+        if self.has(f"{prefix}.weight_packed"):
+            return self._int4(prefix, shape, bias_t)
+        weight = self.raw(f"{prefix}.weight")
+        if weight is None:
+            return self._absent(shape)
+        self._check_shape(f"{prefix}.weight", tuple(weight.shape), shape)
+        if weight.dtype not in _FP8_DTYPES:
+            return StoredLinear(DENSE, {"weight": weight}, bias=bias_t, names=[f"{prefix}.weight"])
+        scale_name = next(
+            (f"{prefix}.{s}" for s in ("weight_scale_inv", "weight_scale") if self.has(f"{prefix}.{s}")),
+            f"{prefix}.weight_scale",
+        )
+        scale = self.raw(scale_name)
+        if scale is None:
+            return self._absent(shape)
+        return StoredLinear(
+            FP8,
+            {"weight": weight, "weight_scale": scale.float()},
+            self.block,
+            bias=bias_t,
+            names=[f"{prefix}.weight", scale_name],
+        )
+
+    def linear(self, prefixes: list[str], shapes: list[tuple[int, int]], bias: bool = False) -> Linear:
+        """The runtime Linear of `prefixes` stacked by rows (q/k/v, gate/up), merged where the forms allow."""
+        parts = [self.stored_linear(p, s, bias) for p, s in zip(prefixes, shapes, strict=True)]
+        return build_linear(
+            parts,
+            self.dtype,
+            self.device,
+            is_reference=self.config.is_reference,
+            fp8_weights=self.config.fp8_weights,
+        )
+
+    def experts(self, prefix: str, num_experts: int, hidden: int, intermediate: int) -> Experts:
+        """Routed experts `{prefix}.{e}.{gate,up,down}_proj` (per-expert 2-D tensors on disk)."""
+        gate_up = [
+            [self.stored_linear(f"{prefix}.{e}.{p}_proj", (intermediate, hidden)) for p in ("gate", "up")]
+            for e in range(num_experts)
+        ]
+        down = [
+            self.stored_linear(f"{prefix}.{e}.down_proj", (hidden, intermediate)) for e in range(num_experts)
+        ]
+        return build_experts(
+            gate_up,
+            down,
+            self.dtype,
+            self.device,
+            is_reference=self.config.is_reference,
+            fp8_weights=self.config.fp8_weights,
+        )
+
+    def _int4(self, prefix: str, shape: tuple[int, int], bias: torch.Tensor | None) -> StoredLinear:
+        packed, scale = self.raw(f"{prefix}.weight_packed"), self.raw(f"{prefix}.weight_scale")
+        stored_shape = self.raw(f"{prefix}.weight_shape") if self.has(f"{prefix}.weight_shape") else None
+        if packed is None or scale is None:
+            return self._absent(shape)
+        logical = (
+            tuple(stored_shape.tolist())
+            if stored_shape is not None
+            else (packed.shape[0], packed.shape[1] * 8)
+        )
+        self._check_shape(f"{prefix}.weight_shape", logical, shape)
+        if packed.shape != (shape[0], shape[1] // 8) or scale.dim() != 2 or shape[1] % scale.shape[1]:
+            self.mismatched.append(
+                f"{prefix}.weight_packed {tuple(packed.shape)} / weight_scale "
+                f"{tuple(scale.shape)} do not fit a weight of shape {shape}"
+            )
+            return self._absent(shape)
+        group_size = shape[1] // scale.shape[1]
+        if group_size not in GROUP_SIZES:
+            self.mismatched.append(
+                f"{prefix}.weight_scale implies group size {group_size}; kvq runs {GROUP_SIZES}"
+            )
+            return self._absent(shape)
+        names = [f"{prefix}.weight_packed", f"{prefix}.weight_scale"]
+        return StoredLinear(
+            INT4,
+            {"weight_packed": packed, "weight_scale": scale},
+            group_size=group_size,
+            bias=bias,
+            names=names,
+        )
+
+    def _absent(self, shape: tuple[int, int]) -> StoredLinear:
+        """A stand-in for a Linear that could not be loaded, so building goes on and `finish` reports all."""
+        return StoredLinear(DENSE, {"weight": torch.zeros(shape, dtype=self.dtype)})
+
+    def _check_shape(self, name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> None:
+        if found != expected:
+            self.mismatched.append(f"{name} has shape {found}, expected {expected}")
+
+    # -- the verdict ----------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Raise one `KvqError` naming every missing, unexpected and mis-shaped tensor, if there are any."""
+        unexpected = sorted(set(self.ckpt.tensors) - self.used)
+        problems = []
+        for what, names in (
+            ("missing", sorted(set(self.missing))),
+            ("unexpected", unexpected),
+            ("with the wrong shape", self.mismatched),
+        ):
+            if names:
+                listed = ", ".join(names[:_MAX_LISTED])
+                more = f" (and {len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
+                problems.append(f"{len(names)} tensor(s) {what}: {listed}{more}")
+        if problems:
+            raise KvqError(
+                f"{self.ckpt.root}: does not match the {self.ckpt.config.get('model_type')} model: "
+                + "; ".join(problems)
+                + ". Check that the checkpoint is complete and its config.json describes it"
+            )

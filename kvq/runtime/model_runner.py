@@ -1,0 +1,83 @@
+"""Host-side batch preparation and the model call: sequences -> `ForwardBatch` -> fp32 logits.
+
+Imports torch and kvq.runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.models.llama import LlamaForCausalLM
+from kvq.runtime.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, page_size: int, zero_page: int, device: torch.device) -> None:
+        self.model, self.page_size, self.zero_page, self.device = model, page_size, zero_page, device
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
+        """Prefill: every token after the cached prefix; decode: the last token of each sequence."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        for seq in seqs:
+            start = seq.num_cached_tokens if is_prefill else seq.num_tokens - 1
+            input_ids += seq.token_ids[start:]
+            positions += range(start, seq.num_tokens)
+            slots += [
+                seq.block_table[p // self.page_size] * self.page_size + p % self.page_size
+                for p in range(start, seq.num_tokens)
+            ]
+            query_lens.append(seq.num_tokens - start)
+        max_pages = max(len(seq.block_table) for seq in seqs)
+        block_tables = [seq.block_table + [-1] * (max_pages - len(seq.block_table)) for seq in seqs]
+        context_lens = [seq.num_tokens for seq in seqs]
+        max_context_len = max(context_lens)
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        block_tables_t = tensor(block_tables, torch.int32)
+        context_lens_t = tensor(context_lens, torch.int32)
+        context_slots, is_valid = self._context_slots(block_tables_t, context_lens_t, max_context_len)
+        attn_bias = None
+        if not is_prefill:
+            attn_bias = torch.zeros(is_valid.shape, device=self.device).masked_fill(~is_valid, float("-inf"))
+            attn_bias = attn_bias.repeat_interleave(self.model.num_kv_heads, dim=0)[
+                :, None, :
+            ]  # [B*Hkv, 1, C]
+        return ForwardBatch(
+            is_prefill=is_prefill,
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=block_tables_t,
+            context_slots=context_slots,
+            context_lens=context_lens_t,
+            context_lens_list=context_lens,
+            max_context_len=max_context_len,
+            query_lens=query_lens,
+            logits_indices=(torch.tensor(query_lens).cumsum(0) - 1).to(self.device),
+            attn_bias=attn_bias,
+        )
+
+    def _context_slots(
+        self, block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots `[B, C]` of every context token, zero-page slots past each end; validity `[B, C]`)."""
+        pages = block_tables[:, : -(-max_len // self.page_size)].long()  # [B, n]
+        offsets = torch.arange(self.page_size, device=self.device)
+        slots = (pages[:, :, None] * self.page_size + offsets).flatten(1)[:, :max_len]  # [B, C]
+        is_valid = torch.arange(max_len, device=self.device)[None, :] < context_lens[:, None]
+        return torch.where(is_valid, slots, self.zero_page * self.page_size), is_valid
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """fp32 logits `[B, V]` of each sequence's next token."""
+        batch = self.prepare(seqs, is_prefill)
+        # Checked KV pool (next issue): a batched check of batch.block_tables' pages against the sequences'
+        # expected page hashes (`block_manager.page_hashes`) runs here, before any layer reads them.
+        hidden = self.model.forward(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden[batch.logits_indices])

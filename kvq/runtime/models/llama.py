@@ -1,0 +1,187 @@
+"""Llama (SmolLM2 and other `model_type: llama` checkpoints) over paged KV and stored-form weights.
+
+Read top to bottom: attention, MLP, decoder layer, model. glm4_moe reuses all of it and swaps the MLP.
+Weights come from a `WeightLoader` by their checkpoint names. Imports torch and kvq.runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.layers.attention import PagedAttention
+from kvq.runtime.layers.linear import DenseLinear, Linear
+from kvq.runtime.layers.norm import RMSNorm
+from kvq.runtime.layers.rotary import RotaryEmbedding
+from kvq.runtime.loader import WeightLoader
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class FeedForward(Protocol):
+    """What a decoder layer's MLP slot holds: Llama's MLP, GLM's MoE."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention:
+    """GQA self-attention: fused q/k/v projection (+ bias), rotary, paged attention, output projection."""
+
+    def __init__(
+        self, config: PretrainedConfig, prefix: str, loader: WeightLoader, rotary: RotaryEmbedding
+    ) -> None:
+        hidden, d = config.hidden_size, head_dim_of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = loader.linear(
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
+            [(self.q_size, hidden), (self.kv_size, hidden), (self.kv_size, hidden)],
+            bias=getattr(config, "attention_bias", False),
+        )
+        self.o_proj = loader.linear([f"{prefix}.o_proj"], [(hidden, self.q_size)])
+        self.q_norm = self.k_norm = None
+        if getattr(config, "use_qk_norm", False):  # GLM-4.5 option: RMSNorm per head before rotary
+            self.q_norm = RMSNorm(loader.tensor(f"{prefix}.q_norm.weight", (d,)), config.rms_norm_eps)
+            self.k_norm = RMSNorm(loader.tensor(f"{prefix}.k_norm.weight", (d,)), config.rms_norm_eps)
+        self.k_scale, self.v_scale = (
+            loader.optional(f"{prefix}.k_scale"),
+            loader.optional(f"{prefix}.v_scale"),
+        )
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+
+    def __call__(self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, num_qk_heads, self.head_dim
+        )  # [T, Hq+Hkv, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
+            )
+        q, k = self.rotary(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = self.attn(q, k, v, batch)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def tensors(self) -> list[torch.Tensor]:
+        norms = [t for n in (self.q_norm, self.k_norm) if n is not None for t in n.tensors()]
+        return [*self.qkv_proj.tensors(), *self.o_proj.tensors(), *norms]
+
+
+class MLP:
+    """SiLU-gated MLP: down(SiLU(gate(x)) * up(x)), gate and up fused into one projection."""
+
+    def __init__(self, prefix: str, loader: WeightLoader, hidden: int, intermediate: int) -> None:
+        self.gate_up_proj = loader.linear(
+            [f"{prefix}.gate_proj", f"{prefix}.up_proj"], [(intermediate, hidden), (intermediate, hidden)]
+        )
+        self.down_proj = loader.linear([f"{prefix}.down_proj"], [(hidden, intermediate)])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.gate_up_proj.tensors(), *self.down_proj.tensors()]
+
+
+class DecoderLayer:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        prefix: str,
+        loader: WeightLoader,
+        rotary: RotaryEmbedding,
+        mlp: FeedForward,
+    ) -> None:
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(loader.tensor(f"{prefix}.input_layernorm.weight", (hidden,)), eps)
+        self.self_attn = Attention(config, f"{prefix}.self_attn", loader, rotary)
+        self.post_attention_layernorm = RMSNorm(
+            loader.tensor(f"{prefix}.post_attention_layernorm.weight", (hidden,)), eps
+        )
+        self.mlp = mlp
+
+    def __call__(self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            *self.input_layernorm.tensors(),
+            *self.self_attn.tensors(),
+            *self.post_attention_layernorm.tensors(),
+            *self.mlp.tensors(),
+        ]
+
+
+class LlamaForCausalLM:
+    """Embedding, decoder layers, final norm, lm_head (tied to the embedding when the config says so)."""
+
+    def __init__(self, config: PretrainedConfig, loader: WeightLoader) -> None:
+        self.config = config
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, head_dim_of(config)
+        hidden, vocab = config.hidden_size, config.vocab_size
+        self.max_positions = config.max_position_embeddings
+        self.embed_tokens = loader.tensor("model.embed_tokens.weight", (vocab, hidden))  # [V, H]
+        self.rotary = rotary = RotaryEmbedding(
+            config, self.head_dim, self.max_positions, loader.dtype, loader.device
+        )
+        self.layers = [
+            DecoderLayer(
+                config, f"model.layers.{i}", loader, rotary, self.make_mlp(f"model.layers.{i}.mlp", i, loader)
+            )
+            for i in range(config.num_hidden_layers)
+        ]
+        self.norm = RMSNorm(loader.tensor("model.norm.weight", (hidden,)), config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            loader.optional("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
+            self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
+        else:
+            self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)])
+
+    def make_mlp(self, prefix: str, layer_idx: int, loader: WeightLoader) -> FeedForward:
+        return MLP(prefix, loader, self.config.hidden_size, self.config.intermediate_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions `[T]` -> final hidden states `[T, H]`."""
+        x = self.embed_tokens[input_ids]  # [T, H]
+        cos_sin = self.rotary.at(positions)
+        for layer in self.layers:
+            x = layer(x, cos_sin, batch)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[B, H]` -> fp32 logits `[B, V]`."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every resident weight tensor, each once (the tied lm_head shares the embedding)."""
+        seen: dict[int, torch.Tensor] = {}
+        for t in (
+            self.embed_tokens,
+            *[t for layer in self.layers for t in layer.tensors()],
+            *self.norm.tensors(),
+            *self.lm_head.tensors(),
+        ):
+            seen.setdefault(id(t), t)
+        return list(seen.values())

@@ -1,0 +1,89 @@
+"""Continuous batching: each step is a prefill of newly admitted requests or one decode token for every
+running one. Admission is by free pages (the pool is allocated up front, so excess requests wait rather
+than run the process out of memory); when decode runs out of pages the newest running request is
+preempted and later recomputed from its tokens. Imports kvq.runtime only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from kvq.runtime.block_manager import BlockManager
+from kvq.runtime.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        decode_reserve_ratio: float,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.decode_reserve_ratio = decode_reserve_ratio
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The sequences of the next step and whether it is a prefill step (prefill goes first)."""
+        scheduled: list[Sequence] = []
+        num_batched_tokens = 0
+        reserved = sum(self._decode_reserve(s) for s in self.running)
+        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            is_over_budget = num_batched_tokens + seq.num_tokens > self.max_num_batched_tokens
+            reserve = reserved + self._decode_reserve(seq)
+            if (scheduled and is_over_budget) or not self.block_manager.can_allocate(seq, reserve):
+                break
+            self.block_manager.allocate(seq)
+            reserved += self._decode_reserve(seq)
+            num_batched_tokens += seq.num_tokens - seq.num_cached_tokens
+            seq.status = Status.RUNNING
+            scheduled.append(self.waiting.popleft())
+        if scheduled:
+            self.running.extend(scheduled)
+            return scheduled, True
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                scheduled.append(seq)
+        self.running.extend(scheduled)
+        return scheduled, False
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s pages and put it first in line; it is recomputed from its tokens when readmitted."""
+        self.block_manager.deallocate(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished sequence's pages and take it out of the running set."""
+        self.block_manager.deallocate(seq)
+        seq.status = Status.FINISHED
+        self.running.remove(seq)
+
+    def _decode_reserve(self, seq: Sequence) -> int:
+        """Pages held back for the tokens `seq` may still generate (decode_reserve_ratio of them)."""
+        held = len(seq.block_table) or self.block_manager.pages_for(seq.num_tokens)  # waiting: its prompt
+        future = self.block_manager.pages_for(seq.max_len) - held
+        return math.ceil(self.decode_reserve_ratio * max(future, 0))

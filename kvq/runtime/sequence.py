@@ -1,0 +1,48 @@
+"""One request as the engine tracks it: its tokens, its pages and its sampling state.
+
+Imports torch and kvq.runtime.sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kvq.runtime.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Prompt + completion tokens. `block_table[i]` is the page holding tokens [i*P, (i+1)*P); the first
+    `num_cached_tokens` tokens were found in shared prefix pages when it was last admitted."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_len: int  # prompt + max_tokens, capped at the model's context
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: str | None = None
+    text: str = ""  # completion text so far (stop strings cut off)
+    num_text_sent: int = 0  # characters of `text` already streamed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]

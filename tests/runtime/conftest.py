@@ -1,0 +1,53 @@
+"""Runtime test fixtures: `kvq compress` outputs (compressed-tensors W4A16 pack-quantized) of the tiny
+checkpoints and of SmolLM2, and SmolLM2's with `kvq calibrate` KV scales, built once per session."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.run import calibrate
+from kvq.compress.recipe import load_recipe
+from kvq.compress.runner import prepare, run
+from kvq.testing.smollm2 import SmolLM2Paths
+
+Int4Checkpoint = Callable[..., Path]
+# (arch, source format) -> (recipe, group size): llama all-INT4 (group 64: SmolLM2's 576 needs it);
+# glm4_moe from FP8-block with INT4 experts and FP8 attention/dense MLP kept in block form (mixed).
+RECIPES = {"llama": ("w4a16-linear", 64), "glm4_moe": ("w4a16-experts", 128)}
+
+
+def compress(source: Path, out: Path, recipe: str, group_size: int) -> Path:
+    run(prepare(source, out, load_recipe(recipe, group_size)), workers=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def int4_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Int4Checkpoint:
+    """`int4_checkpoint(arch)`: the tiny llama (from BF16) or glm4_moe (from FP8-block) compressed."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            source = tiny_checkpoint(arch, "fp8-block" if arch == "glm4_moe" else "bf16")
+            built[arch] = compress(source, tmp_path_factory.mktemp(f"{arch}-int4") / "model", *RECIPES[arch])
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4(smollm2: SmolLM2Paths, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compress(smollm2.bf16, tmp_path_factory.mktemp("smollm2-int4") / "model", "w4a16-linear", 64)
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4_calibrated(smollm2_int4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The INT4 SmolLM2 with FP8 KV scales from `kvq calibrate` (a small run: 8 windows of 512 tokens)."""
+    path = Path(shutil.copytree(smollm2_int4, tmp_path_factory.mktemp("smollm2-int4-kv") / "model"))
+    calibrate(path, CalibrationConfig(num_samples=8, seq_len=512))
+    return path

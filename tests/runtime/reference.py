@@ -1,0 +1,67 @@
+"""Oracles for the runtime tests: transformers' fp32 forward of a checkpoint's dequantized weights, and
+teacher-forced logits of a kvq engine (prefill, then one forced token per decode step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from kvq.checkpoint.dense import read_dense
+from kvq.checkpoint.expert_layout import fuse_experts
+from kvq.checkpoint.reader import Checkpoint
+from kvq.runtime.engine import Engine
+from kvq.runtime.sampling import SamplingParams
+
+
+def hf_reference(path: Path) -> PreTrainedModel:
+    """transformers' model of `path` in fp32 holding `read_dense` of its (possibly quantized) weights."""
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = fuse_experts(read_dense(Checkpoint.open(path), "", torch.float32))
+    state = {k: v for k, v in state.items() if not k.endswith(("k_scale", "v_scale"))}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("inv_freq" in k or k == "lm_head.weight" for k in missing), (
+        missing,
+        unexpected,
+    )
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
+    """`num_tokens` greedy tokens from transformers' forward with its KV cache (EOS not special)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens: list[int] = []
+    for _ in range(num_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+@torch.inference_mode()
+def hf_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits `[L, V]` at every position of `token_ids`."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def engine_greedy(engine: Engine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    outs = engine.generate(prompts, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def teacher_forced_logits(engine: Engine, prompt: list[int], forced: list[int]) -> torch.Tensor:
+    """fp32 logits `[len(forced) + 1, V]`: after the prompt, then after each forced token (decode steps)."""
+    seq = engine.make_sequence(prompt, SamplingParams(max_tokens=len(forced) + 1))
+    engine.block_manager.allocate(seq)
+    rows = [engine.runner.run([seq], is_prefill=True)[0]]
+    for token in forced:
+        seq.token_ids.append(token)
+        assert engine.block_manager.can_append(seq)
+        engine.block_manager.may_append(seq)
+        rows.append(engine.runner.run([seq], is_prefill=False)[0])
+    engine.block_manager.deallocate(seq)
+    return torch.stack(rows)

@@ -1,0 +1,51 @@
+"""EngineConfig: validation on creation, byte sizes, the KV dtype choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvq.errors import KvqError
+from kvq.runtime.config import EngineConfig, parse_bytes
+
+
+def test_sizes_parse_in_powers_of_1024() -> None:
+    assert parse_bytes("512MiB", "x") == 512 * 1024**2
+    assert parse_bytes("1.5G", "x") == int(1.5 * 1024**3)
+    assert parse_bytes("4096", "x") == 4096
+    assert parse_bytes(100, "x") == 100
+    for bad in ("lots", "-1G", "0"):
+        with pytest.raises(KvqError):
+            parse_bytes(bad, "kv_memory")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dtype": "fp16"}, "dtype"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+        ({"page_size": 0}, "page_size"),
+        ({"kv_memory": "many"}, "kv_memory"),
+        ({"decode_reserve_ratio": 2.0}, "decode_reserve_ratio"),
+        ({"fp8_weights": "fp4"}, "fp8_weights"),
+    ],
+)
+def test_bad_settings_are_user_errors(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(KvqError, match=message):
+        EngineConfig(model=str(tmp_path), **kwargs)
+
+
+def test_missing_model_directory(tmp_path: Path) -> None:
+    with pytest.raises(KvqError, match="no such model directory"):
+        EngineConfig(model=str(tmp_path / "nope"))
+
+
+def test_kv_dtype_auto_follows_the_checkpoint(tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tmp_path))
+    assert config.kv_torch_dtype(has_kv_cache_scheme=True) == torch.float8_e4m3fn
+    assert config.kv_torch_dtype(has_kv_cache_scheme=False) == torch.bfloat16
+    reference = EngineConfig(model=str(tmp_path), dtype="float32")
+    assert reference.is_reference and reference.kv_torch_dtype(False) == torch.float32
+    assert EngineConfig(model=str(tmp_path), kv_cache_dtype="bf16").kv_torch_dtype(True) == torch.bfloat16

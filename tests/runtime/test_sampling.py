@@ -1,0 +1,76 @@
+"""Sampler: greedy, temperature, top-k, top-p, seeds, non-finite rows; parameter validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvq.errors import KvqError
+from kvq.runtime.sampling import SamplingParams, filter_logits, make_generator, sample
+
+
+def logits_rows(num_rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_is_argmax() -> None:
+    logits = logits_rows()
+    params = [SamplingParams()] * 3
+    tokens, ok = sample(logits, params, [None] * 3)
+    assert tokens == logits.argmax(-1).tolist() and ok == [True] * 3
+
+
+def test_top_k_one_and_a_tiny_top_p_are_greedy() -> None:
+    logits = logits_rows()
+    for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)):
+        tokens, _ = sample(logits, [params] * 3, [make_generator(params)] * 3)
+        assert tokens == logits.argmax(-1).tolist()
+
+
+def test_filter_keeps_the_top_k_and_the_nucleus() -> None:
+    row = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    assert torch.isfinite(filter_logits(row, 2, 1.0)).tolist() == [False, True, False, True]
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    # 0.5 < 0.7 so the 0.3 token is needed too; 0.8 >= 0.7 so nothing after it
+    assert torch.isfinite(filter_logits(probs, 0, 0.7)).tolist() == [True, True, False, False]
+
+
+def test_a_seed_fixes_the_draws_whatever_the_batch() -> None:
+    logits = logits_rows(num_rows=4)
+    params = SamplingParams(temperature=1.5, seed=7)
+    alone, _ = sample(logits[2:3], [params], [make_generator(params)])
+    others = SamplingParams(temperature=1.0)
+    batched, _ = sample(logits, [others, others, params, others], [None, None, make_generator(params), None])
+    assert batched[2] == alone[0]
+
+
+def test_temperature_samples_follow_the_distribution() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    params = SamplingParams(temperature=1.0, seed=0)
+    gen = make_generator(params)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample(logits, [params], [gen])[0][0]] += 1
+    assert torch.allclose(counts / 3000, logits.softmax(-1)[0], atol=0.03)
+
+
+def test_non_finite_rows_are_flagged() -> None:
+    logits = logits_rows()
+    logits[1, 4] = float("nan")
+    _, ok = sample(logits, [SamplingParams(temperature=1.0, seed=0)] * 3, [None] * 3)
+    assert ok == [True, False, True]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": [""]}, "stop strings"),
+    ],
+)
+def test_bad_parameters_are_user_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(KvqError, match=message):
+        SamplingParams(**kwargs)
