@@ -1,3 +1,3 @@
-"""kvq: compress FP8/BF16 checkpoints to INT4, calibrate FP8 KV scales, and serve them from a checked paged KV pool."""
+"""kvq: compress checkpoints to INT4, calibrate FP8 KV scales, serve them from a checked paged KV pool."""
 
 __version__ = "0.1.0"

@@ -20,7 +20,8 @@ from kvq.errors import KvqError
 
 app = typer.Typer(
     name="kvq",
-    help="Compress LLM checkpoints to INT4, calibrate FP8 KV-cache scales, and serve them from a checked paged KV pool.",
+    help="Compress LLM checkpoints to INT4, calibrate FP8 KV-cache scales, and serve them from a checked "
+    "paged KV pool.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -47,7 +48,9 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True, help="Print the version."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
+    ),
 ) -> None:
     """kvq: compressed LLM inference toolkit."""
 

@@ -1,7 +1,7 @@
-"""Summarize a checkpoint from its headers alone: format, and per module kind the tensors, parameters, dtypes, bytes.
+"""Summarize a checkpoint from headers alone: format, and per module kind tensors, parameters, dtypes, bytes.
 
 Parameters count logical weight elements: a `weight_packed` int32 word holds 8 int4 values; quantization
-metadata (`weight_scale`, `weight_scale_inv`, `weight_shape`, `k_scale`/`v_scale`) adds bytes but no parameters.
+metadata (`weight_scale`, `weight_scale_inv`, `weight_shape`, `k_scale`/`v_scale`) adds bytes, not parameters.
 """
 
 from __future__ import annotations
@@ -13,8 +13,17 @@ from kvq.checkpoint.header import TensorInfo
 from kvq.checkpoint.module_kind import MODULE_KINDS, module_kind
 from kvq.checkpoint.reader import Checkpoint
 
-METADATA_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point", "weight_global_scale",
-                     "input_scale", "k_scale", "v_scale", "q_scale")
+METADATA_SUFFIXES = (
+    "weight_scale",
+    "weight_scale_inv",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_global_scale",
+    "input_scale",
+    "k_scale",
+    "v_scale",
+    "q_scale",
+)
 
 
 @dataclass
@@ -68,5 +77,11 @@ def summarize(ckpt: Checkpoint) -> InspectReport:
         bytes=sum(r.bytes for r in ordered.values()),
         dtypes=sorted(set().union(*dtypes.values())) if dtypes else [],
     )
-    return InspectReport(str(ckpt.root), ckpt.format, len(ckpt.shards), ordered, total,
-                         ckpt.quantization_config.get("quant_method"))
+    return InspectReport(
+        str(ckpt.root),
+        ckpt.format,
+        len(ckpt.shards),
+        ordered,
+        total,
+        ckpt.quantization_config.get("quant_method"),
+    )

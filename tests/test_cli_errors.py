@@ -1,4 +1,4 @@
-"""The CLI contract for bad input: one line on stderr naming the path and problem, exit code 2, no traceback."""
+"""The CLI contract for bad input: one stderr line naming the path and problem, exit code 2, no traceback."""
 
 from __future__ import annotations
 
@@ -72,4 +72,6 @@ def test_inspect_bad_input(tmp_path: Path, damage, fragments: tuple[str, ...]) -
 
 
 def test_inspect_missing_directory(tmp_path: Path) -> None:
-    assert_one_line_error(run_kvq("inspect", str(tmp_path / "nope")), str(tmp_path / "nope"), "no such directory")
+    assert_one_line_error(
+        run_kvq("inspect", str(tmp_path / "nope")), str(tmp_path / "nope"), "no such directory"
+    )

@@ -68,7 +68,8 @@ def embed(model: PreTrainedModel, ckpt: Checkpoint, input_ids: torch.Tensor) -> 
     """Hidden states of every sample after the embedding (the embedding table is freed after)."""
     embedding = model.get_input_embeddings()
     name = "model.embed_tokens."
-    weights = read_dense(ckpt, name, embedding.weight.dtype)  # the table can be GBs: no fp32 copy
+    weight: torch.Tensor = embedding.weight  # type: ignore[assignment]
+    weights = read_dense(ckpt, name, weight.dtype)  # the table can be GBs: no fp32 copy
     if f"{name}weight" not in weights:
         raise KvqError(f"{ckpt.root}: no {name}weight tensor; kvq calibrate needs the input embeddings")
     embedding.load_state_dict({k.removeprefix(name): v for k, v in weights.items()}, assign=True)

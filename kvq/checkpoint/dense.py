@@ -30,11 +30,13 @@ def block_size(ckpt: Checkpoint) -> tuple[int, int]:
     return DEFAULT_BLOCK
 
 
-def dequantize_float_quantized(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
-                               dtype: torch.dtype) -> torch.Tensor:
+def dequantize_float_quantized(
+    weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
     """compressed-tensors FP8 `weight` with a tensor, channel (`[M, 1]`) or block scale -> dense."""
-    if weight_scale.numel() == 1 or (weight_scale.ndim == 2 and weight_scale.shape[1] == 1
-                                     and weight_scale.shape[0] == weight.shape[0]):
+    if weight_scale.numel() == 1 or (
+        weight_scale.ndim == 2 and weight_scale.shape[1] == 1 and weight_scale.shape[0] == weight.shape[0]
+    ):
         return (weight.to(torch.float32) * weight_scale.to(torch.float32)).to(dtype)
     return dequantize_fp8_block(weight, weight_scale, block, dtype)
 
@@ -53,17 +55,22 @@ def read_dense(ckpt: Checkpoint, prefix: str, dtype: torch.dtype = torch.float32
         try:
             if param == "weight_packed":
                 out[f"{module}.weight"] = dequantize_pack_quantized(
-                    tensor, raw[f"{module}.weight_scale"], raw[f"{module}.weight_shape"].tolist(), dtype)
+                    tensor, raw[f"{module}.weight_scale"], raw[f"{module}.weight_shape"].tolist(), dtype
+                )
             elif param == "weight" and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 if f"{module}.weight_scale_inv" in raw:
                     out[name] = dequantize_fp8_block(tensor, raw[f"{module}.weight_scale_inv"], block, dtype)
                 else:
-                    out[name] = dequantize_float_quantized(tensor, raw[f"{module}.weight_scale"], block, dtype)
+                    out[name] = dequantize_float_quantized(
+                        tensor, raw[f"{module}.weight_scale"], block, dtype
+                    )
             elif param not in _DROPPED:
                 out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         except KeyError as e:
-            raise KvqError(f"{ckpt.root}: tensor {name!r} has no companion {e.args[0]!r}; the checkpoint is "
-                           f"incomplete (check the index and shards)") from None
+            raise KvqError(
+                f"{ckpt.root}: tensor {name!r} has no companion {e.args[0]!r}; the checkpoint is "
+                f"incomplete (check the index and shards)"
+            ) from None
         except ValueError as e:
             raise KvqError(f"{ckpt.root}: cannot dequantize {name!r}: {e}") from None
     return out

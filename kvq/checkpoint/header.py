@@ -82,7 +82,9 @@ def read_header(path: Path) -> ShardHeader:
     metadata = header.pop("__metadata__", None) or {}
     header_bytes = 8 + json_len
     data_bytes = file_bytes - header_bytes
-    tensors = {name: _tensor_info(path, name, entry, header_bytes, data_bytes) for name, entry in header.items()}
+    tensors = {
+        name: _tensor_info(path, name, entry, header_bytes, data_bytes) for name, entry in header.items()
+    }
     return ShardHeader(path, header_bytes, file_bytes, tensors, metadata)
 
 
@@ -98,8 +100,13 @@ def _tensor_info(path: Path, name: str, entry: object, header_bytes: int, data_b
     if not 0 <= begin <= end:
         raise _bad(path, f"tensor {name!r} has invalid data_offsets [{begin}, {end}]")
     if end > data_bytes:
-        raise _bad(path, f"tensor {name!r} ends at byte {end} but the file holds only {data_bytes} data bytes")
+        raise _bad(
+            path, f"tensor {name!r} ends at byte {end} but the file holds only {data_bytes} data bytes"
+        )
     if (end - begin) != math.prod(shape) * itemsize(dtype):
-        raise _bad(path, f"tensor {name!r} spans {end - begin} bytes, but {dtype}{list(shape)} needs "
-                         f"{math.prod(shape) * itemsize(dtype)}")
+        raise _bad(
+            path,
+            f"tensor {name!r} spans {end - begin} bytes, but {dtype}{list(shape)} needs "
+            f"{math.prod(shape) * itemsize(dtype)}",
+        )
     return TensorInfo(name, path, dtype, shape, header_bytes + begin, header_bytes + end)

@@ -29,7 +29,7 @@ _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
 
 
 def module_kind(name: str) -> str:
-    """The module kind of a tensor name, e.g. `model.layers.3.mlp.experts.7.up_proj.weight` -> routed_experts."""
+    """The module kind of a tensor name: `model.layers.3.mlp.experts.7.up_proj.weight` -> routed_experts."""
     for kind, pattern in _RULES:
         if pattern.search(name):
             return kind

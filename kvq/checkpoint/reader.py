@@ -51,7 +51,9 @@ class Checkpoint:
         if not root.exists():
             raise KvqError(f"{root}: no such directory; pass the path of a model checkpoint directory")
         if not root.is_dir():
-            raise KvqError(f"{root}: not a directory; pass the directory holding config.json and *.safetensors")
+            raise KvqError(
+                f"{root}: not a directory; pass the directory holding config.json and *.safetensors"
+            )
         config = read_json(root / CONFIG_NAME, "config.json")
         shard_names, weight_map = _shard_layout(root)
         shards = {name: read_header(root / name) for name in shard_names}
@@ -59,14 +61,18 @@ class Checkpoint:
         for name, header in shards.items():
             for tensor_name, info in header.tensors.items():
                 if tensor_name in tensors:
-                    raise KvqError(f"{root}: tensor {tensor_name!r} is stored twice "
-                                   f"({tensors[tensor_name].file.name} and {name}); remove one copy")
+                    raise KvqError(
+                        f"{root}: tensor {tensor_name!r} is stored twice "
+                        f"({tensors[tensor_name].file.name} and {name}); remove one copy"
+                    )
                 tensors[tensor_name] = info
         for tensor_name, shard in weight_map.items():
             found = tensors.get(tensor_name)
             if found is None or found.file.name != Path(shard).name:
-                raise KvqError(f"{root / INDEX_NAME}: names tensor {tensor_name!r} in {shard}, "
-                               f"but {shard} does not contain it; the index does not match the shards")
+                raise KvqError(
+                    f"{root / INDEX_NAME}: names tensor {tensor_name!r} in {shard}, "
+                    f"but {shard} does not contain it; the index does not match the shards"
+                )
         return cls(root, config, shards, tensors)
 
     @property
@@ -114,8 +120,10 @@ def _shard_layout(root: Path) -> tuple[list[str], dict[str, str]]:
         shard_names = sorted(set(weight_map.values()))
         for shard in shard_names:
             if not (root / shard).is_file():
-                raise KvqError(f"{index_path}: names shard {shard}, which is missing from {root}; "
-                               f"download or restore {shard}")
+                raise KvqError(
+                    f"{index_path}: names shard {shard}, which is missing from {root}; "
+                    f"download or restore {shard}"
+                )
         return shard_names, weight_map
     shard_names = sorted(p.name for p in root.glob("*.safetensors"))
     if not shard_names:
@@ -124,7 +132,7 @@ def _shard_layout(root: Path) -> tuple[list[str], dict[str, str]]:
 
 
 def detect_format(tensors: Iterable[TensorInfo]) -> str:
-    """bf16/fp16/fp32 (dense), fp8-block, pack-quantized, float-quantized, or mixed, from tensor names and dtypes."""
+    """bf16/fp16/fp32 (dense), fp8-block, pack-quantized, float-quantized or mixed, from names and dtypes."""
     suffixes: set[str] = set()
     float_codes: dict[str, int] = defaultdict(int)
     has_fp8 = False
@@ -141,4 +149,6 @@ def detect_format(tensors: Iterable[TensorInfo]) -> str:
         return "float-quantized"
     if not float_codes:
         return "unknown"
-    return {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}[max(float_codes, key=float_codes.get)]
+    return {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}[
+        max(float_codes, key=lambda code: float_codes[code])
+    ]

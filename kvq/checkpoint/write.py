@@ -25,12 +25,18 @@ def _replace(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-def save_safetensors_atomic(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict | None = None) -> int:
+def save_safetensors_atomic(
+    tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict | None = None
+) -> int:
     """Write a safetensors file under a temporary name, fsync, rename; return its size in bytes."""
     path = Path(path)
     tmp = tmp_path(path)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt", **(metadata or {})})
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(tmp),
+            metadata={"format": "pt", **(metadata or {})},
+        )
         # safetensors creates 0600 files whatever the umask; servers often read as another user.
         os.chmod(tmp, 0o644)
         _replace(tmp, path)

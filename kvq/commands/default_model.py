@@ -12,7 +12,12 @@ from kvq.paths import cache_dir
 
 def default_model_command(
     fmt: Annotated[str, typer.Option("--format", help="Which copy to print: bf16 or fp8-block.")] = "bf16",
-    cache: Annotated[Path | None, typer.Option("--cache-dir", help="Where built models live (default: $KVQ_CACHE_DIR or ~/.cache/kvq).")] = None,
+    cache: Annotated[
+        Path | None,
+        typer.Option(
+            "--cache-dir", help="Where built models live (default: $KVQ_CACHE_DIR or ~/.cache/kvq)."
+        ),
+    ] = None,
 ) -> None:
     """Print the path of the embedded default model (SmolLM2-135M-Instruct), building it on first use.
 

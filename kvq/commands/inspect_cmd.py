@@ -19,18 +19,28 @@ def render(report: InspectReport) -> Table:
     for col in ("module kind", "tensors", "parameters", "dtypes", "bytes"):
         table.add_column(col, justify="left" if col in ("module kind", "dtypes") else "right")
     for kind, row in report.kinds.items():
-        table.add_row(kind, str(row.tensors), human_count(row.parameters), ",".join(row.dtypes), human_bytes(row.bytes))
+        table.add_row(
+            kind, str(row.tensors), human_count(row.parameters), ",".join(row.dtypes), human_bytes(row.bytes)
+        )
     t = report.total
-    table.add_row("[bold]total[/bold]", str(t.tensors), human_count(t.parameters), ",".join(t.dtypes),
-                  f"{human_bytes(t.bytes)} ({t.bytes} B)", end_section=True)
+    table.add_row(
+        "[bold]total[/bold]",
+        str(t.tensors),
+        human_count(t.parameters),
+        ",".join(t.dtypes),
+        f"{human_bytes(t.bytes)} ({t.bytes} B)",
+        end_section=True,
+    )
     return table
 
 
 def inspect_command(
     path: Annotated[Path, typer.Argument(help="Checkpoint directory (config.json + *.safetensors).")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")
+    ] = False,
 ) -> None:
-    """Show a checkpoint's format and, per module kind, tensors, parameters, dtypes and bytes (reads headers only)."""
+    """Show a checkpoint's format and, per module kind, tensors, parameters, dtypes, bytes (headers only)."""
     report = summarize(Checkpoint.open(path))
     if as_json:
         print(json.dumps(report.to_json(), indent=2))

@@ -1,4 +1,4 @@
-"""compressed-tensors `pack-quantized` INT4 weights: `weight_packed` int32 `[out, in/8]` + `weight_scale` `[out, in/g]`.
+"""Pack-quantized INT4 (compressed-tensors): `weight_packed` `[out, in/8]`, `weight_scale` `[out, in/g]`.
 
 Packing: `word[r, k] = sum_j (q[r, 8k+j] + 8) << 4j` (first element in the lowest bits); symmetric, so
 `real = q * weight_scale[group]` with q in [-8, 7]. Pure functions.
@@ -10,6 +10,8 @@ exactly where D-typed torch ops round, which is what makes it several times fast
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -47,7 +49,7 @@ def unpack_int4(weight_packed: torch.Tensor, in_features: int | None = None) -> 
 def dequantize_pack_quantized(
     weight_packed: torch.Tensor,
     weight_scale: torch.Tensor,
-    weight_shape: tuple[int, int] | torch.Tensor | None = None,
+    weight_shape: Sequence[int] | torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Packed INT4 + group scales -> dense `[N, K]` in `dtype` (default: the scale's dtype)."""
@@ -56,7 +58,9 @@ def dequantize_pack_quantized(
     q = unpack_int4(weight_packed, in_features)
     num_groups = weight_scale.shape[1]
     if in_features % num_groups or weight_scale.shape[0] != rows:
-        raise ValueError(f"weight_scale shape {tuple(weight_scale.shape)} does not fit weight shape {(rows, in_features)}")
+        raise ValueError(
+            f"weight_scale shape {tuple(weight_scale.shape)} does not fit weight shape {(rows, in_features)}"
+        )
     group_size = in_features // num_groups
     scale = weight_scale.to(torch.float32).repeat_interleave(group_size, dim=1)  # [N, K]
     return (q.to(torch.float32) * scale).to(dtype or weight_scale.dtype)

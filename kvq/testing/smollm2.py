@@ -67,7 +67,7 @@ def ensure_smollm2(cache_dir: Path | None = None) -> SmolLM2Paths:
 def _build(root: Path) -> None:
     source = gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.add_special_tokens(dict(SPECIAL_TOKENS))  # type: ignore[arg-type]
     tokenizer.clean_up_tokenization_spaces = False
     tokenizer.model_max_length = 8192  # GGUF leaves it unset (1e30)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)

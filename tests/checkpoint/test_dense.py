@@ -31,11 +31,15 @@ def test_read_dense_all_formats(tmp_path: Path) -> None:
     q = torch.randint(-8, 8, (50, 256), dtype=torch.int8)
     weight_scale = torch.rand(50, 4).bfloat16()
     tensors = {
-        "m.a.weight": fp8, "m.a.weight_scale_inv": scale_inv,
-        "m.b.weight_packed": pack_int4(q), "m.b.weight_scale": weight_scale,
+        "m.a.weight": fp8,
+        "m.a.weight_scale_inv": scale_inv,
+        "m.b.weight_packed": pack_int4(q),
+        "m.b.weight_scale": weight_scale,
         "m.b.weight_shape": torch.tensor([50, 256]),
-        "m.c.weight": fp8.clone(), "m.c.weight_scale": scale_inv.clone(),  # compressed-tensors float-quantized block form
-        "m.d.weight": torch.randn(3, 4).bfloat16(), "m.d.bias": torch.randn(3).bfloat16(),
+        "m.c.weight": fp8.clone(),
+        "m.c.weight_scale": scale_inv.clone(),  # compressed-tensors float-quantized block form
+        "m.d.weight": torch.randn(3, 4).bfloat16(),
+        "m.d.bias": torch.randn(3).bfloat16(),
         "other.weight": torch.zeros(1),
     }
     save_safetensors_atomic(tensors, tmp_path / "model.safetensors")

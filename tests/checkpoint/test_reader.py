@@ -18,10 +18,16 @@ def make_sharded(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps({"model_type": "llama"}))
     shards = {
-        "model-00001-of-00003.safetensors": {"model.layers.0.self_attn.q_proj.weight": torch.randn(130, 64).to(torch.float8_e4m3fn)},
-        "model-00002-of-00003.safetensors": {"model.layers.0.self_attn.q_proj.weight_scale_inv": torch.rand(2, 1)},
-        "model-00003-of-00003.safetensors": {"model.embed_tokens.weight": torch.randn(33, 64).bfloat16(),
-                                             "model.norm.weight": torch.ones(64, dtype=torch.bfloat16)},
+        "model-00001-of-00003.safetensors": {
+            "model.layers.0.self_attn.q_proj.weight": torch.randn(130, 64).to(torch.float8_e4m3fn)
+        },
+        "model-00002-of-00003.safetensors": {
+            "model.layers.0.self_attn.q_proj.weight_scale_inv": torch.rand(2, 1)
+        },
+        "model-00003-of-00003.safetensors": {
+            "model.embed_tokens.weight": torch.randn(33, 64).bfloat16(),
+            "model.norm.weight": torch.ones(64, dtype=torch.bfloat16),
+        },
     }
     weight_map, total = {}, 0
     for name, tensors in shards.items():
@@ -48,7 +54,10 @@ def test_open_reads_index_and_headers(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda r: (r / "model-00002-of-00003.safetensors").unlink(), "names shard model-00002-of-00003.safetensors, which is missing"),
+        (
+            lambda r: (r / "model-00002-of-00003.safetensors").unlink(),
+            "names shard model-00002-of-00003.safetensors, which is missing",
+        ),
         (lambda r: (r / "config.json").unlink(), "no config.json found"),
         (lambda r: (r / "config.json").write_text("{not json"), "config.json is not valid JSON"),
         (lambda r: (r / "model.safetensors.index.json").write_text("{}"), "has no 'weight_map'"),
@@ -102,10 +111,14 @@ def test_detect_format_from_names_and_dtypes(tmp_path: Path) -> None:
     (root / "config.json").write_text("{}")
     cases = {
         "bf16": {"a.weight": torch.zeros(2, 2, dtype=torch.bfloat16)},
-        "pack-quantized": {"a.weight_packed": torch.zeros(2, 1, dtype=torch.int32),
-                           "a.weight_scale": torch.zeros(2, 1, dtype=torch.bfloat16)},
-        "mixed": {"a.weight_packed": torch.zeros(2, 1, dtype=torch.int32),
-                  "b.weight": torch.zeros(2, 2).to(torch.float8_e4m3fn)},
+        "pack-quantized": {
+            "a.weight_packed": torch.zeros(2, 1, dtype=torch.int32),
+            "a.weight_scale": torch.zeros(2, 1, dtype=torch.bfloat16),
+        },
+        "mixed": {
+            "a.weight_packed": torch.zeros(2, 1, dtype=torch.int32),
+            "b.weight": torch.zeros(2, 2).to(torch.float8_e4m3fn),
+        },
     }
     for expected, tensors in cases.items():
         save_safetensors_atomic(tensors, root / "model.safetensors")
