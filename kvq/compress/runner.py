@@ -31,7 +31,7 @@ from kvq.compress.output_config import quantization_config
 from kvq.compress.pool import run_jobs
 from kvq.compress.recipe import Recipe
 from kvq.compress.shard_job import ShardJob, ShardResult
-from kvq.compress.shard_writer import COPY_CHUNK_BYTES
+from kvq.compress.shard_writer import COPY_CHUNK_BYTES, publish
 from kvq.compress.tensor_plan import FP8_BLOCK, INT4, CompressPlan, KeptTensor, build_plan
 from kvq.errors import KvqError
 
@@ -121,6 +121,7 @@ def run(job: PreparedJob, workers: int, progress: Callable[[int], None] | None =
                 "tensor_bytes": result.tensor_bytes,
             }
             write_manifest(out, {"shards": dict(sorted(shards.items())), "complete": False})
+            publish(out / result.shard)  # after the record: a final name is always a shard the manifest knows
 
     try:
         run_jobs(job.jobs, max(1, min(workers, len(job.jobs))), on_done, progress)

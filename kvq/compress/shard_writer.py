@@ -1,8 +1,8 @@
 """Write one safetensors shard tensor by tensor at precomputed offsets, under a temporary name, then rename.
 
 The file's space is reserved up front (a full disk fails before any work), every tensor must be written
-exactly once, and only a complete, fsynced file is renamed to its final name; on any error the temporary
-file is removed. Reading of source tensors (by byte range, no mmap) lives here too: the two edges of a job.
+exactly once, and a complete, fsynced file is left under its temporary name for the parent process to
+rename once the manifest records it (`publish`); on any error the temporary file is removed. Reading of source tensors (by byte range, no mmap) lives here too: the two edges of a job.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     return tensor.reshape(info.shape)
 
 
+def publish(path: Path) -> None:
+    """Give a shard `commit` finished its final name."""
+    os.replace(tmp_path(path), path)
+
+
 def disk_full_error(path: Path, what: str, e: OSError) -> KvqError:
     return KvqError(
         f"{path}: disk full while {what} ({e.strerror}); free space on {path.parent} or choose "
@@ -51,7 +56,8 @@ def disk_full_error(path: Path, what: str, e: OSError) -> KvqError:
 
 
 class ShardWriter:
-    """`with ShardWriter(path, layout) as w: w.write(name, tensor) ...; size, sha256 = w.commit()`."""
+    """`with ShardWriter(path, layout) as w: w.write(name, tensor) ...; size, sha256 = w.commit()`; later
+    `publish(path)`."""
 
     def __init__(self, path: Path, layout: ShardLayout) -> None:
         self.path, self.layout = Path(path), layout
@@ -91,7 +97,11 @@ class ShardWriter:
             del self._remaining[name]
 
     def commit(self) -> tuple[int, str]:
-        """fsync, hash and rename the finished file; return (file bytes, sha256 hex)."""
+        """fsync and hash the finished file, still under its temporary name; return (file bytes, sha256 hex).
+
+        The caller renames it with `publish` once it has recorded the shard, so a final name is always a
+        shard the manifest knows.
+        """
         assert not self._remaining, f"{self.path}: tensors never written: {sorted(self._remaining)[:5]}"
         try:
             os.fsync(self._fd)
@@ -103,7 +113,6 @@ class ShardWriter:
         digest = file_sha256(self._fd)
         os.close(self._fd)
         self._is_open = False
-        os.replace(self.tmp, self.path)
         return self.layout.file_bytes, digest
 
     def _reserve(self, nbytes: int) -> None:

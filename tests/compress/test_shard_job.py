@@ -27,17 +27,21 @@ def test_same_job_same_bytes(tiny_checkpoint, tmp_path):
     job = first_job(tiny_checkpoint("glm4_moe", "fp8-block"), tmp_path)
     seen = []
     first = run_shard_job(job, seen.append)
+    assert not job.out_path.exists()  # finished under its temporary name: the parent publishes it
+    shard_writer.publish(job.out_path)
     data = job.out_path.read_bytes()
     assert sum(seen) == job.input_bytes and first.file_bytes == len(data)
     assert set(first.weight_map.values()) == {job.shard} and not first.is_resumed
     os.remove(job.out_path)
     again = run_shard_job(job)
+    shard_writer.publish(job.out_path)
     assert job.out_path.read_bytes() == data and again.sha256 == first.sha256
 
 
 def test_recorded_shard_is_verified_not_redone(tiny_checkpoint, tmp_path):
     job = first_job(tiny_checkpoint("glm4_moe", "bf16"), tmp_path)
     result = run_shard_job(job)
+    shard_writer.publish(job.out_path)
     mtime = job.out_path.stat().st_mtime_ns
     resumed = run_shard_job(
         ShardJob(

@@ -34,6 +34,8 @@ def test_written_file_loads_back(tmp_path):
         for name, tensor in TENSORS.items():
             writer.write(name, tensor)
         size, sha = writer.commit()
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors.kvq-tmp"]  # until the parent publishes it
+    shard_writer.publish(path)
     assert size == path.stat().st_size and len(sha) == 64
     assert all(torch.equal(load_file(path)[n], t) for n, t in TENSORS.items())
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
