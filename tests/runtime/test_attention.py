@@ -1,144 +1,115 @@
-"""The engine's torch attention path (CPU) against the kernels' references, which are its spec: batched
-decode over paged BF16/FP8 K/V with NaN in unowned slots, the K/V store, the FP8 bit-move to bf16, and
-prefill over cached prefix pages."""
+"""The attention layer over the engine's KV pool, fed the batches `ModelRunner.prepare` builds: each step
+stores its new K/V in their page slots before attending; prefill reads a cached prefix back from its
+pages; decode reads only the slots a sequence owns (NaN everywhere else). BF16 and FP8 pages, bf16 and
+fp32 activations. Oracle: dense causal attention over the K/V as the spec quantizes them. The kernels'
+own tests (tests/runtime/kernels) cover their math on irregular shapes."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.kernels import paged_decode_attention_reference, store_kv_reference
-from kvq.runtime.kernels.kv_cache_layout import per_head_scale
-from kvq.runtime.layers.attention import PagedAttention, fp8_bits_to, fp8_factor
+from kvq.runtime.kernels import store_kv_reference
+from kvq.runtime.kernels.kv_cache_layout import dequantize_kv, quantize_kv
+from kvq.runtime.kv_pool import KVPool
+from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.model_runner import ModelRunner
-from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
+from kvq.runtime.sampling import SamplingParams
+from kvq.runtime.sequence import Sequence
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
 
-HQ, HKV, D, PAGE = 6, 2, 64, 16
+HQ, HKV, D, PAGE, NUM_PAGES = 6, 2, 64, 4, 12
+K_SCALE, V_SCALE = torch.tensor([0.02, 0.05]), torch.tensor([0.03, 0.01])  # per head (FP8 pages only)
+CPU = torch.device("cpu")
 
 
-def bound_layer(k_cache: torch.Tensor, v_cache: torch.Tensor, kv) -> PagedAttention:
-    """A layer over the pool layout `[2, pages, page_size, Hkv, D]` holding these K and V pages."""
+def bound_layer(cache_dtype: torch.dtype) -> tuple[KVPool, PagedAttention]:
+    """A one-layer pool, NaN in every page but the zero page, bound to a layer as the engine binds it."""
+    pool = KVPool(1, NUM_PAGES, PAGE, HKV, D, cache_dtype, CPU)
+    pool.storage[:, :, : pool.zero_page] = float("nan")
     layer = PagedAttention(HQ, HKV, D)
-    cpu = torch.device("cpu")
-    layer.bind(
-        torch.stack([k_cache, v_cache]),
-        per_head_scale(kv.k_scale, HKV, cpu, "k"),
-        per_head_scale(kv.v_scale, HKV, cpu, "v"),
-    )
-    return layer
+    pool.bind([layer], [(K_SCALE, V_SCALE)], require_kv_scales=True, where="test")
+    return pool, layer
 
 
-def with_zero_page(cache: torch.Tensor) -> torch.Tensor:
-    """The pool layout: one all-zero page after the pages handed out."""
-    return torch.cat([cache, torch.zeros_like(cache[:1])])
+def held(values: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """K or V `[L, Hkv, D]` as pages of `cache_dtype` hold them, read back as fp32 (the spec's round trip)."""
+    return dequantize_kv(quantize_kv(values, cache_dtype, scale[:, None]), scale)
 
 
-def decode_batch(block_tables: torch.Tensor, seq_lens: list[int], zero_page: int) -> ForwardBatch:
-    """What `ModelRunner.prepare` builds for a decode step (block-table padding -1)."""
-    runner = ModelRunner(None, PAGE, zero_page, torch.device("cpu"))  # type: ignore[arg-type]
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    slots, is_valid = runner._context_slots(block_tables, lens, max(seq_lens))
-    bias = (
-        torch.zeros(is_valid.shape).masked_fill(~is_valid, float("-inf")).repeat_interleave(HKV, 0)[:, None]
-    )
-    empty = torch.empty(0)
-    return ForwardBatch(
-        False,
-        empty,
-        empty,
-        empty,
-        block_tables,
-        slots,
-        lens,
-        seq_lens,
-        max(seq_lens),
-        [1] * len(seq_lens),
-        torch.arange(len(seq_lens)),
-        bias,
-    )
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q `[L_q, Hq, D]` as the last L_q tokens of k, v `[L, Hkv, D]`: `[L_q, Hq, D]` fp32."""
+    num_queries, context_len = q.shape[0], k.shape[0]
+    mask = torch.ones(context_len, context_len, dtype=torch.bool).tril()[context_len - num_queries :]
+    k, v = (t.float().repeat_interleave(HQ // HKV, 1).transpose(0, 1) for t in (k, v))  # [Hq, L, D]
+    return F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, mask).transpose(0, 1)
+
+
+def run_step(
+    layer: PagedAttention,
+    batch: ForwardBatch,
+    kv: list[torch.Tensor],
+    starts: list[int],
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, layer output) of one step whose new tokens are `kv[b][starts[b]:]` of each sequence b."""
+    lengths = batch.context_lens_list
+    new = torch.cat(
+        [kv_b[start:n] for kv_b, start, n in zip(kv, starts, lengths, strict=True)]
+    )  # [T, 2, Hkv, D]
+    q = torch.randn(new.shape[0], HQ, D, generator=gen).to(new.dtype)  # [T, Hq, D]
+    return q, layer(q, new[:, 0], new[:, 1], batch)
+
+
+def assert_causal(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv: list[torch.Tensor],
+    starts: list[int],
+    lengths: list[int],
+    cache_dtype: torch.dtype,
+) -> None:
+    """Each sequence's rows of `out` are causal attention over its first `lengths[b]` tokens as stored."""
+    assert out.dtype == q.dtype and torch.isfinite(out).all()  # the NaN of unowned slots never leaks in
+    rows = 0
+    for kv_b, start, length in zip(kv, starts, lengths, strict=True):
+        k, v = (held(kv_b[:length, i], cache_dtype, scale) for i, scale in enumerate((K_SCALE, V_SCALE)))
+        num_new = length - start
+        expected = causal_attention(q[rows : rows + num_new], k, v)
+        assert_close_rel(out[rows : rows + num_new], expected, REL_TOL[q.dtype])
+        rows += num_new
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("is_per_head", [False, True])
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_batched_decode_matches_the_kernel_reference(
-    cache_dtype: torch.dtype, is_per_head: bool, q_dtype: torch.dtype
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_then_decode_is_causal_attention_over_the_stored_kv(
+    cache_dtype: torch.dtype, dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(0)
-    seq_lens = [37, 16, 1, 70, 9]
-    kv = random_paged_kv(seq_lens, PAGE, HKV, D, cache_dtype, is_per_head, gen)
-    block_tables = kv.block_tables.clone()
-    block_tables[block_tables >= kv.k_cache.shape[0]] = -1  # the engine pads with -1
-    q = torch.randn(len(seq_lens), HQ, D, generator=gen).to(q_dtype)
-    layer = bound_layer(with_zero_page(kv.k_cache), with_zero_page(kv.v_cache), kv)
-    found = layer._decode_torch(q, decode_batch(block_tables, seq_lens, zero_page=kv.k_cache.shape[0]))
-    expected = paged_decode_attention_reference(
-        q, kv.k_cache, kv.v_cache, block_tables, kv.seq_lens, kv.k_scale, kv.v_scale, D**-0.5
+    pool, layer = bound_layer(cache_dtype)
+    runner = ModelRunner(SimpleNamespace(num_kv_heads=HKV), PAGE, pool.zero_page, CPU)  # type: ignore[arg-type]
+    # a: 9 prompt tokens, its first page a cached prefix; b: 6 fresh ones. Pages 1, 3, 4, 6, 8, 10, 11 unused
+    seqs = [Sequence(b, [3] * n, n, SamplingParams(), 32) for b, n in enumerate((9, 6))]
+    seqs[0].block_table, seqs[0].num_cached_tokens, seqs[1].block_table = [7, 2, 9], PAGE, [0, 5]
+    kv = [(torch.randn(10, 2, HKV, D, generator=gen) / 5).to(dtype) for _ in seqs]  # [L, K|V, Hkv, D]
+    prefix_slots = torch.arange(PAGE) + 7 * PAGE  # as an earlier request's prefill left them
+    store_kv_reference(
+        *kv[0][:PAGE].unbind(1), pool.k_caches[0], pool.v_caches[0], prefix_slots, K_SCALE, V_SCALE
     )
-    assert torch.isfinite(found).all()  # the NaN in unowned slots never leaks in
-    assert_close_rel(found, expected, REL_TOL[q_dtype])
 
-
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_store_matches_the_kernel_reference(cache_dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(1)
-    kv = random_paged_kv([20, 5], PAGE, HKV, D, cache_dtype, True, gen)
-    layer = bound_layer(kv.k_cache, kv.v_cache, kv)
-    k, v = (torch.randn(7, HKV, D, generator=gen).to(torch.bfloat16) for _ in range(2))
-    slots = torch.tensor([3, 40, 41, 17, 0, 63, 22])
-    expected_k, expected_v = kv.k_cache.clone(), kv.v_cache.clone()
-    store_kv_reference(k, v, expected_k, expected_v, slots, kv.k_scale, kv.v_scale)
-    layer._store_torch(k, v, slots)
-    for found, expected in ((layer.k_cache, expected_k), (layer.v_cache, expected_v)):
-        assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8))  # bit for bit, NaN included
-
-
-def test_fp8_bit_move_is_exact() -> None:
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    codes = codes[torch.isfinite(codes.float())]  # 254 finite codes, subnormals included
-    for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(fp8_bits_to(codes, dtype).float() * 2.0**120, codes.float()), dtype
-    for scale in (1.0, 0.0371, 3.5e-4):  # value * 2^-120 * (scale * 2^120) rounds once, like fp8 * scale
-        found = fp8_bits_to(codes, torch.float32) * fp8_factor(torch.tensor(scale))
-        assert torch.equal(found, codes.float() * scale), scale
-
-
-def test_prefill_over_cached_prefix_pages_is_causal_attention() -> None:
-    gen = torch.Generator().manual_seed(2)
-    context, new = 40, 13  # the first 27 tokens are cached pages, 13 are computed now
-    k_all, v_all = (torch.randn(context, HKV, D, generator=gen) for _ in range(2))
-    q = torch.randn(new, HQ, D, generator=gen)
-    k_cache = torch.full((6, PAGE, HKV, D), float("nan"))
-    v_cache = k_cache.clone()
-    pages = torch.tensor([4, 0, 2], dtype=torch.int32)
-    for i, page in enumerate(pages.tolist()):
-        n = min(PAGE, context - i * PAGE)
-        k_cache[page, :n], v_cache[page, :n] = k_all[i * PAGE : i * PAGE + n], v_all[i * PAGE : i * PAGE + n]
-    layer = PagedAttention(HQ, HKV, D)
-    layer.bind(torch.stack([k_cache, v_cache]), torch.ones(HKV), torch.ones(HKV))
-    slots = (pages.long()[:, None] * PAGE + torch.arange(PAGE)).flatten()[:context]
-    empty = torch.empty(0)
-    batch = ForwardBatch(
-        True,
-        empty,
-        empty,
-        empty,
-        pages[None],
-        slots[None],
-        torch.tensor([context], dtype=torch.int32),
-        [context],
-        context,
-        [new],
-        torch.tensor([new - 1]),
-    )
-    found = layer._prefill(q, batch)
-    mask = torch.ones(context, context, dtype=torch.bool).tril()[-new:]  # [new, context]
-    expected = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k_all.repeat_interleave(3, 1).transpose(0, 1),
-        v_all.repeat_interleave(3, 1).transpose(0, 1),
-        attn_mask=mask,
-    )
-    assert_close_rel(found, expected.transpose(0, 1), REL_TOL[torch.float32])
+    q, out = run_step(layer, runner.prepare(seqs, is_prefill=True), kv, [PAGE, 0], gen)
+    assert_causal(q, out, kv, [PAGE, 0], [9, 6], cache_dtype)
+    for seq in seqs:
+        seq.token_ids.append(3)  # a: 10 tokens on its 3 pages; b: 7 on its 2
+    q, out = run_step(layer, runner.prepare(seqs, is_prefill=False), kv, [9, 6], gen)
+    assert_causal(q, out, kv, [9, 6], [10, 7], cache_dtype)
+    for seq, kv_b in zip(seqs, kv, strict=True):  # every store landed in its slot, as the spec quantizes
+        pages = torch.tensor(seq.block_table)
+        for cache, i, scale in ((pool.k_caches[0], 0, K_SCALE), (pool.v_caches[0], 1, V_SCALE)):
+            stored = cache[pages].flatten(0, 1)[: seq.num_tokens]
+            expected = quantize_kv(kv_b[: seq.num_tokens, i], cache_dtype, scale[:, None])
+            assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))

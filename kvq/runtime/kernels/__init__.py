@@ -12,21 +12,39 @@ Public API
 - `w4a16_linear(x [..., K], w) -> [..., N]` in x.dtype (CPU fast path: bf16 activations).
 - `fused_moe_w4a16(x [T, H], topk_ids [T, k], topk_weights [T, k], w13 [E, 2I, H], w2 [E, H, I]) -> [T, H]`:
   y = sum_j topk_weights[:, j] * down(SiLU(gate) * up) of expert topk_ids[:, j]; w13 rows = gate then up.
-- `paged_decode_attention(q [B, Hq, D], k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
-  sm_scale, max_seq_len=None) -> [B, Hq, D]` in q.dtype.
-- `store_kv(k [T, Hkv, D], v, k_cache, v_cache, slot_mapping, k_scale, v_scale)`: in place.
-Weights carry the backend they were prepared for; the other calls resolve it per call from the
-tensors' device, `backend=` or $KVQ_KERNELS (auto|torch|triton).
+- `PagedKVCache.of(k_cache, v_cache, k_scale, v_scale, backend=None)`: one layer's pages and scales,
+  checked once and bound to a backend (the engine makes one per attention layer at bind), with
+  `.store(k [T, Hkv, D], v, slot_mapping)` (in place),
+  `.decode_attention(q [B, Hq, D], block_tables, seq_lens, sm_scale, max_seq_len=None, plan=None)
+  -> [B, Hq, D]` and `.prefill_attention(q [T, Hq, D], block_tables, query_lens, seq_lens, sm_scale)
+  -> [T, Hq, D]` (causal over each sequence's pages; torch SDPA on every backend). `plan`
+  (`plan_paged_decode`, made once per step) spares every layer's torch path the index work.
+- `store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)` and `paged_decode_attention(q,
+  k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, max_seq_len=None)`: the same
+  calls on bare tensors, checked and dispatched at every call.
+Prepared weights and KV caches carry the backend they were made for; the bare-tensor calls resolve it
+per call. Either way it comes from `backend=`, else $KVQ_KERNELS (auto|torch|triton), else the device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
 import torch
 
-from kvq.runtime.kernels.backend import KVQ_KERNELS_ENV, resolve_backend
+from kvq.runtime.kernels.backend import KVQ_KERNELS_ENV, Backend, resolve_backend
 from kvq.runtime.kernels.fused_moe import fused_moe_reference, fused_moe_torch
-from kvq.runtime.kernels.kv_store import store_kv_reference
-from kvq.runtime.kernels.paged_attention import paged_decode_attention_reference
+from kvq.runtime.kernels.kv_cache_layout import FP8_BITS_SCALE, check_kv_cache, kv_slot_rows, per_head_scale
+from kvq.runtime.kernels.kv_store import store_kv_reference, store_kv_torch
+from kvq.runtime.kernels.paged_attention import (
+    PagedDecodePlan,
+    paged_decode_attention_reference,
+    paged_decode_attention_torch,
+    plan_paged_decode,
+)
+from kvq.runtime.kernels.paged_prefill import paged_prefill_attention
 from kvq.runtime.kernels.w4a16 import (
     W4A16Weight,
     check_w4a16_tensors,
@@ -39,12 +57,15 @@ from kvq.runtime.kernels.w4a16 import (
 
 __all__ = [
     "KVQ_KERNELS_ENV",
+    "PagedDecodePlan",
+    "PagedKVCache",
     "W4A16Weight",
     "dequantize_w4a16",
     "fused_moe_reference",
     "fused_moe_w4a16",
     "paged_decode_attention",
     "paged_decode_attention_reference",
+    "plan_paged_decode",
     "prepare_w4a16",
     "resolve_backend",
     "store_kv",
@@ -93,6 +114,110 @@ def fused_moe_w4a16(
     return fused_moe_triton(x, topk_ids, topk_weights, w13, w2)
 
 
+@dataclass(frozen=True, eq=False)
+class PagedKVCache:
+    """One layer's paged K/V (layout: `kv_cache_layout`) and fp32 per-head scales `[Hkv]`, checked and
+    bound to a backend once by `of`: the engine makes one per attention layer at bind, so the per-token
+    calls below check only their own inputs and the torch path derives its views once (at batch 1, such
+    per-call costs are most of a decode step's attention)."""
+
+    k_cache: torch.Tensor  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor  # fp32 [Hkv]
+    v_scale: torch.Tensor
+    backend: Backend
+
+    @classmethod
+    def of(
+        cls,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | float | None = None,
+        v_scale: torch.Tensor | float | None = None,
+        *,
+        backend: str | None = None,
+    ) -> PagedKVCache:
+        """Check the caches, make scales (per tensor or per head; None = 1) fp32 `[Hkv]`, pick the backend."""
+        _, num_kv_heads, _ = check_kv_cache(k_cache, v_cache)
+        return cls(
+            k_cache,
+            v_cache,
+            per_head_scale(k_scale, num_kv_heads, k_cache.device, "k_scale"),
+            per_head_scale(v_scale, num_kv_heads, k_cache.device, "v_scale"),
+            resolve_backend(k_cache.device, backend),
+        )
+
+    @cached_property
+    def kv_rows(self) -> torch.Tensor | None:
+        """The torch path's `kv_slot_rows` `[2, num_slots, Hkv * D]`: K and V moved with one op, or None."""
+        return kv_slot_rows(self.k_cache, self.v_cache)
+
+    @cached_property
+    def fp8_store_scale(self) -> torch.Tensor:
+        """fp32 `[2, 1, Hkv, 1]`: K and V stacked `[2, T, Hkv, D]` divided by this are FP8 pages' values."""
+        return torch.stack([self.k_scale, self.v_scale])[:, None, :, None]
+
+    @cached_property
+    def fp8_read_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 `[Hkv, 1, 1]` for K and V: scale * 2^120, turning `fp8_bits_to` output into values."""
+        k_factor, v_factor = torch.stack([self.k_scale, self.v_scale])[:, :, None, None] * FP8_BITS_SCALE
+        return k_factor, v_factor
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write k, v `[T, Hkv, D]` into slots `slot_mapping` `[T]` (negative: skip); FP8 pages quantize."""
+        if self.backend == "torch":
+            store_kv_torch(k, v, self, slot_mapping)
+            return
+        from kvq.runtime.kernels.kv_store_triton import store_kv_triton
+
+        store_kv_triton(k, v, self.k_cache, self.v_cache, slot_mapping, self.k_scale, self.v_scale)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sm_scale: float | None = None,
+        *,
+        max_seq_len: int | None = None,
+        plan: PagedDecodePlan | None = None,
+    ) -> torch.Tensor:
+        """Decode attention of q `[B, Hq, D]` over the pages: `[B, Hq, D]` in q.dtype.
+
+        `max_seq_len` (an upper bound of seq_lens, known to the scheduler) spares a sync; `plan` (the step's
+        `plan_paged_decode`, shared by every layer) spares the torch path its index work; Triton ignores it.
+        """
+        if self.backend == "torch":
+            return paged_decode_attention_torch(
+                q, self, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len, plan=plan
+            )
+        from kvq.runtime.kernels.paged_attention_triton import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(
+            q,
+            self.k_cache,
+            self.v_cache,
+            block_tables,
+            seq_lens,
+            self.k_scale,
+            self.v_scale,
+            sm_scale,
+            max_seq_len=max_seq_len,
+        )
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        sm_scale: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens q `[T, Hq, D]` over its pages (torch SDPA on every
+        backend, see `paged_prefill`): `[T, Hq, D]` in q.dtype."""
+        return paged_prefill_attention(q, self, block_tables, query_lens, seq_lens, sm_scale)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -106,19 +231,9 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Decode attention of q `[B, Hq, D]` over paged K/V (see `kv_cache_layout`): `[B, Hq, D]` in q.dtype.
-
-    `max_seq_len` (an upper bound of seq_lens, known to the scheduler) spares the Triton path a sync.
-    """
-    if resolve_backend(q.device, backend) == "torch":
-        return paged_decode_attention_reference(
-            q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
-        )
-    from kvq.runtime.kernels.paged_attention_triton import paged_decode_attention_triton
-
-    return paged_decode_attention_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, max_seq_len=max_seq_len
-    )
+    """`PagedKVCache.decode_attention` over bare caches (see `kv_cache_layout`): `[B, Hq, D]` in q.dtype."""
+    kv = PagedKVCache.of(k_cache, v_cache, k_scale, v_scale, backend=backend)
+    return kv.decode_attention(q, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len)
 
 
 def store_kv(
@@ -132,10 +247,5 @@ def store_kv(
     *,
     backend: str | None = None,
 ) -> None:
-    """Write k, v `[T, Hkv, D]` into slots `slot_mapping` `[T]` (negative: skip); FP8 pages quantize."""
-    if resolve_backend(k.device, backend) == "torch":
-        store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return
-    from kvq.runtime.kernels.kv_store_triton import store_kv_triton
-
-    store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    """`PagedKVCache.store` into bare caches: k, v `[T, Hkv, D]` into slots `slot_mapping` `[T]`."""
+    PagedKVCache.of(k_cache, v_cache, k_scale, v_scale, backend=backend).store(k, v, slot_mapping)

@@ -6,7 +6,8 @@ float8_e4m3fn (fp16/fp32 work too), innermost dim contiguous. `k_scale`/`v_scale
 FP8 pages store clamp(k / k_scale, +-448) cast to fp8 and read fp8.float() * k_scale; other pages
 ignore the scales. `block_tables` int32 `[B, max_pages]` (only the first ceil(seq_len / page_size)
 entries are read; padding may be -1 or anything), `seq_lens` int32 `[B]`, `slot_mapping` int64 `[T]`
-= page * page_size + offset, negative = skip. Imports torch only.
+= page * page_size + offset, negative = skip. Also what the torch paths share: FP8 pages read by moving
+bits, K and V as one view of slot rows. Imports torch only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import torch
 
 FP8_E4M3_MAX = 448.0
 KV_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+FP8_BITS_SCALE = 2.0**120  # `fp8_bits_to` reads e4m3 values 2^(127 - 7) too small
+# (int type, shift, mask) moving e4m3 bits into a float of that width: the int8 sign-extended and shifted
+# puts the sign in the top bit and exponent + mantissa right below the float's exponent/mantissa border;
+# the mask (0x87F0, 0x87F00000) clears the sign's other copies.
+_FP8_BIT_MOVES = {torch.bfloat16: (torch.int16, 4, -30736), torch.float32: (torch.int32, 20, -2014314496)}
 
 
 def is_fp8(cache: torch.Tensor) -> bool:
@@ -46,6 +52,9 @@ def per_head_scale(
     scale: torch.Tensor | float | None, num_kv_heads: int, device: torch.device, name: str
 ) -> torch.Tensor:
     """A per-tensor or per-head KV scale as fp32 `[num_kv_heads]` (an expanded view for per-tensor)."""
+    if isinstance(scale, torch.Tensor) and scale.shape == (num_kv_heads,) and scale.dtype == torch.float32:
+        if scale.device == device:  # already in this form (the engine's scales): no op
+            return scale
     if scale is None:
         scale = 1.0
     scale = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
@@ -59,11 +68,14 @@ def per_head_scale(
 
 
 def quantize_kv(values: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """K or V `[T, Hkv, D]` as stored in pages of `cache_dtype`; `scale` fp32 `[Hkv]` (fp8 only)."""
+    """K or V `[..., Hkv, D]` as stored in pages of `cache_dtype`; `scale` fp32 broadcast against values
+    (`[Hkv, 1]`: per head), used by FP8 only."""
     if cache_dtype != torch.float8_e4m3fn:
         return values.to(cache_dtype)
-    scaled = values.float() / scale[None, :, None]
-    return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+    if values.dtype == torch.float64:
+        values = values.float()
+    scaled = values / scale  # fp32: a 16-bit tensor divided by an fp32 one is computed in fp32
+    return scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
 
 
 def dequantize_kv(pages: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -71,3 +83,26 @@ def dequantize_kv(pages: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if pages.dtype != torch.float8_e4m3fn:
         return pages.float()
     return pages.float() * scale[:, None]
+
+
+def fp8_bits_to(pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 values -> (value * 2^-120) in bf16 or fp32, exactly (subnormals included), by moving bits: 2-4x
+    faster than torch's fp8 conversion on CPU. Multiply by scale * FP8_BITS_SCALE for the real value."""
+    int_dtype, shift, mask = _FP8_BIT_MOVES[dtype]
+    return ((pages.view(torch.int8).to(int_dtype) << shift) & mask).view(dtype)
+
+
+def kv_slot_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """K and V as one `[2, num_pages * page_size, Hkv * D]` view, one row per slot, when both are
+    contiguous and V lies a fixed distance after K in one allocation (the engine's pool: the halves of
+    `[2, num_pages, page_size, Hkv, D]`), so the torch paths store and gather both with one op; else None.
+    """
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    distance, remainder = divmod(v_cache.data_ptr() - k_cache.data_ptr(), k_cache.element_size())
+    if remainder or distance < k_cache.numel() or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    row = num_kv_heads * head_dim
+    try:  # as_strided checks the bounds of K's allocation: V in another one raises
+        return k_cache.as_strided((2, num_pages * page_size, row), (distance, row, 1))
+    except RuntimeError:
+        return None

@@ -1,14 +1,25 @@
 """KV store: write new K/V `[T, Hkv, D]` into their page slots, quantizing to FP8 with the layer's scales.
 
-Reference (the spec, also the torch path); the Triton kernel is in `kv_store_triton.py`.
-Layout and scale conventions: `kv_cache_layout`. Imports torch only.
+Reference (the spec) and the torch path (over a `PagedKVCache`: K and V with one row copy when they are
+the halves of one tensor, as in the engine's pool); the Triton kernel is in `kv_store_triton.py`. Layout
+and scale conventions: `kv_cache_layout`. Imports torch only.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvq.runtime.kernels.kv_cache_layout import check_kv_cache, per_head_scale, quantize_kv
+from kvq.runtime.kernels.kv_cache_layout import (
+    check_kv_cache,
+    is_fp8,
+    per_head_scale,
+    quantize_kv,
+)
+
+if TYPE_CHECKING:
+    from kvq.runtime.kernels import PagedKVCache
 
 
 def check_store_inputs(
@@ -16,8 +27,15 @@ def check_store_inputs(
 ) -> tuple[int, int, int]:
     """(page_size, num_kv_heads, head_dim) after checking shapes, dtypes, devices (ValueError/TypeError)."""
     page_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_new_kv(k, v, slot_mapping, k_cache)
+    return page_size, num_kv_heads, head_dim
+
+
+def check_new_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """The new tokens' k, v and slot_mapping against a cache already checked (ValueError/TypeError)."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
     expected = (slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1, num_kv_heads, head_dim)
-    if slot_mapping.dim() != 1 or tuple(k.shape) != expected or tuple(v.shape) != expected:
+    if slot_mapping.dim() != 1 or k.shape != expected or v.shape != expected:
         raise ValueError(
             f"k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be "
             f"[T, {num_kv_heads}, {head_dim}], [T, {num_kv_heads}, {head_dim}] and [T]"
@@ -31,7 +49,6 @@ def check_store_inputs(
             f"k, v, slot_mapping and the caches must share a device, got {k.device}, {v.device}, "
             f"{slot_mapping.device}, {k_cache.device}"
         )
-    return page_size, num_kv_heads, head_dim
 
 
 def store_kv_reference(
@@ -50,4 +67,27 @@ def store_kv_reference(
     pages, offsets = slots // page_size, slots % page_size
     for values, cache, scale, name in ((k, k_cache, k_scale, "k_scale"), (v, v_cache, v_scale, "v_scale")):
         scale = per_head_scale(scale, num_kv_heads, cache.device, name)
-        cache[pages, offsets] = quantize_kv(values[is_valid], cache.dtype, scale)
+        cache[pages, offsets] = quantize_kv(values[is_valid], cache.dtype, scale[:, None])
+
+
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv: PagedKVCache, slot_mapping: torch.Tensor) -> None:
+    """The torch path: the reference's writes, as one `index_copy_` of K and V slot rows when the caches
+    allow it (`kv.kv_rows`), else one indexed write per cache."""
+    check_new_kv(k, v, slot_mapping, kv.k_cache)
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # rare: drop the skipped tokens
+        kept = (slot_mapping >= 0).nonzero().squeeze(1)
+        k, v, slot_mapping = k[kept], v[kept], slot_mapping[kept]
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    kv_rows = kv.kv_rows
+    if kv_rows is None:
+        pages, offsets = slots // kv.k_cache.shape[1], slots % kv.k_cache.shape[1]
+        for values, cache, scale in ((k, kv.k_cache, kv.k_scale), (v, kv.v_cache, kv.v_scale)):
+            cache[pages, offsets] = quantize_kv(values, cache.dtype, scale[:, None])
+        return
+    stored = torch.stack([k, v])  # [2, T, Hkv, D]
+    if is_fp8(kv.k_cache):  # index_copy_ has no float8 kernel on CPU: copy the bytes
+        stored = quantize_kv(stored, kv.k_cache.dtype, kv.fp8_store_scale).view(torch.uint8)
+        kv_rows = kv_rows.view(torch.uint8)
+    elif stored.dtype != kv_rows.dtype:
+        stored = stored.to(kv_rows.dtype)
+    kv_rows.index_copy_(1, slots, stored.view(2, k.shape[0], kv_rows.shape[2]))

@@ -1,23 +1,36 @@
-"""KV store: Triton writes the same bytes as the reference; the reference's quantization semantics."""
+"""KV store: Triton and the torch path write the same bytes as the reference; the reference's quantization
+semantics."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvq.runtime.kernels import store_kv, store_kv_reference
+from kvq.runtime.kernels import PagedKVCache, store_kv_reference
+from kvq.runtime.kernels.kv_cache_layout import kv_slot_rows
+from kvq.runtime.kernels.kv_store import store_kv_torch
 from kvq.runtime.kernels.kv_store_triton import store_kv_triton
 
 FP8 = torch.float8_e4m3fn
 
 
 def _empty_caches(
-    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    layout: str = "separate",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    sentinel = torch.full(
-        (num_pages, page_size, num_kv_heads, head_dim), -3.0
-    )  # must survive untouched slots
-    return sentinel.to(dtype), (sentinel * 2).to(dtype)
+    """K and V caches holding sentinels (-3, -6) that must survive in untouched slots. Layout "separate":
+    two tensors; "pool": the halves of one `[2, pages, page_size, Hkv, D]` (the engine's); "by_head": pages
+    stored `[pages, Hkv, page_size, D]` and viewed transposed (slots are not rows)."""
+    if layout == "by_head":
+        pair = torch.empty(2, num_pages, num_kv_heads, page_size, head_dim, dtype=dtype).transpose(2, 3)
+    else:
+        pair = torch.empty(2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype)
+    pair[0], pair[1] = -3.0, -6.0
+    return (pair[0].clone(), pair[1].clone()) if layout == "separate" else (pair[0], pair[1])
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -32,27 +45,50 @@ STORE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("num_kv_heads", "head_dim", "cache_dtype", "scales"), STORE_CASES)
-def test_triton_writes_the_reference_bytes(
-    num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype, scales: str
-) -> None:
-    gen = torch.Generator().manual_seed(head_dim)
-    page_size, num_pages = 5, 6
+def _store_inputs(
+    num_kv_heads: int, head_dim: int, scales: str, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k bf16, v fp16 `[9, Hkv, D]`, slot_mapping with skips, k_scale, v_scale) for 6 pages of 5 slots."""
     slot_mapping = torch.tensor([3, -1, 7, 29, 0, -5, 12, 18, 4], dtype=torch.int64)
     k = (torch.randn(9, num_kv_heads, head_dim, generator=gen) * 4).to(torch.bfloat16)
     k[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, -0.0])  # clamp to +-448 and signed zeros
     v = torch.randn(9, num_kv_heads, head_dim, generator=gen).to(torch.float16)
     if scales == "per_head":
-        k_scale, v_scale = (
-            torch.rand(num_kv_heads, generator=gen) / 50 + 0.005,
-            torch.rand(num_kv_heads) / 100 + 0.001,
-        )
+        k_scale = torch.rand(num_kv_heads, generator=gen) / 50 + 0.005
+        v_scale = torch.rand(num_kv_heads, generator=gen) / 100 + 0.001
     else:
         k_scale, v_scale = torch.tensor([0.013]), torch.tensor(0.004)
-    expected = _empty_caches(num_pages, page_size, num_kv_heads, head_dim, cache_dtype)
+    return k, v, slot_mapping, k_scale, v_scale
+
+
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "cache_dtype", "scales"), STORE_CASES)
+def test_triton_writes_the_reference_bytes(
+    num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype, scales: str
+) -> None:
+    k, v, slot_mapping, k_scale, v_scale = _store_inputs(
+        num_kv_heads, head_dim, scales, torch.Generator().manual_seed(head_dim)
+    )
+    expected = _empty_caches(6, 5, num_kv_heads, head_dim, cache_dtype)
     actual = tuple(c.clone() for c in expected)
     store_kv_reference(k, v, *expected, slot_mapping, k_scale, v_scale)
     store_kv_triton(k, v, *actual, slot_mapping, k_scale, v_scale)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(_bytes(a), _bytes(e))
+
+
+@pytest.mark.parametrize("layout", ["pool", "separate", "by_head"])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "cache_dtype", "scales"), STORE_CASES)
+def test_torch_path_writes_the_reference_bytes(
+    num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype, scales: str, layout: str
+) -> None:
+    k, v, slot_mapping, k_scale, v_scale = _store_inputs(
+        num_kv_heads, head_dim, scales, torch.Generator().manual_seed(head_dim + 1)
+    )
+    expected = _empty_caches(6, 5, num_kv_heads, head_dim, cache_dtype)
+    actual = _empty_caches(6, 5, num_kv_heads, head_dim, cache_dtype, layout)
+    store_kv_reference(k, v, *expected, slot_mapping, k_scale, v_scale)
+    assert (kv_slot_rows(*actual) is not None) == (layout == "pool")  # one row copy, else indexed writes
+    store_kv_torch(k, v, PagedKVCache.of(*actual, k_scale, v_scale), slot_mapping)
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(_bytes(a), _bytes(e))
 
@@ -74,7 +110,7 @@ def test_fp8_store_rounds_every_e4m3_midpoint_to_even() -> None:
 def test_reference_quantizes_with_scale_and_clamp_and_skips_negative_slots() -> None:
     k = torch.tensor([[[0.5, -1.0, 100.0, -100.0]], [[9.0, 9.0, 9.0, 9.0]]])  # [T=2, Hkv=1, D=4]
     k_cache, v_cache = _empty_caches(2, 2, 1, 4, FP8)
-    store_kv(k, k, k_cache, v_cache, torch.tensor([3, -1]), torch.tensor(0.125), 0.5, backend="torch")
+    store_kv_reference(k, k, k_cache, v_cache, torch.tensor([3, -1]), torch.tensor(0.125), 0.5)
     assert torch.equal(
         k_cache[1, 1, 0].float() * 0.125, torch.tensor([0.5, -1.0, 56.0, -56.0])
     )  # 448 * 0.125

@@ -1,4 +1,5 @@
-"""Paged decode attention: the reference against dense SDPA, and Triton/torch against the reference."""
+"""Paged decode attention: the reference against dense SDPA, and Triton and the torch path (batched, over a
+step's plan) against the reference."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels import paged_decode_attention, paged_decode_attention_reference
+from kvq.runtime.kernels import (
+    PagedKVCache,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    plan_paged_decode,
+)
+from kvq.runtime.kernels.paged_attention import paged_decode_attention_torch
 from kvq.runtime.kernels.paged_attention_triton import paged_decode_attention_triton
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
 
@@ -70,6 +77,65 @@ def test_triton_matches_reference(
     )
     assert y.dtype == dtype and not torch.isnan(y).any()
     assert_close_rel(y, expected, REL_TOL[dtype])
+
+
+# ATTENTION_CASES on 6 sequences, and the bf16 ones on 40: over 1024 queries x keys, bf16 matmuls
+TORCH_CASES = [(*case[:-1], 6) for case in ATTENTION_CASES] + [
+    (*case[:-1], 40) for case in ATTENTION_CASES if case[6] == torch.bfloat16
+]
+
+
+@pytest.mark.parametrize("is_planned", [False, True])
+@pytest.mark.parametrize(
+    (
+        "page_size",
+        "num_kv_heads",
+        "queries_per_kv",
+        "head_dim",
+        "cache_dtype",
+        "is_per_head",
+        "dtype",
+        "num_seqs",
+    ),
+    TORCH_CASES,
+)
+def test_torch_path_matches_reference(
+    page_size: int,
+    num_kv_heads: int,
+    queries_per_kv: int,
+    head_dim: int,
+    cache_dtype: torch.dtype,
+    is_per_head: bool,
+    dtype: torch.dtype,
+    num_seqs: int,
+    is_planned: bool,
+) -> None:
+    gen = torch.Generator().manual_seed(page_size * head_dim + num_seqs)
+    seq_lens = (_seq_lens(page_size) * 7)[:num_seqs]
+    kv = random_paged_kv(seq_lens, page_size, num_kv_heads, head_dim, cache_dtype, is_per_head, gen)
+    q = torch.randn(num_seqs, num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
+    cache = PagedKVCache.of(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale)
+    args = (q, cache, kv.block_tables, kv.seq_lens, 0.3)
+    if is_planned:  # the step's plan, over a bound the scheduler knows (it may exceed every length)
+        max_seq_len = max(seq_lens) + 7
+        plan = plan_paged_decode(kv.block_tables, kv.seq_lens, page_size, num_kv_heads, max_seq_len)
+        y = paged_decode_attention_torch(*args, max_seq_len=max_seq_len, plan=plan)
+    else:
+        y = paged_decode_attention_torch(*args)
+    expected = paged_decode_attention_reference(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale, 0.3
+    )
+    assert y.dtype == dtype and torch.isfinite(y).all()  # the NaN in unowned slots never leaks in
+    assert_close_rel(y, expected, REL_TOL[dtype])
+
+
+def test_torch_path_rejects_a_plan_of_another_batch() -> None:
+    kv = random_paged_kv([3, 9], 8, 2, 64, torch.bfloat16, False, torch.Generator().manual_seed(4))
+    plan = plan_paged_decode(kv.block_tables[:1], kv.seq_lens[:1], 8, 2, 9)
+    q = torch.randn(2, 4, 64)
+    cache = PagedKVCache.of(kv.k_cache, kv.v_cache)
+    with pytest.raises(ValueError, match="plan has context_slots"):
+        paged_decode_attention_torch(q, cache, kv.block_tables, kv.seq_lens, plan=plan)
 
 
 @pytest.mark.parametrize(("cache_dtype", "is_per_head"), [(FP8, True), (FP8, False), (torch.bfloat16, False)])

@@ -1,0 +1,87 @@
+"""Paged prefill attention: each sequence's new tokens attend causally over its whole context, read back
+from its pages (a cached prefix and a fresh prefill see the same K/V).
+
+Torch on every device, no Triton kernel: one `scaled_dot_product_attention` per sequence over its
+gathered pages (a `PagedKVCache`), in fp32 on CPU and in q's dtype elsewhere (CUDA: the fused SDPA
+kernels; a prompt with no cached prefix takes the causal fast path). The spec is dense causal attention
+over the same K/V. Imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvq.runtime.kernels.kv_cache_layout import fp8_bits_to, is_fp8
+from kvq.runtime.kernels.paged_attention import default_sm_scale
+
+if TYPE_CHECKING:
+    from kvq.runtime.kernels import PagedKVCache
+
+
+def read_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, factor: torch.Tensor) -> torch.Tensor:
+    """A sequence's first `seq_len` K or V `[seq_len, Hkv, D]` as fp32 values from its `pages` `[n]`;
+    `factor` fp32 `[Hkv, 1, 1]` (FP8 pages: scale * 2^120, see `fp8_bits_to`)."""
+    stored = cache.index_select(0, pages).flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+    if not is_fp8(cache):
+        return stored.float()
+    return fp8_bits_to(stored, torch.float32) * factor[:, 0]  # exactly fp8 * scale
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv: PagedKVCache,
+    block_tables: torch.Tensor,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """q `[T, Hq, D]` (T = sum(query_lens), sequence after sequence) -> `[T, Hq, D]` in q.dtype.
+
+    Sequence b's `query_lens[b]` queries are the last tokens of its `seq_lens[b]` context, whose K/V are
+    already in the pages of `block_tables[b]`; token i attends to context tokens 0..i.
+    """
+    _, page_size, num_kv_heads, head_dim = kv.k_cache.shape
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}, expected [T, Hq, {head_dim}] with Hq a multiple of "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    num_seqs = len(query_lens)
+    if len(seq_lens) != num_seqs or block_tables.shape[0] != num_seqs or sum(query_lens) != q.shape[0]:
+        raise ValueError(
+            f"query_lens ({num_seqs} sequences, {sum(query_lens)} tokens), seq_lens ({len(seq_lens)}), "
+            f"block_tables {tuple(block_tables.shape)} and q ({q.shape[0]} tokens) must agree"
+        )
+    if any(not 0 < n <= length for n, length in zip(query_lens, seq_lens, strict=True)):
+        raise ValueError(f"every query_len must be in [1, seq_len], got {list(query_lens)}, {list(seq_lens)}")
+    sm_scale = default_sm_scale(head_dim) if sm_scale is None else sm_scale
+    dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    k_factor, v_factor = kv.fp8_read_factors
+    out = torch.empty_like(q)
+    start = 0
+    for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        pages = block_tables[b, : -(-seq_len // page_size)].long()
+        k, v = (  # [1, Hkv, L, D]
+            read_pages(cache, pages, seq_len, factor).to(dtype).transpose(0, 1)[None]
+            for cache, factor in ((kv.k_cache, k_factor), (kv.v_cache, v_factor))
+        )
+        mask = None
+        if query_len < seq_len:  # a cached prefix: query i sits at position seq_len - query_len + i
+            rows = torch.arange(query_len, device=q.device)[:, None] + (seq_len - query_len)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [L_q, L]
+        o = F.scaled_dot_product_attention(
+            q[start : start + query_len].to(dtype).transpose(0, 1)[None],  # [1, Hq, L_q, D]
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=sm_scale,
+            enable_gqa=True,
+        )
+        out[start : start + query_len] = o[0].transpose(0, 1)
+        start += query_len
+    return out

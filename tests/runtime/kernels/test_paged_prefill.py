@@ -1,0 +1,59 @@
+"""Paged prefill attention against dense causal attention over the K/V its pages hold: a cached prefix, a
+fresh prompt and a single token in one call; FP8 and 16-bit pages; shuffled, shared and padded page
+tables with NaN in every slot no sequence owns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvq.runtime.kernels import PagedKVCache
+from kvq.runtime.kernels.kv_cache_layout import dequantize_kv, per_head_scale
+from kvq.runtime.kernels.paged_prefill import paged_prefill_attention
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
+
+FP8 = torch.float8_e4m3fn
+HQ, HKV, D, PAGE = 6, 2, 64, 16
+SEQ_LENS = [40, 16, 23, 1]
+QUERY_LENS = [13, 16, 2, 1]  # 27 cached tokens + 13 new; a fresh prompt; 21 cached + 2; one token
+
+
+def held_kv(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, scale: torch.Tensor) -> torch.Tensor:
+    """A sequence's K or V `[seq_len, Hkv, D]` as fp32 values, as its pages hold them (the spec's read)."""
+    return dequantize_kv(cache[pages].flatten(0, 1)[:seq_len], scale)
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "is_per_head", "q_dtype"),
+    [(FP8, True, torch.bfloat16), (FP8, False, torch.float32), (torch.bfloat16, False, torch.float32)],
+)
+def test_prefill_is_causal_attention_over_each_sequence_context(
+    cache_dtype: torch.dtype, is_per_head: bool, q_dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(2)
+    kv = random_paged_kv(SEQ_LENS, PAGE, HKV, D, cache_dtype, is_per_head, gen)
+    q = torch.randn(sum(QUERY_LENS), HQ, D, generator=gen).to(q_dtype)
+    cache = PagedKVCache.of(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale)
+    out = paged_prefill_attention(q, cache, kv.block_tables, QUERY_LENS, SEQ_LENS, 0.2)
+    assert out.dtype == q_dtype and torch.isfinite(out).all()  # the NaN in unowned slots never leaks in
+    k_scale, v_scale = (per_head_scale(s, HKV, q.device, "scale") for s in (kv.k_scale, kv.v_scale))
+    start = 0
+    for b, (query_len, seq_len) in enumerate(zip(QUERY_LENS, SEQ_LENS, strict=True)):
+        pages = kv.block_tables[b, : -(-seq_len // PAGE)].long()
+        k, v = (
+            held_kv(cache, pages, seq_len, scale).repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+            for cache, scale in ((kv.k_cache, k_scale), (kv.v_cache, v_scale))
+        )  # [Hq, L, D]
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()[seq_len - query_len :]  # [L_q, L]
+        rows = slice(start, start + query_len)
+        expected = F.scaled_dot_product_attention(q[rows].float().transpose(0, 1), k, v, mask, scale=0.2)
+        assert_close_rel(out[rows], expected.transpose(0, 1), REL_TOL[q_dtype])
+        start += query_len
+
+
+def test_rejects_more_queries_than_context() -> None:
+    kv = random_paged_kv([5], 8, 1, 64, torch.bfloat16, False, torch.Generator().manual_seed(3))
+    cache = PagedKVCache.of(kv.k_cache, kv.v_cache)
+    with pytest.raises(ValueError, match=r"every query_len must be in \[1, seq_len\]"):
+        paged_prefill_attention(torch.randn(6, 2, 64), cache, kv.block_tables, [6], [5])
