@@ -10,6 +10,7 @@ from kvq import __version__
 from kvq.bench.calibrate import bench_calibrate_command
 from kvq.bench.compress import bench_compress_command
 from kvq.bench.decode import bench_decode_command
+from kvq.bench.integrity import bench_integrity_command
 from kvq.commands.calibrate_cmd import calibrate_command
 from kvq.commands.compress_cmd import compress_command
 from kvq.commands.default_model import default_model_command
@@ -35,6 +36,7 @@ app.command("plan")(plan_command)
 app.command("compress")(compress_command)
 bench_app.command("compress")(bench_compress_command)
 bench_app.command("decode")(bench_decode_command)
+bench_app.command("integrity")(bench_integrity_command)
 app.command("generate")(generate_command)
 app.command("calibrate")(calibrate_command)
 bench_app.command("calibrate")(bench_calibrate_command)

@@ -47,6 +47,16 @@ def generate_command(
         typer.Option(help="Activations: auto (bfloat16) or float32 (reference mode, weights dequantized)."),
     ] = EngineConfig.dtype,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    kv_integrity: Annotated[
+        str,
+        typer.Option(
+            help="Checked KV pages: off (no checks, no cost); tags (before each step's attention, every "
+            "page the request reads or writes must carry the tag its own tokens and allocations expect: "
+            "catches freed, reused, misdirected and stale pages); full (tags, plus a hash of sampled "
+            "bytes of every full page, taken when it was written: catches bytes changed in place). A "
+            "failed check stops the request with an error naming the page."
+        ),
+    ] = EngineConfig.kv_integrity,
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
 ) -> None:
     """Generate a completion for one prompt, streaming the text as it is produced."""
@@ -69,6 +79,7 @@ def generate_command(
         require_kv_scales=require_kv_scales,
         threads=threads,
         max_num_seqs=1,
+        kv_integrity=kv_integrity,
     )
     engine = Engine(config)
     token_ids = engine.encode_chat(prompt) if chat else engine.encode(prompt)
@@ -78,6 +89,6 @@ def generate_command(
         sys.stdout.flush()
         error = out.error
     sys.stdout.write("\n")
-    if error is not None:
-        print(f"kvq: error: {error}", file=sys.stderr)
+    if error is not None:  # finish reason "error": the text above is what came before it
+        print(f"kvq: error: generation stopped: {error}", file=sys.stderr)
         raise typer.Exit(1)

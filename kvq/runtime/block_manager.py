@@ -4,7 +4,11 @@ Every page allocation, sealing (a page becomes full and gets its hash), freeing 
 happens here, in paired verbs: `can_allocate`/`allocate`/`deallocate` for admission, `can_append`/
 `may_append` for decode. A full page's hash is `chain_hash(previous page's hash, its token ids)`, so
 `page_hashes(seq.token_ids)` is the identity each page of `seq.block_table` should have; a prefix hit is
-re-checked against the stored token ids before it is shared. Imports kvq.runtime.sequence only.
+re-checked against the stored token ids before it is shared. A sequence chains its own pages' hashes
+(`seq.last_page_hash`), never reading them back from the shared pages. With `--kv-integrity` on, a
+`TagTracker` is told of every take, seal and free, and keeps each page's tag and each sequence's
+expected tags (`kvq.runtime.integrity`); with it off, `tracker` is None and nothing else runs.
+Imports kvq.runtime.sequence (and kvq.runtime.integrity for types).
 """
 
 from __future__ import annotations
@@ -12,10 +16,15 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import deque
+from collections.abc import Collection
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvq.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvq.runtime.integrity.tracker import TagTracker
 
 ROOT_HASH = 0  # the "previous hash" of a sequence's first page
 
@@ -44,8 +53,15 @@ class Page:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        tracker: TagTracker | None = None,
+    ) -> None:
         self.page_size, self.enable_prefix_caching = page_size, enable_prefix_caching
+        self.tracker = tracker
         self.pages = [Page(i) for i in range(num_pages)]
         self.free_page_ids: deque[int] = deque(range(num_pages))  # freed pages keep their hash until reused
         self.hash_to_page_id: dict[int, int] = {}
@@ -83,30 +99,36 @@ class BlockManager:
             page_hash = chain_hash(previous, token_ids) if is_full else None
             page = self._lookup(page_hash, token_ids) if is_hitting and i < num_shareable else None
             if page is not None:
+                assert page_hash is not None, "only full pages are looked up"
                 if page.ref_count == 0:
                     self.free_page_ids.remove(page.page_id)
                 page.ref_count += 1
                 num_cached += self.page_size
                 self.num_prefix_hits += 1
+                if self.tracker is not None:
+                    self.tracker.on_attach(seq, page_hash)  # its expected tag: from seq's own tokens
             else:
                 is_hitting = False
-                page = self._take_free_page()
+                page = self._take_free_page(seq)
                 if page_hash is not None:
-                    self._seal(page, page_hash, token_ids)
+                    self._seal(seq, i, page, page_hash, token_ids)
             seq.block_table.append(page.page_id)
             previous = page_hash if page_hash is not None else previous
-        seq.num_cached_tokens = num_cached
+        seq.num_cached_tokens, seq.last_page_hash = num_cached, previous
 
-    def deallocate(self, seq: Sequence) -> None:
-        """Drop `seq`'s references; pages nobody uses go back to the free list (keeping their hash)."""
-        for page_id in reversed(seq.block_table):
-            page = self.pages[page_id]
-            page.ref_count -= 1
-            assert page.ref_count >= 0, f"page {page_id} freed twice"
-            if page.ref_count == 0:
-                self.free_page_ids.append(page_id)
+    def deallocate(self, seq: Sequence, lost: Collection[int] = ()) -> None:
+        """Drop `seq`'s references; pages nobody uses go back to the free list (keeping their hash).
+
+        `lost`: logical indices whose page is not `seq`'s any more (a failed tag check: the page was
+        freed under it and taken by another request, or its block-table entry is wrong). Their
+        references are left alone: dropping one could free a page another request holds.
+        """
+        for i in reversed(range(len(seq.block_table))):
+            if i not in lost:
+                self._release(seq.block_table[i])
         seq.block_table.clear()
-        seq.num_cached_tokens = 0
+        seq.expected_tags.clear()
+        seq.num_cached_tokens, seq.last_page_hash = 0, ROOT_HASH
 
     # -- decode ---------------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
@@ -116,12 +138,23 @@ class BlockManager:
     def may_append(self, seq: Sequence) -> None:
         """Make room for the last token's K/V; seal the last page when that token fills it."""
         if len(seq.block_table) < self.pages_for(seq.num_tokens):
-            seq.block_table.append(self._take_free_page().page_id)
+            seq.block_table.append(self._take_free_page(seq).page_id)
         if seq.num_tokens % self.page_size == 0:
-            previous = self.pages[seq.block_table[-2]].hash if len(seq.block_table) > 1 else ROOT_HASH
-            assert previous is not None, "pages before the last one are sealed"
             token_ids = tuple(seq.token_ids[-self.page_size :])
-            self._seal(self.pages[seq.block_table[-1]], chain_hash(previous, token_ids), token_ids)
+            page_hash = chain_hash(seq.last_page_hash, token_ids)
+            index = len(seq.block_table) - 1
+            self._seal(seq, index, self.pages[seq.block_table[index]], page_hash, token_ids)
+            seq.last_page_hash = page_hash
+
+    # -- after a failed integrity check -----------------------------------------------------------------
+    def unhash(self, page_id: int) -> None:
+        """Take a page out of the prefix cache: its content is not what its hash says (or never written)."""
+        page = self.pages[page_id]
+        if page.hash is not None and self.hash_to_page_id.get(page.hash) == page_id:
+            del self.hash_to_page_id[page.hash]
+        page.hash, page.token_ids = None, ()
+        if self.tracker is not None:
+            self.tracker.on_unhash(page_id, page.ref_count)
 
     # -- pages ----------------------------------------------------------------------------------------
     def _lookup(self, page_hash: int | None, token_ids: tuple[int, ...]) -> Page | None:
@@ -131,15 +164,36 @@ class BlockManager:
             return None
         return self.pages[page_id]
 
-    def _take_free_page(self) -> Page:
+    def _take_free_page(self, seq: Sequence) -> Page:
+        """The next free page, for `seq`'s next logical page."""
         page = self.pages[self.free_page_ids.popleft()]
         assert page.ref_count == 0
         if page.hash is not None and self.hash_to_page_id.get(page.hash) == page.page_id:
             del self.hash_to_page_id[page.hash]  # its old content is about to be overwritten
         page.hash, page.token_ids, page.ref_count = None, (), 1
+        if self.tracker is not None:
+            self.tracker.on_take(seq, page.page_id)
         return page
 
-    def _seal(self, page: Page, page_hash: int, token_ids: tuple[int, ...]) -> None:
+    def _release(self, page_id: int) -> None:
+        """Drop one reference; the last one returns the page to the free list."""
+        page = self.pages[page_id]
+        if page.ref_count == 0 and self.tracker is not None:
+            self.tracker.on_release_of_free_page(page_id)  # a double free: the page stays free, once
+            return
+        page.ref_count -= 1
+        assert page.ref_count >= 0, f"page {page_id} freed twice"
+        if page.ref_count == 0:
+            self.free_page_ids.append(page_id)
+            if self.tracker is not None:
+                self.tracker.on_free(page_id, page.hash is not None)
+
+    def _seal(
+        self, seq: Sequence, index: int, page: Page, page_hash: int, token_ids: tuple[int, ...]
+    ) -> None:
+        """`page`, `seq`'s logical page `index`, is full: it gets its chain hash (and a cache entry)."""
         page.hash, page.token_ids = page_hash, token_ids
         if self.enable_prefix_caching:
             self.hash_to_page_id[page_hash] = page.page_id
+        if self.tracker is not None:
+            self.tracker.on_seal(seq, index, page.page_id, page_hash)

@@ -19,6 +19,7 @@ DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 FP8_WEIGHT_MODES = ("per-use", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+KV_INTEGRITY_MODES = ("off", "tags", "full")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 
 
@@ -38,6 +39,10 @@ class EngineConfig:
       preemption by recompute when decode runs out of pages.
     fp8_weights: FP8-block weights dequantized at every use ("per-use", memory as stored) or once at
       load to BF16 ("bf16", faster, twice the memory).
+    kv_integrity: checked KV pages (`kvq.runtime.integrity`). "off" builds no tracker and does no work;
+      "tags" checks, once per step before any page is read, that every page a request reads or writes
+      carries the tag its own state expects; "full" also re-hashes sampled bytes of every sealed page
+      read. A failed check ends only the request it hit (finish reason "error").
     """
 
     model: str
@@ -55,6 +60,7 @@ class EngineConfig:
     fp8_weights: str = "per-use"
     device: str = "auto"
     threads: int | None = None
+    kv_integrity: str = "off"
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -63,6 +69,7 @@ class EngineConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
         _choice("device", self.device, DEVICES)
+        _choice("kv_integrity", self.kv_integrity, KV_INTEGRITY_MODES)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise KvqError("device 'cuda' was requested but torch sees no CUDA device; use --device cpu")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -1,7 +1,9 @@
 """The engine: load a checkpoint, accept requests, run scheduler steps, turn tokens into text.
 
 `Engine.generate(prompts, params)` runs requests to completion; `add_request` + `step` is the streaming
-API (each step returns what changed). Imports torch, transformers (config, tokenizer) and kvq.
+API (each step returns what changed). With `kv_integrity` on, each step's batch is checked before the
+model reads a page, and a request whose pages fail ends alone with finish reason "error".
+Imports torch, transformers (config, tokenizer) and kvq.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
+from kvq.runtime.integrity import make_tracker
+from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.loader import WeightLoader
 from kvq.runtime.model_runner import ModelRunner
@@ -44,6 +48,13 @@ class RequestOutput:
     error: str | None
 
 
+@dataclass
+class EngineStats:
+    """Counters since the engine was made."""
+
+    integrity_aborts: int = 0  # requests stopped by a failed KV page check
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -59,8 +70,9 @@ class Engine:
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids()
         self.kv_pool = self._kv_pool()
+        self.tracker = make_tracker(config.kv_integrity, self.kv_pool)  # None when "off"
         self.block_manager = BlockManager(
-            self.kv_pool.num_pages, config.page_size, config.enable_prefix_caching
+            self.kv_pool.num_pages, config.page_size, config.enable_prefix_caching, self.tracker
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -70,6 +82,7 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, config.page_size, self.kv_pool.zero_page, config.torch_device)
         self._ids = itertools.count()
+        self.stats = EngineStats()
 
     def _kv_pool(self) -> KVPool:
         """Pages for the budget (no more than max_num_seqs full contexts), bound to every attention layer."""
@@ -148,9 +161,15 @@ class Engine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
-        logits = self.runner.run(seqs, is_prefill)
+        outputs: list[RequestOutput] = []
+        if self.tracker is None:
+            logits = self.runner.run(seqs, is_prefill)
+        else:
+            seqs, checked_logits, outputs = self._run_checked(seqs, is_prefill)
+            if checked_logits is None:  # every request of the step was stopped
+                return outputs
+            logits = checked_logits
         token_ids, is_finite = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        outputs = []
         for seq, token_id, ok in zip(seqs, token_ids, is_finite, strict=True):
             if ok:
                 self._append(seq, token_id)
@@ -190,6 +209,27 @@ class Engine:
                     yield out
                     if out.finished:
                         return
+
+    def _run_checked(
+        self, seqs: list[Sequence], is_prefill: bool
+    ) -> tuple[list[Sequence], torch.Tensor | None, list[RequestOutput]]:
+        """Check the step's batch, stop the requests it hit, run the rest: (seqs run, logits, outputs of
+        the stopped ones). Rechecked after each removal, as the batch is rebuilt."""
+        assert self.tracker is not None
+        stopped: list[Sequence] = []
+        batch = self.runner.prepare(seqs, is_prefill)
+        while mismatches := self.tracker.check(seqs, batch):
+            seqs, hit = remove_hit(mismatches, seqs, is_prefill, self.scheduler)
+            stopped += hit
+            self.stats.integrity_aborts += len(hit)
+            if not seqs:
+                break
+            batch = self.runner.prepare(seqs, is_prefill)
+        logits = None
+        if seqs:
+            logits = self.runner.forward(batch)
+            self.tracker.after_forward()
+        return seqs, logits, [self._output(s) for s in stopped]
 
     # -- tokens to text -------------------------------------------------------------------------------
     def _append(self, seq: Sequence, token_id: int) -> None:

@@ -44,11 +44,14 @@ class KVPool:
         # path stores and gathers both with one op; `k_caches[i]`, `v_caches[i]` are its halves (the
         # kernels' layout). One more page than handed out: `zero_page`, all zeros, which attention reads for
         # slots past a sequence's end. The others start empty (committed as written; read once written).
-        shape = (2, num_pages + 1, page_size, num_kv_heads, head_dim)
+        # All layers are views of one `storage` tensor, so one gather reaches a page in every layer
+        # (`page_bytes_view`, the integrity check's sampled-bytes hash).
         self.zero_page = num_pages
-        self.kv_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for kv_cache in self.kv_caches:
-            kv_cache[:, self.zero_page].zero_()
+        self.storage = torch.empty(
+            (num_layers, 2, num_pages + 1, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )  # [L, 2, P + 1, page_size, Hkv, D]
+        self.storage[:, :, self.zero_page].zero_()
+        self.kv_caches = list(self.storage.unbind(0))
         self.k_caches = [kv_cache[0] for kv_cache in self.kv_caches]
         self.v_caches = [kv_cache[1] for kv_cache in self.kv_caches]
 
@@ -73,6 +76,20 @@ class KVPool:
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token slot's K (or V) in one layer: Hkv * D * itemsize."""
+        return self.storage[0, 0, 0, 0].numel() * self.dtype.itemsize
+
+    def page_bytes_view(self) -> torch.Tensor:
+        """The pool's bytes as `[L, 2, num_pages + 1, page_size * row_bytes]` uint8 (a view, no copy)."""
+        num_layers, _, num_slots_pages = self.storage.shape[:3]
+        return self.storage.view(torch.uint8).view(num_layers, 2, num_slots_pages, -1)
 
     def bind(
         self,

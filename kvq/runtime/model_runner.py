@@ -73,11 +73,13 @@ class ModelRunner:
         is_valid = torch.arange(max_len, device=self.device)[None, :] < context_lens[:, None]
         return torch.where(is_valid, slots, self.zero_page * self.page_size), is_valid
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """fp32 logits `[B, V]` of each sequence's next token."""
-        batch = self.prepare(seqs, is_prefill)
-        # Checked KV pool (next issue): a batched check of batch.block_tables' pages against the sequences'
-        # expected page hashes (`block_manager.page_hashes`) runs here, before any layer reads them.
+        return self.forward(self.prepare(seqs, is_prefill))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits `[B, V]` of a prepared batch. With --kv-integrity on, `Engine` checks this very batch
+        (its block tables and slot mapping, as the kernels will use them) between `prepare` and here."""
         hidden = self.model.forward(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

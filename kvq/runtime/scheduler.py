@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.sequence import Sequence, Status
@@ -76,11 +77,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Release a finished sequence's pages and take it out of the running set."""
-        self.block_manager.deallocate(seq)
+    def finish(self, seq: Sequence, lost: Collection[int] = ()) -> None:
+        """Release a finished sequence's pages and take it out of the running set (`lost`: logical pages
+        that failed their tag check, whose references are not released; see `BlockManager.deallocate`)."""
+        self.block_manager.deallocate(seq, lost)
         seq.status = Status.FINISHED
         self.running.remove(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Take a running sequence out of this step and preempt it (recomputed when readmitted)."""
+        self.running.remove(seq)
+        self.preempt(seq)
 
     def _decode_reserve(self, seq: Sequence) -> int:
         """Pages held back for the tokens `seq` may still generate (decode_reserve_ratio of them)."""

@@ -22,7 +22,9 @@ class Status(Enum):
 @dataclass(eq=False)
 class Sequence:
     """Prompt + completion tokens. `block_table[i]` is the page holding tokens [i*P, (i+1)*P); the first
-    `num_cached_tokens` tokens were found in shared prefix pages when it was last admitted."""
+    `num_cached_tokens` tokens were found in shared prefix pages when it was last admitted.
+    `last_page_hash` chains its own full pages (0: none yet); `expected_tags[i]` is the tag page i must
+    carry, derived from this request's own tokens and allocations (only with --kv-integrity on)."""
 
     seq_id: int
     token_ids: list[int]
@@ -33,6 +35,8 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    last_page_hash: int = 0  # block_manager.ROOT_HASH
+    expected_tags: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None

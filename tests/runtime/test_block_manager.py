@@ -111,3 +111,29 @@ def test_append_takes_a_page_at_the_boundary_and_seals_full_pages() -> None:
 def test_page_hashes_chain_over_previous_pages() -> None:
     assert page_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], P)[1] != page_hashes([0, 2, 3, 4, 5, 6, 7, 8], P)[1]
     assert len(page_hashes(list(range(9)), P)) == 2
+
+
+def test_deallocate_leaves_the_references_of_lost_pages_alone() -> None:
+    """After a failed tag check (`lost`: entries that are not the request's page any more), releasing
+    them could free a page another request holds."""
+    m = BlockManager(num_pages=8, page_size=P)
+    a, b = seq(list(range(9)), 0), seq(list(range(100, 109)), 1)
+    m.allocate(a)
+    m.allocate(b)
+    a.block_table[2] = b.block_table[2]  # a's entry now names b's page
+    m.deallocate(a, lost={2})
+    assert [m.pages[p].ref_count for p in b.block_table] == [1, 1, 1]
+    assert m.num_free_pages == 8 - 3 - 1  # a's real third page stays taken (its reference is unknown)
+    assert a.block_table == [] and a.expected_tags == [] and a.last_page_hash == bm.ROOT_HASH
+
+
+def test_a_sequence_chains_its_own_page_hashes() -> None:
+    """may_append seals from `seq.last_page_hash`, never from what the shared previous page says."""
+    m = BlockManager(num_pages=4, page_size=P)
+    s = seq([1, 2, 3, 4, 5])
+    m.allocate(s)
+    m.pages[s.block_table[0]].hash = 12345  # a shared page's hash changed under it
+    for token in (6, 7, 8):
+        s.token_ids.append(token)
+        m.may_append(s)
+    assert m.pages[s.block_table[1]].hash == page_hashes(s.token_ids, P)[1] == s.last_page_hash

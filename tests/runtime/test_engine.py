@@ -59,6 +59,19 @@ def test_prefix_sharing_and_preemption_leave_outputs_unchanged(tiny_checkpoint, 
     assert tight.block_manager.num_free_pages == 30  # every page came back
 
 
+def test_checked_pages_change_no_token_under_sharing_and_preemption(tiny_checkpoint) -> None:
+    """--kv-integrity tags / full on the tight pool above: the same greedy tokens as off, nothing stopped."""
+    path = tiny_checkpoint("llama", "bf16")
+    prompts = shared_prefix_prompts()
+    off = engine_with_pages(path, 30, decode_reserve_ratio=0.0, threads=1)
+    expected = engine_greedy(off, prompts, GREEDY.max_tokens)
+    for mode in ("tags", "full"):
+        engine = engine_with_pages(path, 30, decode_reserve_ratio=0.0, threads=1, kv_integrity=mode)
+        assert engine_greedy(engine, prompts, GREEDY.max_tokens) == expected
+        assert engine.stats.integrity_aborts == 0 and engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_prefix_hits >= 5 * 5 and engine.block_manager.num_free_pages == 30
+
+
 def test_stop_strings_stop_tokens_and_max_tokens(tiny_checkpoint) -> None:
     engine = Engine(
         EngineConfig(model=str(tiny_checkpoint("llama", "bf16")), dtype="float32", kv_memory="16MiB")

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+import typer
+
+from kvq.commands.generate_cmd import generate_command
+from kvq.runtime.engine import Engine, RequestOutput
+from kvq.runtime.integrity.fault_injector import FaultInjector
 from tests.runtime.kv_scales import measure_kv_scales, with_kv_scales
 from tests.test_cli_errors import assert_one_line_error, run_kvq
 
@@ -52,3 +60,60 @@ def test_generate_bad_input_is_one_line(tiny_checkpoint) -> None:
     assert_one_line_error(
         run_kvq("generate", path, "word " * 5000, "--kv-memory", "4MiB"), "tokens but the context holds 4096"
     )
+
+
+def test_generate_with_kv_integrity_prints_the_same_text(tiny_checkpoint) -> None:
+    path = str(tiny_checkpoint("llama", "bf16"))
+    common = (
+        "--max-tokens",
+        "10",
+        "--temperature",
+        "0",
+        "--kv-memory",
+        "4MiB",
+        "--threads",
+        "1",
+        "--page-size",
+        "4",
+    )
+    off = run_kvq("generate", path, "hello world", *common)
+    full = run_kvq("generate", path, "hello world", *common, "--kv-integrity", "full")
+    assert off.returncode == full.returncode == 0, full.stderr
+    assert full.stdout == off.stdout and full.stdout.strip()
+    assert_one_line_error(
+        run_kvq("generate", path, "hi", "--kv-integrity", "paranoid"), "kv_integrity", "off, tags, full"
+    )
+
+
+def test_a_failed_page_check_ends_generation_with_the_message(
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A block-table slip injected after three steps: the text so far is printed, then one error line
+    naming the page and the tags, exit code 1."""
+    step, num_steps = Engine.step, [0]
+
+    def step_with_a_slip(self: Engine) -> list[RequestOutput]:
+        num_steps[0] += 1
+        if num_steps[0] == 4:
+            FaultInjector(self).off_by_one(self.scheduler.running[0].seq_id, 0)
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", step_with_a_slip)
+    path = tiny_checkpoint("llama", "bf16")
+    with pytest.raises(typer.Exit) as exit_info:
+        generate_command(
+            path,
+            "hello world",
+            max_tokens=12,
+            temperature=0.0,
+            kv_memory="4MiB",
+            threads=1,
+            page_size=4,
+            kv_integrity="tags",
+        )
+    assert exit_info.value.exit_code == 1
+    out, err = capsys.readouterr()
+    assert out.strip()  # the three tokens generated before the slip
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvq: error: generation stopped: KV integrity: page ")
+    assert re.search(r"expected tag 0x[0-9a-f]{16}, found 0x[0-9a-f]{16}", last)

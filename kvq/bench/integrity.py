@@ -1,0 +1,318 @@
+"""`kvq bench integrity`: what the checked KV pool (`--kv-integrity`) costs, and what it catches.
+
+1. Cost: one engine per group (off, tags, full, and a second off engine), the same workload on each in
+   interleaved rounds (off, tags, full, off-2, off, tags, ...) so drift on a shared machine hits all
+   alike: `concurrency` requests of `prompt_tokens` (the first `shared_prefix_tokens` shared, so prefix
+   pages are attached), `max_tokens` each, fresh token ids every round. Per group, medians over rounds:
+   throughput (generated tokens / wall) and each round's P50/P95 of `engine.step()` wall time; and the
+   time spent in the integrity check itself (`tracker.check` + `after_forward`) as a share of all step
+   time: the check's own cost, free of machine noise. Ratios are against `off`; off-2 / off shows the
+   noise floor, which is what "off is indistinguishable from an engine without the tracker" can mean
+   at run time.
+2. Catch (`--drill`): every fault of `kvq.runtime.integrity.drill` in the lowest mode that should catch
+   it, on fresh fp32 engines (batch-invariant tokens): caught, who was stopped, whether a stopped request
+   was read after the fault, whether everyone else's tokens match a fault-free run.
+Imports torch, typer, rich and kvq.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import torch
+import typer
+from rich.table import Table
+
+from kvq.commands.render import console
+
+if TYPE_CHECKING:
+    from kvq.runtime.engine import Engine
+
+GROUPS = {"off": "off", "tags": "tags", "full": "full", "off-2": "off"}  # group -> --kv-integrity mode
+
+
+@dataclass(frozen=True)
+class IntegrityBenchConfig:
+    """Every setting of the benchmark (the CLI flags default to these)."""
+
+    threads: int = 2
+    concurrency: int = 64
+    rounds: int = 7
+    prompt_tokens: int = 48
+    shared_prefix_tokens: int = 32
+    max_tokens: int = 32
+    page_size: int = 16
+    kv_memory: str = "256MiB"
+    drill: bool = True
+
+
+@dataclass
+class IntegrityBenchResult:
+    config: dict
+    model: str
+    runs: dict[str, list[dict]] = field(default_factory=dict)  # group -> one entry per timed round
+    summary: dict[str, dict] = field(default_factory=dict)  # group -> medians, P95, ratios vs off
+    drill: list[dict] = field(default_factory=list)
+
+
+class CheckTimer:
+    """Seconds spent in a tracker's check and after_forward (wrapped on the instance, bench only)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.seconds = 0.0
+        tracker = engine.tracker
+        if tracker is None:
+            return
+        for name in ("check", "after_forward"):
+            method = getattr(tracker, name)
+
+            def timed(*args: object, _method=method) -> object:  # type: ignore[no-untyped-def]
+                start = time.perf_counter()
+                try:
+                    return _method(*args)
+                finally:
+                    self.seconds += time.perf_counter() - start
+
+            setattr(tracker, name, timed)
+
+
+def make_prompts(config: IntegrityBenchConfig, vocab_size: int, round_index: int) -> list[list[int]]:
+    """`concurrency` prompts sharing their first `shared_prefix_tokens`; fresh ids for every round."""
+    rng = random.Random(round_index)
+    high = min(vocab_size, 32_000)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, high) for _ in range(n)]
+
+    shared = ids(config.shared_prefix_tokens)
+    return [
+        shared + ids(config.prompt_tokens - config.shared_prefix_tokens) for _ in range(config.concurrency)
+    ]
+
+
+def timed_run(engine: Engine, timer: CheckTimer, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Every prompt queued at once, stepped to completion: tokens/s, step times, check time, aborts."""
+    from kvq.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    check_before, aborts_before = timer.seconds, engine.stats.integrity_aborts
+    step_s: list[float] = []
+    generated, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_s.append(time.perf_counter() - step_start)
+        generated += sum(len(o.token_ids) for o in outputs if o.finished)
+    wall = time.perf_counter() - start
+    return {
+        "tok_s": generated / wall,
+        "wall_s": wall,
+        "step_s": step_s,
+        "check_s": timer.seconds - check_before,
+        "aborts": engine.stats.integrity_aborts - aborts_before,
+    }
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per group, medians over rounds (robust to a burst of load hitting one round): tok/s, each round's
+    P50 and P95 step time; the check's share of all step time; ratios of the medians against `off`."""
+    summary = {}
+    for group, group_runs in runs.items():
+        per_round = [statistics.quantiles(run["step_s"], n=20, method="inclusive") for run in group_runs]
+        step_s = sum(sum(run["step_s"]) for run in group_runs)
+        num_steps = sum(len(run["step_s"]) for run in group_runs)
+        check_s = sum(run["check_s"] for run in group_runs)
+        summary[group] = {
+            "tok_s": statistics.median(run["tok_s"] for run in group_runs),
+            "p50_step_ms": statistics.median(q[9] for q in per_round) * 1e3,
+            "p95_step_ms": statistics.median(q[18] for q in per_round) * 1e3,
+            "check_ms_per_step": check_s / num_steps * 1e3,
+            "check_share": check_s / step_s,
+            "aborts": sum(run["aborts"] for run in group_runs),
+        }
+    off = summary["off"]
+    for values in summary.values():
+        values["tok_s_vs_off"] = values["tok_s"] / off["tok_s"]
+        values["p95_vs_off"] = values["p95_step_ms"] / off["p95_step_ms"]
+    return summary
+
+
+def make_engine(model: Path, config: IntegrityBenchConfig, mode: str, **kwargs: object) -> Engine:
+    from kvq.runtime.config import EngineConfig
+    from kvq.runtime.engine import Engine
+
+    engine_config = EngineConfig(
+        model=str(model),
+        threads=config.threads,
+        page_size=config.page_size,
+        kv_memory=config.kv_memory,
+        max_num_seqs=max(config.concurrency, 8),
+        kv_integrity=mode,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return Engine(engine_config)
+
+
+def cost_runs(model: Path, config: IntegrityBenchConfig) -> dict[str, list[dict]]:
+    """The interleaved rounds (after one untimed warm-up round), one engine per group."""
+    engines = {group: make_engine(model, config, mode) for group, mode in GROUPS.items()}
+    timers = {group: CheckTimer(engine) for group, engine in engines.items()}
+    vocab_size = engines["off"].model.config.vocab_size
+    runs: dict[str, list[dict]] = {group: [] for group in GROUPS}
+    for round_index in range(config.rounds + 1):
+        prompts = make_prompts(config, vocab_size, round_index)
+        for group, engine in engines.items():
+            run = timed_run(engine, timers[group], prompts, config.max_tokens)
+            if round_index > 0:
+                runs[group].append(run)
+    return runs
+
+
+def drill_runs(model: Path, config: IntegrityBenchConfig) -> list[dict]:
+    """Each fault in the lowest mode that should catch it (the tests run `full` on the tags faults too),
+    against one fault-free run; fresh fp32 engines."""
+    from kvq.runtime.integrity.drill import FAULTS, run_drill
+
+    drill_config = IntegrityBenchConfig(threads=config.threads, page_size=config.page_size, concurrency=8)
+    clean = run_drill(make_engine(model, drill_config, "off", dtype="float32"))
+    rows = []
+    logging.getLogger("kvq.integrity").setLevel(logging.CRITICAL)  # the table reports every stop
+    for fault in FAULTS:
+        run = run_drill(make_engine(model, drill_config, fault.mode, dtype="float32"), fault)
+        others = clean.outputs.keys() - set(fault.hit)
+        rows.append(
+            {
+                "fault": fault.name,
+                "mode": fault.mode,
+                "caught": run.errored == set(fault.hit) and run.num_aborts == len(fault.hit),
+                "stopped": sorted(run.errored),
+                "read_after_fault": any(run.is_read_after_fault(name) for name in fault.hit),
+                "others_identical": all(
+                    run.outputs[n].token_ids == clean.outputs[n].token_ids for n in others
+                ),
+            }
+        )
+    return rows
+
+
+def run_bench(config: IntegrityBenchConfig, model: Path) -> IntegrityBenchResult:
+    torch.set_num_threads(config.threads)
+    result = IntegrityBenchResult(config=asdict(config), model=str(model))
+    runs = cost_runs(model, config)
+    result.summary = summarize(runs)
+    result.runs = {
+        group: [
+            {k: v for k, v in run.items() if k != "step_s"} | {"num_steps": len(run["step_s"])} for run in rs
+        ]
+        for group, rs in runs.items()
+    }
+    if config.drill:
+        result.drill = drill_runs(model, config)
+    return result
+
+
+def render(result: IntegrityBenchResult) -> list[Table]:
+    config = result.config
+    table = Table(
+        title=f"kvq bench integrity: concurrency {config['concurrency']}, {config['max_tokens']} tokens "
+        f"each, "
+        f"{config['rounds']} interleaved rounds ({Path(result.model).name})"
+    )
+    for column in ("group", "tok/s", "vs off", "P50 step", "P95 step", "vs off", "check/step", "check share"):
+        table.add_column(column, justify="left" if column == "group" else "right")
+    for group, s in result.summary.items():
+        table.add_row(
+            group,
+            f"{s['tok_s']:.1f}",
+            f"{s['tok_s_vs_off']:.4f}",
+            f"{s['p50_step_ms']:.1f} ms",
+            f"{s['p95_step_ms']:.1f} ms",
+            f"{s['p95_vs_off']:.4f}",
+            f"{s['check_ms_per_step']:.3f} ms",
+            f"{100 * s['check_share']:.2f}%",
+        )
+    tables = [table]
+    if result.drill:
+        drill = Table(title="fault drill (fp32 engines): each injected fault")
+        for column in ("fault", "mode", "caught", "stopped", "read after fault", "others identical"):
+            drill.add_column(column)
+        for row in result.drill:
+            drill.add_row(
+                row["fault"],
+                row["mode"],
+                "yes" if row["caught"] else "NO",
+                ", ".join(row["stopped"]) or "-",
+                "YES" if row["read_after_fault"] else "no",
+                "yes" if row["others_identical"] else "NO",
+            )
+        tables.append(drill)
+    return tables
+
+
+def bench_integrity_command(
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint directory (default: the embedded SmolLM2-135M, BF16).")
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option(help="Requests queued at once per run.")
+    ] = IntegrityBenchConfig.concurrency,
+    rounds: Annotated[
+        int, typer.Option(help="Timed interleaved rounds (after one warm-up round).")
+    ] = IntegrityBenchConfig.rounds,
+    max_tokens: Annotated[
+        int, typer.Option(help="Tokens generated per request.")
+    ] = IntegrityBenchConfig.max_tokens,
+    prompt_tokens: Annotated[
+        int, typer.Option(help="Prompt length (the first --shared-prefix-tokens shared by all).")
+    ] = IntegrityBenchConfig.prompt_tokens,
+    shared_prefix_tokens: Annotated[
+        int, typer.Option(help="Prompt tokens every request shares.")
+    ] = IntegrityBenchConfig.shared_prefix_tokens,
+    threads: Annotated[int, typer.Option(help="torch threads.")] = IntegrityBenchConfig.threads,
+    kv_memory: Annotated[str, typer.Option(help="KV pool of each engine.")] = IntegrityBenchConfig.kv_memory,
+    drill: Annotated[
+        bool, typer.Option(help="Also inject every fault and report what was caught.")
+    ] = IntegrityBenchConfig.drill,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
+    ] = None,
+) -> None:
+    """Throughput and P95 step latency of --kv-integrity off / tags / full (interleaved, as ratios to off),
+    the check's own share of step time, and a fault drill."""
+    from kvq.errors import KvqError
+
+    is_bad = min(concurrency, rounds, prompt_tokens) < 1 or max_tokens < 2  # two steps for a percentile
+    if is_bad or not 0 <= shared_prefix_tokens <= prompt_tokens:
+        raise KvqError(
+            "need concurrency, rounds, prompt_tokens >= 1, max_tokens >= 2 and 0 <= shared_prefix_tokens <= "
+            f"prompt_tokens; got {concurrency}, {rounds}, {max_tokens}, {prompt_tokens}, "
+            f"{shared_prefix_tokens}"
+        )
+    config = IntegrityBenchConfig(
+        threads=threads,
+        concurrency=concurrency,
+        rounds=rounds,
+        prompt_tokens=prompt_tokens,
+        shared_prefix_tokens=shared_prefix_tokens,
+        max_tokens=max_tokens,
+        kv_memory=kv_memory,
+        drill=drill,
+    )
+    if model is None:
+        from kvq.testing.smollm2 import ensure_smollm2
+
+        model = ensure_smollm2().bf16
+    result = run_bench(config, model)
+    for table in render(result):
+        console.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(asdict(result), indent=2))

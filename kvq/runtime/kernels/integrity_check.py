@@ -1,0 +1,115 @@
+"""Checks of the paged KV pool (see `kvq.runtime.integrity`): page tags gathered and compared in one batch,
+and a hash of sampled bytes of whole pages over every layer.
+
+References (the spec, also the torch path) and the device dispatch; the Triton kernels are in
+`integrity_check_triton.py`. Imports torch and kvq.runtime.kernels.backend only.
+
+- `check_page_tags(page_tags [P] int64, page_ids [N] int, expected [N] int64) -> [N] bool`: True where an
+  entry fails: `expected != 0` and the page id is outside [0, P) or `page_tags[page_id] != expected`.
+  An expectation of 0 (no owner) checks nothing, so padding costs no branch on the host.
+- `sampled_page_hash(pool_bytes [L, 2, P1, R] uint8, page_ids [N] int, offsets [S] int64,
+  coeffs [L, 2, S] int64) -> [N] int64`: `sum(l, h, s) pool_bytes[l, h, page_ids[n], offsets[s]] *
+  coeffs[l, h, s]`. With coefficients in [0, 2^31) and L * 2 * S < 2^24 the sum never overflows, so a
+  change of one sampled byte always changes the hash when its coefficient is odd. Offsets must lie in
+  [0, R); they are fixed per pool and checked where they are made (no device sync per call here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq.runtime.kernels.backend import resolve_backend
+
+MAX_HASH_TERMS = 1 << 24  # L * 2 * S: 255 * 2^31 * 2^24 < 2^63
+
+
+def check_tag_inputs(page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor) -> None:
+    """Shapes, dtypes and devices of `check_page_tags` (ValueError / TypeError naming what is wrong)."""
+    if page_tags.dim() != 1 or page_ids.dim() != 1 or tuple(expected.shape) != tuple(page_ids.shape):
+        raise ValueError(
+            f"page_tags {tuple(page_tags.shape)}, page_ids {tuple(page_ids.shape)} and expected "
+            f"{tuple(expected.shape)} must be [P], [N] and [N]"
+        )
+    if page_tags.dtype != torch.int64 or expected.dtype != torch.int64 or page_ids.is_floating_point():
+        raise TypeError(
+            f"page_tags and expected must be int64 and page_ids integer, got {page_tags.dtype}, "
+            f"{expected.dtype}, {page_ids.dtype}"
+        )
+    if not page_tags.device == page_ids.device == expected.device:
+        raise ValueError(
+            f"page_tags, page_ids and expected must share a device, got {page_tags.device}, "
+            f"{page_ids.device}, {expected.device}"
+        )
+
+
+def check_hash_inputs(
+    pool_bytes: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, coeffs: torch.Tensor
+) -> None:
+    """Shapes, dtypes and devices of `sampled_page_hash` (ValueError / TypeError naming what is wrong)."""
+    if pool_bytes.dim() != 4 or pool_bytes.shape[1] != 2 or page_ids.dim() != 1 or offsets.dim() != 1:
+        raise ValueError(
+            f"pool_bytes {tuple(pool_bytes.shape)}, page_ids {tuple(page_ids.shape)} and offsets "
+            f"{tuple(offsets.shape)} must be [L, 2, P1, R], [N] and [S]"
+        )
+    num_layers = pool_bytes.shape[0]
+    expected = (num_layers, 2, offsets.shape[0])
+    if tuple(coeffs.shape) != expected:
+        raise ValueError(f"coeffs has shape {tuple(coeffs.shape)}, expected {expected}")
+    if pool_bytes.dtype != torch.uint8 or offsets.dtype != torch.int64 or coeffs.dtype != torch.int64:
+        raise TypeError(
+            f"pool_bytes must be uint8 and offsets, coeffs int64, got {pool_bytes.dtype}, {offsets.dtype}, "
+            f"{coeffs.dtype}"
+        )
+    if page_ids.is_floating_point():
+        raise TypeError(f"page_ids must be integer, got {page_ids.dtype}")
+    if coeffs.numel() >= MAX_HASH_TERMS:
+        raise ValueError(f"{coeffs.numel()} hash terms could overflow int64; use fewer than {MAX_HASH_TERMS}")
+    if not pool_bytes.device == page_ids.device == offsets.device == coeffs.device:
+        raise ValueError("pool_bytes, page_ids, offsets and coeffs must share a device")
+
+
+def check_page_tags_reference(
+    page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor
+) -> torch.Tensor:
+    """[N] bool: the entries whose page does not carry the expected tag (expected 0: not checked)."""
+    check_tag_inputs(page_tags, page_ids, expected)
+    ids = page_ids.long()
+    is_in_range = (ids >= 0) & (ids < page_tags.shape[0])
+    found = page_tags[torch.where(is_in_range, ids, 0)]
+    return (expected != 0) & (~is_in_range | (found != expected))
+
+
+def sampled_page_hash_reference(
+    pool_bytes: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, coeffs: torch.Tensor
+) -> torch.Tensor:
+    """[N] int64: each page's sampled bytes (every layer, K and V) weighted by `coeffs` and summed."""
+    check_hash_inputs(pool_bytes, page_ids, offsets, coeffs)
+    sampled = pool_bytes[:, :, page_ids.long()[:, None], offsets[None, :]]  # [L, 2, N, S] uint8
+    return (sampled.long() * coeffs[:, :, None, :]).sum(dim=(0, 1, 3))
+
+
+def check_page_tags(
+    page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """[N] bool mismatch flags (see the module docstring), on the backend chosen for the tensors' device."""
+    if resolve_backend(page_tags.device, backend) == "torch":
+        return check_page_tags_reference(page_tags, page_ids, expected)
+    from kvq.runtime.kernels.integrity_check_triton import check_page_tags_triton
+
+    return check_page_tags_triton(page_tags, page_ids, expected)
+
+
+def sampled_page_hash(
+    pool_bytes: torch.Tensor,
+    page_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    coeffs: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """[N] int64 sampled-bytes hash of each page (see the module docstring)."""
+    if resolve_backend(pool_bytes.device, backend) == "torch":
+        return sampled_page_hash_reference(pool_bytes, page_ids, offsets, coeffs)
+    from kvq.runtime.kernels.integrity_check_triton import sampled_page_hash_triton
+
+    return sampled_page_hash_triton(pool_bytes, page_ids, offsets, coeffs)

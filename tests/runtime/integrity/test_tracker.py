@@ -1,0 +1,151 @@
+"""The tag tracker under the block manager: every take, attach, seal, free, revival and unhash leaves each
+page's tag and each request's expectations consistent; the step check names the failing entries; `off`
+builds no tracker at all."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.block_manager import BlockManager, page_hashes
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.engine import Engine
+from kvq.runtime.integrity import make_tracker
+from kvq.runtime.integrity.tags import FREE_TAG, sealed_tag
+from kvq.runtime.integrity.tracker import TagTracker
+from kvq.runtime.model_runner import ModelRunner
+from kvq.runtime.sampling import SamplingParams
+from kvq.runtime.sequence import Sequence
+
+P = 4
+CPU = torch.device("cpu")
+
+
+def seq(token_ids: list[int], seq_id: int) -> Sequence:
+    return Sequence(seq_id, list(token_ids), len(token_ids), SamplingParams(max_tokens=8), len(token_ids) + 8)
+
+
+def manager(num_pages: int = 8) -> tuple[BlockManager, TagTracker]:
+    tracker = TagTracker(num_pages, P, CPU)
+    return BlockManager(num_pages, P, tracker=tracker), tracker
+
+
+def prepare(seqs: list[Sequence], is_prefill: bool, num_pages: int = 8) -> ForwardBatch:
+    """The batch the engine would check (a runner without a model: only `prepare` is used)."""
+    return ModelRunner(SimpleNamespace(num_kv_heads=1), P, num_pages, CPU).prepare(seqs, is_prefill)  # type: ignore[arg-type]
+
+
+def assert_consistent(tracker: TagTracker, *seqs: Sequence) -> None:
+    for s in seqs:
+        assert len(s.expected_tags) == len(s.block_table)
+        assert [tracker.tag_of(p) for p in s.block_table] == s.expected_tags
+
+
+def test_off_builds_no_tracker(tiny_checkpoint) -> None:
+    engine = Engine(
+        EngineConfig(model=str(tiny_checkpoint("llama", "bf16")), kv_memory="1MiB", page_size=P, threads=1)
+    )
+    assert engine.config.kv_integrity == "off"
+    assert make_tracker("off", engine.kv_pool) is None
+    assert engine.tracker is None and engine.block_manager.tracker is None
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6
+    assert not engine.scheduler.has_unfinished
+    assert isinstance(make_tracker("tags", engine.kv_pool), TagTracker)
+    full = make_tracker("full", engine.kv_pool)
+    assert full is not None and full.sample is not None and full.pool_bytes is not None
+
+
+def test_tags_follow_take_seal_share_and_free() -> None:
+    m, tracker = manager()
+    a, b = seq([1, 2, 3, 4, 5, 6, 7, 8, 9], 0), seq([1, 2, 3, 4, 5, 6, 7, 8, 10, 11], 1)
+    m.allocate(a)
+    m.allocate(b)
+    hashes = page_hashes(a.token_ids, P)
+    assert a.expected_tags[:2] == b.expected_tags[:2] == [sealed_tag(h) for h in hashes]
+    assert a.expected_tags[2] != b.expected_tags[2]  # fill tags: owner, logical page, generation
+    assert_consistent(tracker, a, b)
+    assert a.last_page_hash == hashes[-1]
+    own = a.block_table[2]
+    m.deallocate(a)
+    assert tracker.tag_of(own) == FREE_TAG
+    assert_consistent(tracker, b)
+    prefix_pages = b.block_table[:2]
+    m.deallocate(b)
+    assert [tracker.tag_of(p) for p in prefix_pages] == [sealed_tag(h) for h in hashes]  # kept: revivable
+    c = seq([1, 2, 3, 4, 5, 6, 7, 8, 12], 2)
+    m.allocate(c)  # revives both sealed pages from the free list
+    assert c.block_table[:2] == prefix_pages and c.num_cached_tokens == 2 * P
+    assert_consistent(tracker, c)
+
+
+def test_decode_seals_with_the_requests_own_chain() -> None:
+    m, tracker = manager()
+    s = seq([1, 2, 3, 4, 5, 6], 0)
+    m.allocate(s)
+    for token in (7, 8, 9, 10, 11):
+        s.token_ids.append(token)
+        m.may_append(s)
+        assert_consistent(tracker, s)
+    assert s.last_page_hash == page_hashes(s.token_ids, P)[-1]
+    assert s.expected_tags[:2] == [sealed_tag(h) for h in page_hashes(s.token_ids, P)]
+
+
+def test_a_reused_sealed_page_gets_a_new_tag() -> None:
+    m, tracker = manager(num_pages=3)
+    a = seq([1, 2, 3, 4, 5], 0)
+    m.allocate(a)
+    sealed_page, old = a.block_table[0], a.expected_tags[0]
+    m.deallocate(a)
+    b = seq([20, 21, 22, 23, 24, 25, 26, 27, 28], 1)  # needs all three pages: takes the sealed one
+    m.allocate(b)
+    assert sealed_page in b.block_table and tracker.tag_of(sealed_page) not in (old, FREE_TAG)
+    assert_consistent(tracker, b)
+
+
+def test_a_release_of_a_free_page_leaves_it_free_once() -> None:
+    m, tracker = manager()
+    a = seq([1, 2, 3, 4, 5], 0)
+    m.allocate(a)
+    page = a.block_table[0]
+    m._release(page)  # a double free: the page goes free under a
+    m.deallocate(a)  # a's own release finds it free
+    assert tracker.num_free_page_releases == 1
+    assert m.num_free_pages == 8 and sorted(m.free_page_ids) == list(range(8))
+
+
+def test_unhash_drops_the_cache_entry_and_frees_the_tag_of_an_unused_page() -> None:
+    m, tracker = manager()
+    a, b = seq([1, 2, 3, 4, 5], 0), seq([9, 8, 7, 6, 5], 1)
+    m.allocate(a)
+    m.allocate(b)
+    m.unhash(a.block_table[0])
+    assert m.pages[a.block_table[0]].hash is None and not any(
+        p == a.block_table[0] for p in m.hash_to_page_id.values()
+    )
+    assert tracker.tag_of(a.block_table[0]) == a.expected_tags[0]  # still held: its holder still checks
+    page = b.block_table[0]
+    m.deallocate(b)
+    m.unhash(page)
+    assert tracker.tag_of(page) == FREE_TAG
+
+
+def test_the_check_names_every_failing_read_and_write() -> None:
+    m, tracker = manager()
+    a, b = seq([1, 2, 3, 4, 5, 6], 0), seq([11, 12, 13, 14, 15, 16, 17], 1)
+    m.allocate(a)
+    m.allocate(b)
+    assert tracker.check([a, b], prepare([a, b], True)) == []
+    a.block_table[0] = b.block_table[0]  # a reads b's first page and writes its prompt there
+    mismatches = tracker.check([a, b], prepare([a, b], True))
+    assert {(x.seq.seq_id, x.kind, x.logical_index, x.page_id) for x in mismatches} == {
+        (0, "read", 0, b.block_table[0])
+    } | {(0, "write", 0, b.block_table[0])}
+    for x in mismatches:
+        assert x.expected == a.expected_tags[0] and x.found == b.expected_tags[0]
+    assert sorted(x.position for x in mismatches if x.kind == "write") == [0, 1, 2, 3]
+    a.block_table[0] = 8  # not a page of the pool
+    read = next(x for x in tracker.check([a], prepare([a], True)) if x.kind == "read")
+    assert read.found is None and "no page" in read.message()
