@@ -27,6 +27,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvq tests
+	$(BIN)/ruff format --check kvq tests
 	$(BIN)/mypy kvq
 
 clean:

@@ -35,13 +35,20 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def run_measured(argv: Sequence[str], env: dict[str, str] | None = None, interval: float = 0.05,
-                 cwd: str | None = None) -> Measurement:
+def run_measured(
+    argv: Sequence[str], env: dict[str, str] | None = None, interval: float = 0.05, cwd: str | None = None
+) -> Measurement:
     """Run `argv` to completion; return wall time, sampled peak tree RSS, exit code and combined output."""
     with tempfile.TemporaryFile(mode="w+") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, cwd=cwd, stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            list(argv),
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         handle = psutil.Process(proc.pid)
         peak = 0
         while proc.poll() is None:

@@ -26,8 +26,10 @@ def split_expert_shapes(name: str, shape: tuple[int, ...]) -> list[tuple[str, tu
     out: list[tuple[str, tuple[int, ...]]] = []
     for e in range(num_experts):
         if param == "gate_up_proj":
-            out += [(f"{prefix}.{e}.gate_proj.weight", (rows // 2, cols)),
-                    (f"{prefix}.{e}.up_proj.weight", (rows // 2, cols))]
+            out += [
+                (f"{prefix}.{e}.gate_proj.weight", (rows // 2, cols)),
+                (f"{prefix}.{e}.up_proj.weight", (rows // 2, cols)),
+            ]
         else:
             out.append((f"{prefix}.{e}.down_proj.weight", (rows, cols)))
     return out

@@ -74,8 +74,10 @@ def compress_command(
     try:
         report = _run(job, workers, quiet)
     except KeyboardInterrupt:
-        console.print(f"interrupted: finished shards are recorded in {job.out / MANIFEST_NAME}; "
-                      "re-run the same command to resume")
+        console.print(
+            f"interrupted: finished shards are recorded in {job.out / MANIFEST_NAME}; "
+            "re-run the same command to resume"
+        )
         raise typer.Exit(130) from None
     _print_report(report, job.input_bytes)
 
@@ -83,8 +85,13 @@ def compress_command(
 def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:
     if quiet:
         return run(job, workers)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("compressing", total=job.input_bytes)  # input bytes: bytes/s and ETA of the job
         return run(job, workers, progress=lambda n: bar.advance(task, n))

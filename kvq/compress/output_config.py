@@ -60,8 +60,11 @@ def quantization_config(recipe: Recipe, plan: CompressPlan, kv_cache_scheme: dic
 
 
 # Fused layers of vLLM's / SGLang's llama, glm4_moe and deepseek_v2 (GLM-5) models: `packed_modules_mapping`.
-FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-                "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+FUSED_LAYERS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
 
 
 def fp8_targets(modules: list[str]) -> list[str]:

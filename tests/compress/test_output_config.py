@@ -55,8 +55,14 @@ def test_bf16_only_int4_and_a_tied_head():
 
 def test_fp8_targets_name_the_fused_layers_vllm_builds():
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
-    modules = [f"{attn}.q_a_proj", f"{attn}.kv_a_proj_with_mqa", f"{attn}.q_proj", f"{mlp}.gate_proj",
-               f"{mlp}.up_proj", f"{mlp}.down_proj"]
+    modules = [
+        f"{attn}.q_a_proj",
+        f"{attn}.kv_a_proj_with_mqa",
+        f"{attn}.q_proj",
+        f"{mlp}.gate_proj",
+        f"{mlp}.up_proj",
+        f"{mlp}.down_proj",
+    ]
     targets = fp8_targets(modules)
     for name in [*modules, f"{attn}.fused_qkv_a_proj", f"{mlp}.gate_up_proj"]:
         assert any(matches_target(name, t) for t in targets), name

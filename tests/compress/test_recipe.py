@@ -112,8 +112,10 @@ def test_bad_recipes_name_the_file_and_key(tmp_path, text, match):
 
 
 def test_scheme_form_is_accepted(tmp_path):
-    text = ("s:\n  m:\n    QuantizationModifier:\n      scheme: W4A16\n      targets: [Linear]\n"
-            "      ignore: [lm_head]\n")
+    text = (
+        "s:\n  m:\n    QuantizationModifier:\n      scheme: W4A16\n      targets: [Linear]\n"
+        "      ignore: [lm_head]\n"
+    )
     recipe = load_recipe(write(tmp_path, text))
     assert recipe.targets == ("Linear",) and recipe.group_size == 128 and not recipe.matches("lm_head")
 

@@ -93,8 +93,12 @@ def test_fp8_fixture_layout_matches_deepseek_v3(arch, tiny_checkpoint):
     ckpt = Checkpoint.open(root)
     infos = ckpt.tensors
     assert ckpt.format == "fp8-block"
-    assert ckpt.quantization_config == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                        "weight_block_size": [128, 128]}
+    assert ckpt.quantization_config == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     fp8_weights = [n for n, i in infos.items() if i.dtype == "F8_E4M3"]
     for name in fp8_weights:
         rows, cols = infos[name].shape
@@ -142,8 +146,13 @@ def test_moe_experts_are_stored_per_expert_2d(arch, tiny_checkpoint):
     for e in range(8):
         for proj, shape in (("gate", (128, 256)), ("up", (128, 256)), ("down", (256, 128))):
             assert infos[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"].shape == shape
-    assert {"mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
-            "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight"} <= layer
+    assert {
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+        "mlp.shared_experts.gate_proj.weight",
+        "mlp.shared_experts.up_proj.weight",
+        "mlp.shared_experts.down_proj.weight",
+    } <= layer
     assert len(layer) == 8 * 3 + 5
     assert infos["model.layers.0.mlp.down_proj.weight"].shape == (256, 576)  # dense first layer
 

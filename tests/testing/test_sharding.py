@@ -11,8 +11,10 @@ from kvq.testing.sharding import MIN_SHARDS, plan_shards, shard_file_names
 
 
 def _fp8_pair(name: str, rows: int, cols: int) -> list[TensorSpec]:
-    return [TensorSpec(f"{name}.weight", (rows, cols), torch.float8_e4m3fn),
-            TensorSpec(f"{name}.weight_scale_inv", (-(-rows // 128), -(-cols // 128)), torch.float32)]
+    return [
+        TensorSpec(f"{name}.weight", (rows, cols), torch.float8_e4m3fn),
+        TensorSpec(f"{name}.weight_scale_inv", (-(-rows // 128), -(-cols // 128)), torch.float32),
+    ]
 
 
 def test_small_checkpoint_still_gets_three_shards_in_order():

@@ -18,7 +18,7 @@ def _greedy_answer(model, tokenizer) -> str:
     ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"]  # [1, S]
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_second_call_reuses_the_cache(smollm2):

@@ -65,8 +65,10 @@ def test_split_and_fuse_experts_round_trip():
     down = torch.randn(3, 7, 5)  # [E, H, I]
     split = {"m.mlp.experts.gate_up_proj": gate_up, "m.mlp.experts.down_proj": down}
     names = split_expert_shapes("m.mlp.experts.gate_up_proj", (3, 10, 7))
-    assert names[:2] == [("m.mlp.experts.0.gate_proj.weight", (5, 7)),
-                         ("m.mlp.experts.0.up_proj.weight", (5, 7))]
+    assert names[:2] == [
+        ("m.mlp.experts.0.gate_proj.weight", (5, 7)),
+        ("m.mlp.experts.0.up_proj.weight", (5, 7)),
+    ]
     down_names = split_expert_shapes("m.mlp.experts.down_proj", (3, 7, 5))
     assert down_names[2] == ("m.mlp.experts.2.down_proj.weight", (7, 5))
     per_expert = {}

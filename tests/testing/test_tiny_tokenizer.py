@@ -17,8 +17,9 @@ def test_tokenizer_round_trips_text_and_formats_chat():
     ids = tokenizer(text)["input_ids"]
     assert len(ids) < len(text) / 2  # real merges, not bytes
     assert tokenizer.decode(ids) == text
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                           tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id
     assert tokenizer.bos_token_id == tokenizer.pad_token_id == 0
