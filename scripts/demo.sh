@@ -30,5 +30,6 @@ kvq calibrate "$INT4" --num-samples 16 --seq-len 512
 step "kvq inspect: the compressed, calibrated checkpoint"
 kvq inspect "$INT4"
 
-step "kvq generate: INT4 weights, FP8 KV pages with the calibrated scales"
-kvq generate "$INT4" "What is the capital of France?" --max-tokens 64 --require-kv-scales --kv-memory 256MiB --threads 2
+step "kvq generate: INT4 weights, FP8 KV pages with the calibrated scales, every page checked by tag"
+kvq generate "$INT4" "What is the capital of France?" --max-tokens 64 --require-kv-scales --kv-memory 256MiB \
+    --kv-integrity tags --threads 2
