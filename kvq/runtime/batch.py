@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvq.runtime.kernels import PagedDecodePlan
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -18,10 +20,9 @@ class ForwardBatch:
 
     `block_tables` int32 `[B, max_pages]` (padding -1) as the kernels take them; `slot_mapping` int64
     `[T]` = page * page_size + offset where each new token's K/V goes; `context_lens` = tokens each
-    sequence attends to after this step; `context_slots` int64 `[B, C]`: the slot of every context token
-    (past a sequence's end: a slot of the pool's zero page), for the torch path; prefill: `query_lens` =
-    new tokens per sequence (the rest of the context is cached pages); decode: `attn_bias` fp32
-    `[B * Hkv, 1, C]` (row b * Hkv + h: sequence b, KV head h) is 0 on context slots, -inf past the end.
+    sequence attends to after this step; prefill: `query_lens` = new tokens per sequence (the rest of the
+    context is cached pages); decode: `decode_plan`, the torch decode path's context slots (past a
+    sequence's end: a slot of the pool's zero page) and length mask, made once for every layer.
     """
 
     is_prefill: bool
@@ -29,10 +30,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [B, max_pages] int32
-    context_slots: torch.Tensor  # [B, C] int64
     context_lens: torch.Tensor  # [B] int32
     context_lens_list: list[int]
     max_context_len: int
     query_lens: list[int]  # [B]
     logits_indices: torch.Tensor  # [B] int64: the row of each sequence's last token in [T]
-    attn_bias: torch.Tensor | None = None  # decode: [B * Hkv, 1, C] fp32
+    decode_plan: PagedDecodePlan | None = None  # decode only

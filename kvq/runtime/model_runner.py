@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.kernels import plan_paged_decode
 from kvq.runtime.models.llama import LlamaForCausalLM
 from kvq.runtime.sequence import Sequence
 
@@ -41,37 +42,29 @@ class ModelRunner:
 
         block_tables_t = tensor(block_tables, torch.int32)
         context_lens_t = tensor(context_lens, torch.int32)
-        context_slots, is_valid = self._context_slots(block_tables_t, context_lens_t, max_context_len)
-        attn_bias = None
+        decode_plan = None
         if not is_prefill:
-            attn_bias = torch.zeros(is_valid.shape, device=self.device).masked_fill(~is_valid, float("-inf"))
-            attn_bias = attn_bias.repeat_interleave(self.model.num_kv_heads, dim=0)[
-                :, None, :
-            ]  # [B*Hkv, 1, C]
+            decode_plan = plan_paged_decode(
+                block_tables_t,
+                context_lens_t,
+                self.page_size,
+                self.model.num_kv_heads,
+                max_context_len,
+                pad_slot=self.zero_page * self.page_size,
+            )
         return ForwardBatch(
             is_prefill=is_prefill,
             input_ids=tensor(input_ids, torch.int64),
             positions=tensor(positions, torch.int64),
             slot_mapping=tensor(slots, torch.int64),
             block_tables=block_tables_t,
-            context_slots=context_slots,
             context_lens=context_lens_t,
             context_lens_list=context_lens,
             max_context_len=max_context_len,
             query_lens=query_lens,
             logits_indices=(torch.tensor(query_lens).cumsum(0) - 1).to(self.device),
-            attn_bias=attn_bias,
+            decode_plan=decode_plan,
         )
-
-    def _context_slots(
-        self, block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots `[B, C]` of every context token, zero-page slots past each end; validity `[B, C]`)."""
-        pages = block_tables[:, : -(-max_len // self.page_size)].long()  # [B, n]
-        offsets = torch.arange(self.page_size, device=self.device)
-        slots = (pages[:, :, None] * self.page_size + offsets).flatten(1)[:, :max_len]  # [B, C]
-        is_valid = torch.arange(max_len, device=self.device)[None, :] < context_lens[:, None]
-        return torch.where(is_valid, slots, self.zero_page * self.page_size), is_valid
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """fp32 logits `[B, V]` of each sequence's next token."""

@@ -124,18 +124,27 @@ def paged_decode_attention_reference(
 
 
 def plan_paged_decode(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_kv_heads: int, max_seq_len: int
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    pad_slot: int | None = None,
 ) -> PagedDecodePlan:
-    """The `PagedDecodePlan` of a decode step; `max_seq_len` >= every seq_len. Slots past an end read the
-    sequence's first slot (slot 0 for an empty sequence, whose output is zeroed)."""
+    """The `PagedDecodePlan` of a decode step; `max_seq_len` >= every seq_len. Slots past an end read
+    `pad_slot` (the engine: a slot of its all-zero page), else the sequence's first slot (slot 0 for an
+    empty sequence, whose output is zeroed)."""
     num_slots = min(max_seq_len, block_tables.shape[1] * page_size)  # a table holds every seq_len
     pages = block_tables[:, : -(-num_slots // page_size)].long()  # [B, n]
     offsets = torch.arange(page_size, device=pages.device)
     slots = (pages[:, :, None] * page_size + offsets).flatten(1)[:, :num_slots]  # [B, C]
     is_past_end = torch.arange(num_slots, device=pages.device) >= seq_lens[:, None]  # [B, C]
     is_empty = seq_lens == 0
-    first = slots[:, :1].masked_fill(is_empty[:, None], 0)  # an empty sequence's table may be all padding
-    context_slots = torch.where(is_past_end, first, slots)
+    if pad_slot is None:
+        pad = slots[:, :1].masked_fill(is_empty[:, None], 0)  # an empty sequence's table may be all padding
+        context_slots = torch.where(is_past_end, pad, slots)
+    else:
+        context_slots = slots.masked_fill(is_past_end, pad_slot)
     attn_bias = torch.zeros(is_past_end.shape, device=pages.device).masked_fill_(is_past_end, float("-inf"))
     return PagedDecodePlan(
         context_slots,

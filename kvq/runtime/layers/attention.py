@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.kernels import PagedDecodePlan, PagedKVCache
+from kvq.runtime.kernels import PagedKVCache
 
 
 class PagedAttention:
@@ -45,14 +45,11 @@ class PagedAttention:
             return kv.prefill_attention(
                 q, batch.block_tables, batch.query_lens, batch.context_lens_list, self.sm_scale
             )
-        assert batch.attn_bias is not None, "decode batches carry their length mask"
-        # the batch's context slots (past an end: the pool's zero page) and length mask, made once per step
-        plan = PagedDecodePlan(batch.context_slots, batch.attn_bias)
         return kv.decode_attention(
             q,
             batch.block_tables,
             batch.context_lens,
             self.sm_scale,
             max_seq_len=batch.max_context_len,
-            plan=plan,
+            plan=batch.decode_plan,
         )
