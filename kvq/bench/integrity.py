@@ -1,10 +1,11 @@
 """`kvq bench integrity`: what the checked KV pool (`--kv-integrity`) costs, and what it catches.
 
-1. Cost: one engine per group (off, tags, full, and a second off engine), the same workload on each in
-   interleaved rounds (off, tags, full, off-2, off, tags, ...) so drift on a shared machine hits all
-   alike: `concurrency` requests of `prompt_tokens` (the first `shared_prefix_tokens` shared, so prefix
-   pages are attached), `max_tokens` each, fresh token ids every round. Per group, medians over rounds:
-   throughput (generated tokens / wall) and each round's P50/P95 of `engine.step()` wall time; and the
+1. Cost: one engine per group (off, tags, full, and a second off engine), the same workload on each,
+   run in lockstep (the engines take turns step by step, the order rotating) so load that comes and goes
+   on a shared machine hits all alike: `concurrency` requests of `prompt_tokens` (the first
+   `shared_prefix_tokens` shared, so prefix pages are attached), `max_tokens` each, fresh token ids every
+   round. Per group, medians over rounds: throughput (generated tokens / the group's own step time) and
+   each round's P50/P95 of `engine.step()` wall time; and the
    time spent in the integrity check itself (`tracker.check` + `after_forward`) as a share of all step
    time: the check's own cost, free of machine noise. Ratios are against `off`; off-2 / off shows the
    noise floor, which is what "off is indistinguishable from an engine without the tracker" can mean
@@ -97,28 +98,38 @@ def make_prompts(config: IntegrityBenchConfig, vocab_size: int, round_index: int
     ]
 
 
-def timed_run(engine: Engine, timer: CheckTimer, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Every prompt queued at once, stepped to completion: tokens/s, step times, check time, aborts."""
+def lockstep_round(
+    engines: dict[str, Engine], timers: dict[str, CheckTimer], prompts: list[list[int]], max_tokens: int
+) -> dict[str, dict]:
+    """Every prompt queued on every engine, then the engines step in turn (the order rotating each
+    step) until all are done, so load that comes and goes on the machine hits every group alike. Per
+    group: tokens/s of its own step time, its step times, check time, aborts."""
     from kvq.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    check_before, aborts_before = timer.seconds, engine.stats.integrity_aborts
-    step_s: list[float] = []
-    generated, start = 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
-        outputs = engine.step()
-        step_s.append(time.perf_counter() - step_start)
-        generated += sum(len(o.token_ids) for o in outputs if o.finished)
-    wall = time.perf_counter() - start
+    for engine in engines.values():
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+    step_s: dict[str, list[float]] = {group: [] for group in engines}
+    generated = dict.fromkeys(engines, 0)
+    check_before = {group: timer.seconds for group, timer in timers.items()}
+    aborts_before = {group: engine.stats.integrity_aborts for group, engine in engines.items()}
+    order = list(engines)
+    while active := [g for g in order if engines[g].has_unfinished_requests()]:
+        for group in active:
+            start = time.perf_counter()
+            outputs = engines[group].step()
+            step_s[group].append(time.perf_counter() - start)
+            generated[group] += sum(len(o.token_ids) for o in outputs if o.finished)
+        order = order[1:] + order[:1]
     return {
-        "tok_s": generated / wall,
-        "wall_s": wall,
-        "step_s": step_s,
-        "check_s": timer.seconds - check_before,
-        "aborts": engine.stats.integrity_aborts - aborts_before,
+        group: {
+            "tok_s": generated[group] / sum(step_s[group]),
+            "step_s": step_s[group],
+            "check_s": timers[group].seconds - check_before[group],
+            "aborts": engine.stats.integrity_aborts - aborts_before[group],
+        }
+        for group, engine in engines.items()
     }
 
 
@@ -163,16 +174,16 @@ def make_engine(model: Path, config: IntegrityBenchConfig, mode: str, **kwargs: 
 
 
 def cost_runs(model: Path, config: IntegrityBenchConfig) -> dict[str, list[dict]]:
-    """The interleaved rounds (after one untimed warm-up round), one engine per group."""
+    """The lockstep rounds (after one untimed warm-up round), one engine per group."""
     engines = {group: make_engine(model, config, mode) for group, mode in GROUPS.items()}
     timers = {group: CheckTimer(engine) for group, engine in engines.items()}
     vocab_size = engines["off"].model.config.vocab_size
     runs: dict[str, list[dict]] = {group: [] for group in GROUPS}
     for round_index in range(config.rounds + 1):
         prompts = make_prompts(config, vocab_size, round_index)
-        for group, engine in engines.items():
-            run = timed_run(engine, timers[group], prompts, config.max_tokens)
-            if round_index > 0:
+        round_runs = lockstep_round(engines, timers, prompts, config.max_tokens)
+        if round_index > 0:
+            for group, run in round_runs.items():
                 runs[group].append(run)
     return runs
 
