@@ -104,7 +104,8 @@ def many_shard_source(root: Path) -> Path:
 
 
 def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals) -> int:
-    """Run `kvq compress` in its own session; once a shard is recorded, send `sig` to the whole session."""
+    """Run `kvq compress` in its own session; once a shard is recorded and under its final name, send `sig`
+    to the whole session."""
     argv = [
         sys.executable,
         "-m",
@@ -124,7 +125,8 @@ def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals) -> in
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         manifest = out / MANIFEST_NAME
-        if manifest.exists() and read_json(manifest).get("shards"):
+        recorded = read_json(manifest).get("shards", {}) if manifest.exists() else {}
+        if any((out / name).exists() for name in recorded):
             break
         time.sleep(0.005)
     os.killpg(proc.pid, sig)  # the whole session, as a terminal does: CLI, forkserver and worker
