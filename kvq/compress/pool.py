@@ -23,6 +23,7 @@ from kvq.compress.shard_job import ShardJob, ShardResult, run_shard_job
 from kvq.errors import KvqError
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_DRAIN_TIMEOUT_S = 5.0
 _progress_queue: Queue | None = None  # set in each worker by `_init_worker`
 
 
@@ -74,6 +75,7 @@ def run_jobs(
     executor = ProcessPoolExecutor(
         max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(threads, queue)
     )
+    is_clean = True
     try:
         largest_first = sorted(jobs, key=lambda job: -job.input_bytes)  # shortens the tail of the last jobs
         pending: set[Future] = {executor.submit(_run_in_worker, job) for job in largest_first}
@@ -82,19 +84,26 @@ def run_jobs(
             for future in sorted(done, key=lambda f: f.exception() is not None):  # record successes first
                 on_done(future.result())
     except BrokenProcessPool as e:
+        is_clean = False
         _terminate(executor)
         raise KvqError(
             f"a worker process died ({e}); if the OS killed it for memory, re-run the same command with "
             "fewer --workers to resume (finished shards are kept)"
         ) from e
     except BaseException:
+        is_clean = False
         _terminate(executor)
         raise
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
         queue.put(None)
-        drain.join()
+        # A worker terminated mid-`put` can leave half a message in the queue's pipe (or its lock held):
+        # the drain thread may then never see the None, so after a stop it gets a bounded wait, and the
+        # queue's feeder thread is not waited for at exit.
+        drain.join(timeout=None if is_clean else _DRAIN_TIMEOUT_S)
         queue.close()
+        if not is_clean:
+            queue.cancel_join_thread()
 
 
 def _drain(queue: Queue, progress: Callable[[int], None] | None) -> None:
