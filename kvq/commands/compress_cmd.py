@@ -16,6 +16,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from kvq.commands.recipe_options import GroupSizeOption, RecipeOption
 from kvq.commands.render import console, human_bytes
 from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import load_recipe
@@ -36,15 +37,8 @@ def compress_command(
             help="Output directory (new, empty, or an interrupted run of the same job, which is resumed)."
         ),
     ],
-    recipe: Annotated[
-        str,
-        typer.Option(
-            "--recipe", help="Recipe name in recipes/ (w4a16-experts, w4a16-linear) or a YAML path."
-        ),
-    ],
-    group_size: Annotated[
-        int | None, typer.Option("--group-size", help="Override the recipe's group size (32, 64 or 128).")
-    ] = None,
+    recipe: RecipeOption,
+    group_size: GroupSizeOption = None,
     workers: Annotated[
         int, typer.Option("--workers", help="Shards compressed in parallel, one process each.")
     ] = default_workers(),

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from kvq.commands.recipe_options import GroupSizeOption, RecipeOption
 from kvq.commands.render import console, human_bytes, human_count
 from kvq.compress.recipe import load_recipe
 from kvq.compress.serving_memory import ServingMemory, parse_bytes, serving_memory
@@ -28,15 +29,8 @@ def plan_command(
             "a model without downloading it."
         ),
     ],
-    recipe: Annotated[
-        str,
-        typer.Option(
-            "--recipe", help="Recipe name in recipes/ (w4a16-experts, w4a16-linear) or a YAML path."
-        ),
-    ],
-    group_size: Annotated[
-        int | None, typer.Option("--group-size", help="Override the recipe's group size (32, 64 or 128).")
-    ] = None,
+    recipe: RecipeOption,
+    group_size: GroupSizeOption = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel GPUs to serve on.")] = None,
     gpu_mem: Annotated[
         str | None, typer.Option("--gpu-mem", help="Memory per GPU, e.g. 80GB or 141GiB.")

@@ -1,0 +1,15 @@
+"""The `--recipe` and `--group-size` options that `kvq plan` and `kvq compress` share (one help text)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+RecipeOption = Annotated[
+    str,
+    typer.Option("--recipe", help="Recipe name in recipes/ (w4a16-experts, w4a16-linear) or a YAML path."),
+]
+GroupSizeOption = Annotated[
+    int | None, typer.Option("--group-size", help="Override the recipe's group size (32, 64 or 128).")
+]
