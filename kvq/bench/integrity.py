@@ -10,16 +10,16 @@
    time: the check's own cost, free of machine noise. Ratios are against `off`; off-2 / off shows the
    noise floor, which is what "off is indistinguishable from an engine without the tracker" can mean
    at run time.
-2. Catch (`--drill`): every fault of `kvq.runtime.integrity.drill` in the lowest mode that should catch
-   it, on fresh fp32 engines (batch-invariant tokens): caught, who was stopped, whether a stopped request
-   was read after the fault, whether everyone else's tokens match a fault-free run.
+2. Catch (`--drill`, in `integrity_drill`): every fault of `kvq.runtime.integrity.drill` in the lowest
+   mode that should catch it, on fresh fp32 engines (batch-invariant tokens): caught, who was stopped,
+   whether a stopped request was read after the fault, whether everyone else's tokens match a fault-free
+   run.
 Imports torch, typer, rich and kvq.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import random
 import statistics
 import time
@@ -31,6 +31,7 @@ import torch
 import typer
 from rich.table import Table
 
+from kvq.bench.integrity_drill import drill_rows, drill_table
 from kvq.commands.render import console
 
 if TYPE_CHECKING:
@@ -188,33 +189,6 @@ def cost_runs(model: Path, config: IntegrityBenchConfig) -> dict[str, list[dict]
     return runs
 
 
-def drill_runs(model: Path, config: IntegrityBenchConfig) -> list[dict]:
-    """Each fault in the lowest mode that should catch it (the tests run `full` on the tags faults too),
-    against one fault-free run; fresh fp32 engines."""
-    from kvq.runtime.integrity.drill import FAULTS, run_drill
-
-    drill_config = IntegrityBenchConfig(threads=config.threads, page_size=config.page_size, concurrency=8)
-    clean = run_drill(make_engine(model, drill_config, "off", dtype="float32"))
-    rows = []
-    logging.getLogger("kvq.integrity").setLevel(logging.CRITICAL)  # the table reports every stop
-    for fault in FAULTS:
-        run = run_drill(make_engine(model, drill_config, fault.mode, dtype="float32"), fault)
-        others = clean.outputs.keys() - set(fault.hit)
-        rows.append(
-            {
-                "fault": fault.name,
-                "mode": fault.mode,
-                "caught": run.errored == set(fault.hit) and run.num_aborts == len(fault.hit),
-                "stopped": sorted(run.errored),
-                "read_after_fault": any(run.is_read_after_fault(name) for name in fault.hit),
-                "others_identical": all(
-                    run.outputs[n].token_ids == clean.outputs[n].token_ids for n in others
-                ),
-            }
-        )
-    return rows
-
-
 def run_bench(config: IntegrityBenchConfig, model: Path) -> IntegrityBenchResult:
     torch.set_num_threads(config.threads)
     result = IntegrityBenchResult(config=asdict(config), model=str(model))
@@ -227,7 +201,8 @@ def run_bench(config: IntegrityBenchConfig, model: Path) -> IntegrityBenchResult
         for group, rs in runs.items()
     }
     if config.drill:
-        result.drill = drill_runs(model, config)
+        drill_config = IntegrityBenchConfig(threads=config.threads, page_size=config.page_size, concurrency=8)
+        result.drill = drill_rows(lambda mode: make_engine(model, drill_config, mode, dtype="float32"))
     return result
 
 
@@ -236,7 +211,7 @@ def render(result: IntegrityBenchResult) -> list[Table]:
     table = Table(
         title=f"kvq bench integrity: concurrency {config['concurrency']}, {config['max_tokens']} tokens "
         f"each, "
-        f"{config['rounds']} interleaved rounds ({Path(result.model).name})"
+        f"{config['rounds']} lockstep rounds ({Path(result.model).name})"
     )
     for column in ("group", "tok/s", "vs off", "P50 step", "P95 step", "vs off", "check/step", "check share"):
         table.add_column(column, justify="left" if column == "group" else "right")
@@ -253,19 +228,7 @@ def render(result: IntegrityBenchResult) -> list[Table]:
         )
     tables = [table]
     if result.drill:
-        drill = Table(title="fault drill (fp32 engines): each injected fault")
-        for column in ("fault", "mode", "caught", "stopped", "read after fault", "others identical"):
-            drill.add_column(column)
-        for row in result.drill:
-            drill.add_row(
-                row["fault"],
-                row["mode"],
-                "yes" if row["caught"] else "NO",
-                ", ".join(row["stopped"]) or "-",
-                "YES" if row["read_after_fault"] else "no",
-                "yes" if row["others_identical"] else "NO",
-            )
-        tables.append(drill)
+        tables.append(drill_table(result.drill))
     return tables
 
 
