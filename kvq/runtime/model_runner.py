@@ -51,6 +51,7 @@ class ModelRunner:
                 self.model.num_kv_heads,
                 max_context_len,
                 pad_slot=self.zero_page * self.page_size,
+                has_empty=min(context_lens) == 0,
             )
         return ForwardBatch(
             is_prefill=is_prefill,

@@ -130,10 +130,12 @@ def plan_paged_decode(
     num_kv_heads: int,
     max_seq_len: int,
     pad_slot: int | None = None,
+    has_empty: bool | None = None,
 ) -> PagedDecodePlan:
     """The `PagedDecodePlan` of a decode step; `max_seq_len` >= every seq_len. Slots past an end read
     `pad_slot` (the engine: a slot of its all-zero page), else the sequence's first slot (slot 0 for an
-    empty sequence, whose output is zeroed)."""
+    empty sequence, whose output is zeroed). `has_empty`: whether some seq_len is 0, when the caller
+    knows (spares a device sync)."""
     num_slots = min(max_seq_len, block_tables.shape[1] * page_size)  # a table holds every seq_len
     pages = block_tables[:, : -(-num_slots // page_size)].long()  # [B, n]
     offsets = torch.arange(page_size, device=pages.device)
@@ -149,7 +151,7 @@ def plan_paged_decode(
     return PagedDecodePlan(
         context_slots,
         attn_bias.repeat_interleave(num_kv_heads, dim=0)[:, None, :],  # [B * Hkv, 1, C]
-        is_empty if bool(is_empty.any()) else None,
+        is_empty if (bool(is_empty.any()) if has_empty is None else has_empty) else None,
     )
 
 
