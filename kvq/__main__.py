@@ -1,5 +1,5 @@
 """`python -m kvq` runs the command line."""
 
-from kvq.cli import main
+from kvq.entry import main
 
 main()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import torch
 
 _POW2_120 = 2.0**120
-_MAGNITUDE_MASK = 0x7FF0  # exponent + mantissa bits after the shift
-_NAN_BITS = 0x7F0  # e4m3fn NaN (S.1111.111) after the shift; the largest magnitude pattern
 
 
 def fp8_bits(weight: torch.Tensor) -> torch.Tensor:
@@ -24,13 +22,17 @@ def fp8_bits(weight: torch.Tensor) -> torch.Tensor:
     return bits
 
 
-def has_nan(bits: torch.Tensor) -> bool:
-    """True if any e4m3fn NaN is present (in `fp8_bits` form); e4m3fn has no infinities."""
-    return bits.numel() > 0 and int((bits & _MAGNITUDE_MASK).max()) == _NAN_BITS
+def has_nan(weight: torch.Tensor) -> bool:
+    """True if a float8_e4m3fn tensor holds NaN (S.1111.111: byte 0x7F or 0xFF; e4m3fn has no infinities).
+
+    Two reductions over the raw bytes, no temporary: `fp8_bits` maps NaN to a finite bf16, so this check
+    must come first."""
+    codes = weight.view(torch.int8)
+    return codes.numel() > 0 and (int(codes.max()) == 0x7F or int(codes.view(torch.uint8).max()) == 0xFF)
 
 
-def first_nan(bits: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in torch.nonzero((bits & _MAGNITUDE_MASK) == _NAN_BITS)[0])
+def first_nan(weight: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.nonzero((weight.view(torch.int8) & 0x7F) == 0x7F)[0])
 
 
 def decode_fp8_block(

@@ -1,4 +1,8 @@
-"""The compressed-tensors `quantization_config` of a kvq output, built with compressed-tensors' own schema.
+"""The compressed-tensors `quantization_config` of a kvq output, in compressed-tensors' own serialized form.
+
+It is the library's `QuantizationConfig(...).model_dump(mode="json")`, every field filled, written without
+importing the library: that import pulls in transformers (~3 s of a compress run, plus ~1 s at exit).
+tests/compress/test_output_config.py checks it against the library's own dump.
 
 `group_0` is the recipe's INT4 scheme under target `Linear` (SGLang's W4A16 MoE loader looks it up by
 that target) with `format: pack-quantized`. FP8-block tensors kept as FP8 get `group_1`: the FP8_BLOCK
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from importlib.metadata import version
 
 from kvq.compress.recipe import Recipe, matches_target
 from kvq.compress.tensor_plan import CompressPlan
@@ -24,39 +29,61 @@ from kvq.compress.tensor_plan import CompressPlan
 def quantization_config(recipe: Recipe, plan: CompressPlan, kv_cache_scheme: dict | None = None) -> dict:
     """The `quantization_config` dict for config.json (JSON-ready); a source's KV-cache scheme (from
     `kvq calibrate`, with its `k_scale`/`v_scale` tensors copied through) is kept."""
-    from compressed_tensors import __version__ as ct_version
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-
-    groups = {
-        "group_0": QuantizationScheme(
-            targets=["Linear"], weights=QuantizationArgs(**recipe.weights_args()), format="pack-quantized"
-        )
-    }
+    groups = {"group_0": _scheme(["Linear"], quantization_args(**recipe.weights_args()), "pack-quantized")}
     if plan.fp8_modules:
         block = list(plan.block)
-        groups["group_1"] = QuantizationScheme(
-            targets=fp8_targets(plan.fp8_modules),
-            weights=QuantizationArgs(
-                num_bits=8,
-                type="float",
-                strategy="block",
-                block_structure=block,
-                symmetric=True,
-                dynamic=False,
+        groups["group_1"] = _scheme(
+            fp8_targets(plan.fp8_modules),
+            quantization_args(
+                num_bits=8, type="float", strategy="block", block_structure=block, dynamic=False
             ),
-            input_activations=QuantizationArgs(
-                num_bits=8, type="float", strategy="group", group_size=block[1], symmetric=True, dynamic=True
+            "float-quantized",
+            input_activations=quantization_args(
+                num_bits=8, type="float", strategy="group", group_size=block[1], dynamic=True
             ),
-            format="float-quantized",
         )
-    config = QuantizationConfig(
-        config_groups=groups,
-        ignore=ignore_list(recipe, plan),
-        format="mixed-precision" if plan.fp8_modules else "pack-quantized",
-        quantization_status="compressed",
-        kv_cache_scheme=kv_cache_scheme,
-    )
-    return {"version": ct_version, "transform_config": {}, **config.model_dump(mode="json")}
+    return {
+        "version": version("compressed-tensors"),
+        "transform_config": {},
+        "config_groups": groups,
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": None if kv_cache_scheme is None else quantization_args(**kv_cache_scheme),
+        "format": "mixed-precision" if plan.fp8_modules else "pack-quantized",
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": ignore_list(recipe, plan),
+    }
+
+
+def quantization_args(**fields: object) -> dict:
+    """`QuantizationArgs(**fields).model_dump(mode="json")` of compressed-tensors: defaults filled."""
+    return {**_ARGS_DEFAULTS, **fields}
+
+
+_ARGS_DEFAULTS: dict[str, object] = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": None,
+    "block_structure": None,
+    "dynamic": False,
+    "actorder": None,
+    "scale_dtype": None,
+    "zp_dtype": None,
+    "observer": None,
+    "observer_kwargs": {},
+}
+
+
+def _scheme(targets: list[str], weights: dict, fmt: str, input_activations: dict | None = None) -> dict:
+    return {
+        "targets": targets,
+        "weights": weights,
+        "input_activations": input_activations,
+        "output_activations": None,
+        "format": fmt,
+    }
 
 
 # Fused layers of vLLM's / SGLang's llama, glm4_moe and deepseek_v2 (GLM-5) models: `packed_modules_mapping`.

@@ -8,7 +8,6 @@ keeps freed heap memory for reuse (a job allocates the same sizes tensor after t
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -19,6 +18,7 @@ from multiprocessing.queues import Queue
 
 import torch
 
+from kvq.compress.forkserver import worker_context
 from kvq.compress.shard_job import ShardJob, ShardResult, run_shard_job
 from kvq.errors import KvqError
 
@@ -50,14 +50,6 @@ def _run_in_worker(job: ShardJob) -> ShardResult:
     return run_shard_job(job, _report)
 
 
-def _context() -> mp.context.BaseContext:
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["kvq.compress.shard_job"])  # torch imported once, workers fork from it
-        return ctx
-    return mp.get_context("spawn")
-
-
 def run_jobs(
     jobs: Sequence[ShardJob],
     workers: int,
@@ -67,7 +59,7 @@ def run_jobs(
     """Run every job on `workers` processes; call `on_done` in this process as each finishes."""
     if not jobs:
         return
-    ctx = _context()
+    ctx = worker_context()
     queue = ctx.Queue()
     drain = threading.Thread(target=_drain, args=(queue, progress), daemon=True)
     drain.start()

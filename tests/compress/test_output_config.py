@@ -77,3 +77,53 @@ def test_a_calibrated_sources_kv_cache_scheme_is_kept():
     qc = quantization_config(recipe, plan, kv)
     assert {k: qc["kv_cache_scheme"][k] for k in kv} == kv
     assert quantization_config(recipe, plan)["kv_cache_scheme"] is None
+
+
+def test_equals_compressed_tensors_own_dump():
+    """The oracle: the library builds the same config from the same parts, and parses ours back unchanged."""
+    from compressed_tensors import __version__
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    for recipe_name, specs in [
+        ("w4a16-experts", [(f"{EXPERT}.weight", "BF16", (256, 256))]),
+        (
+            "w4a16-experts",
+            [
+                (f"{EXPERT}.weight", "F8_E4M3", (256, 256)),
+                (f"{EXPERT}.weight_scale_inv", "F32", (2, 2)),
+                (f"{ATTN}.weight", "F8_E4M3", (256, 192)),
+                (f"{ATTN}.weight_scale_inv", "F32", (2, 2)),
+            ],
+        ),
+    ]:
+        recipe = load_recipe(recipe_name, group_size=64)
+        plan = build_plan(virtual_tensors(specs), recipe, (128, 128))
+        ours = quantization_config(recipe, plan, kv)
+        groups = {
+            "group_0": QuantizationScheme(
+                targets=["Linear"], weights=QuantizationArgs(**recipe.weights_args()), format="pack-quantized"
+            )
+        }
+        if plan.fp8_modules:
+            groups["group_1"] = QuantizationScheme(
+                targets=fp8_targets(plan.fp8_modules),
+                weights=QuantizationArgs(
+                    num_bits=8, type="float", strategy="block", block_structure=[128, 128], dynamic=False
+                ),
+                input_activations=QuantizationArgs(
+                    num_bits=8, type="float", strategy="group", group_size=128, dynamic=True
+                ),
+                format="float-quantized",
+            )
+        library = QuantizationConfig(
+            config_groups=groups,
+            ignore=ours["ignore"],
+            format=ours["format"],
+            quantization_status="compressed",
+            kv_cache_scheme=kv,
+        ).model_dump(mode="json")
+        assert ours == {"version": __version__, "transform_config": {}, **library}
+        assert list(ours)[2:] == list(library)  # same key order: config.json reads like the library's
+        parsed = QuantizationConfig.model_validate({k: v for k, v in ours.items() if k != "version"})
+        assert parsed.model_dump(mode="json") == library
