@@ -1,15 +1,18 @@
 """`kvq bench integrity`: what the checked KV pool (`--kv-integrity`) costs, and what it catches.
 
-1. Cost: one engine per group (off, tags, full, and a second off engine), the same workload on each,
+1. Cost: four engines, one per group (off, tags, full, and a second off), the same workload on each,
    run in lockstep (the engines take turns step by step, the order rotating) so load that comes and goes
    on a shared machine hits all alike: `concurrency` requests of `prompt_tokens` (the first
    `shared_prefix_tokens` shared, so prefix pages are attached), `max_tokens` each, fresh token ids every
-   round. Per group, medians over rounds: throughput (generated tokens / the group's own step time) and
-   each round's P50/P95 of `engine.step()` wall time; and the
-   time spent in the integrity check itself (`tracker.check` + `after_forward`) as a share of all step
-   time: the check's own cost, free of machine noise. Ratios are against `off`; off-2 / off shows the
-   noise floor, which is what "off is indistinguishable from an engine without the tracker" can mean
-   at run time.
+   round. Every round the groups move on to the next engine (`Engine.reset_kv`: fresh bookkeeping over
+   the same weights and pool), so over 4k rounds each group runs on each engine equally often and what
+   differs between engine instances (where their weights and pages lie in memory) cancels. Per group:
+   throughput (generated tokens / the group's own step time, median over rounds); each step's time over
+   the same step of `off` (the engines are at the same step of the same schedule), median over every
+   step; P95 step time over all steps of all rounds; and the time spent inside the tracker (every hook
+   and the check) as a share of step time: the integrity work itself, free of machine noise. Ratios are
+   against `off`; off-2 / off shows the noise floor, which is what "off is indistinguishable from an
+   engine without the tracker" can mean at run time.
 2. Catch (`--drill`, in `integrity_drill`): every fault of `kvq.runtime.integrity.drill` in the lowest
    mode that should catch it, on fresh fp32 engines (batch-invariant tokens): caught, who was stopped,
    whether a stopped request was read after the fault, whether everyone else's tokens match a fault-free
@@ -46,7 +49,7 @@ class IntegrityBenchConfig:
 
     threads: int = 2
     concurrency: int = 64
-    rounds: int = 7
+    rounds: int = 8  # a multiple of 4: every group runs on every engine equally often
     prompt_tokens: int = 48
     shared_prefix_tokens: int = 32
     max_tokens: int = 32
@@ -64,15 +67,30 @@ class IntegrityBenchResult:
     drill: list[dict] = field(default_factory=list)
 
 
-class CheckTimer:
-    """Seconds spent in a tracker's check and after_forward (wrapped on the instance, bench only)."""
+TRACKER_METHODS = (
+    "check",
+    "after_forward",
+    "on_take",
+    "on_attach",
+    "on_seal",
+    "on_free",
+    "on_release_of_free_page",
+    "on_unhash",
+)
 
-    def __init__(self, engine: Engine) -> None:
+
+class TrackerTimer:
+    """Seconds spent inside an engine's tracker: every method the engine and block manager call (bench
+    only: wrapped on the tracker instance, re-wrapped by `watch` after `Engine.reset_kv`)."""
+
+    def __init__(self) -> None:
         self.seconds = 0.0
+
+    def watch(self, engine: Engine) -> None:
         tracker = engine.tracker
         if tracker is None:
             return
-        for name in ("check", "after_forward"):
+        for name in TRACKER_METHODS:
             method = getattr(tracker, name)
 
             def timed(*args: object, _method=method) -> object:  # type: ignore[no-untyped-def]
@@ -100,11 +118,11 @@ def make_prompts(config: IntegrityBenchConfig, vocab_size: int, round_index: int
 
 
 def lockstep_round(
-    engines: dict[str, Engine], timers: dict[str, CheckTimer], prompts: list[list[int]], max_tokens: int
+    engines: dict[str, Engine], timers: dict[str, TrackerTimer], prompts: list[list[int]], max_tokens: int
 ) -> dict[str, dict]:
     """Every prompt queued on every engine, then the engines step in turn (the order rotating each
     step) until all are done, so load that comes and goes on the machine hits every group alike. Per
-    group: tokens/s of its own step time, its step times, check time, aborts."""
+    group: tokens/s of its own step time, its step times, time inside the tracker, aborts."""
     from kvq.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -113,7 +131,7 @@ def lockstep_round(
             engine.add_request(prompt, params)
     step_s: dict[str, list[float]] = {group: [] for group in engines}
     generated = dict.fromkeys(engines, 0)
-    check_before = {group: timer.seconds for group, timer in timers.items()}
+    tracker_before = {group: timer.seconds for group, timer in timers.items()}
     aborts_before = {group: engine.stats.integrity_aborts for group, engine in engines.items()}
     order = list(engines)
     while active := [g for g in order if engines[g].has_unfinished_requests()]:
@@ -127,7 +145,7 @@ def lockstep_round(
         group: {
             "tok_s": generated[group] / sum(step_s[group]),
             "step_s": step_s[group],
-            "check_s": timers[group].seconds - check_before[group],
+            "tracker_s": timers[group].seconds - tracker_before[group],
             "aborts": engine.stats.integrity_aborts - aborts_before[group],
         }
         for group, engine in engines.items()
@@ -135,20 +153,27 @@ def lockstep_round(
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per group, medians over rounds (robust to a burst of load hitting one round): tok/s, each round's
-    P50 and P95 step time; the check's share of all step time; ratios of the medians against `off`."""
+    """Per group: median tok/s over rounds; median over all steps of the step's time / the same step of
+    `off`; P50 and P95 over all steps of all rounds; the tracker's share of step time; ratios to `off`."""
     summary = {}
+    off_runs = runs["off"]
     for group, group_runs in runs.items():
-        per_round = [statistics.quantiles(run["step_s"], n=20, method="inclusive") for run in group_runs]
-        step_s = sum(sum(run["step_s"]) for run in group_runs)
-        num_steps = sum(len(run["step_s"]) for run in group_runs)
-        check_s = sum(run["check_s"] for run in group_runs)
+        steps = sorted(t for run in group_runs for t in run["step_s"])
+        paired = [
+            t / t_off
+            for run, off_run in zip(group_runs, off_runs, strict=True)
+            # strict=False: a group whose request was stopped can finish its round in fewer steps
+            for t, t_off in zip(run["step_s"], off_run["step_s"], strict=False)
+        ]
+        quantiles = statistics.quantiles(steps, n=20, method="inclusive")
+        tracker_s = sum(run["tracker_s"] for run in group_runs)
         summary[group] = {
             "tok_s": statistics.median(run["tok_s"] for run in group_runs),
-            "p50_step_ms": statistics.median(q[9] for q in per_round) * 1e3,
-            "p95_step_ms": statistics.median(q[18] for q in per_round) * 1e3,
-            "check_ms_per_step": check_s / num_steps * 1e3,
-            "check_share": check_s / step_s,
+            "step_vs_off": statistics.median(paired),
+            "p50_step_ms": quantiles[9] * 1e3,
+            "p95_step_ms": quantiles[18] * 1e3,
+            "tracker_ms_per_step": tracker_s / len(steps) * 1e3,
+            "tracker_share": tracker_s / sum(steps),
             "aborts": sum(run["aborts"] for run in group_runs),
         }
     off = summary["off"]
@@ -175,14 +200,20 @@ def make_engine(model: Path, config: IntegrityBenchConfig, mode: str, **kwargs: 
 
 
 def cost_runs(model: Path, config: IntegrityBenchConfig) -> dict[str, list[dict]]:
-    """The lockstep rounds (after one untimed warm-up round), one engine per group."""
-    engines = {group: make_engine(model, config, mode) for group, mode in GROUPS.items()}
-    timers = {group: CheckTimer(engine) for group, engine in engines.items()}
-    vocab_size = engines["off"].model.config.vocab_size
+    """The lockstep rounds (after one untimed warm-up round), the groups rotating over the engines."""
+    engines = [make_engine(model, config, "off") for _ in GROUPS]
+    timers = {group: TrackerTimer() for group in GROUPS}
+    vocab_size = engines[0].model.config.vocab_size
     runs: dict[str, list[dict]] = {group: [] for group in GROUPS}
     for round_index in range(config.rounds + 1):
+        placed = {}
+        for offset, group in enumerate(GROUPS):
+            engine = engines[(offset + round_index) % len(engines)]
+            engine.reset_kv(GROUPS[group])
+            timers[group].watch(engine)
+            placed[group] = engine
         prompts = make_prompts(config, vocab_size, round_index)
-        round_runs = lockstep_round(engines, timers, prompts, config.max_tokens)
+        round_runs = lockstep_round(placed, timers, prompts, config.max_tokens)
         if round_index > 0:
             for group, run in round_runs.items():
                 runs[group].append(run)
@@ -213,18 +244,20 @@ def render(result: IntegrityBenchResult) -> list[Table]:
         f"each, "
         f"{config['rounds']} lockstep rounds ({Path(result.model).name})"
     )
-    for column in ("group", "tok/s", "vs off", "P50 step", "P95 step", "vs off", "check/step", "check share"):
+    columns = ("group", "tok/s", "vs off", "step vs off", "P50 ms", "P95 ms", "vs off", "tracker ms", "share")
+    for column in columns:
         table.add_column(column, justify="left" if column == "group" else "right")
     for group, s in result.summary.items():
         table.add_row(
             group,
             f"{s['tok_s']:.1f}",
             f"{s['tok_s_vs_off']:.4f}",
-            f"{s['p50_step_ms']:.1f} ms",
-            f"{s['p95_step_ms']:.1f} ms",
+            f"{s['step_vs_off']:.4f}",
+            f"{s['p50_step_ms']:.1f}",
+            f"{s['p95_step_ms']:.1f}",
             f"{s['p95_vs_off']:.4f}",
-            f"{s['check_ms_per_step']:.3f} ms",
-            f"{100 * s['check_share']:.2f}%",
+            f"{s['tracker_ms_per_step']:.3f}",
+            f"{100 * s['tracker_share']:.2f}%",
         )
     tables = [table]
     if result.drill:
@@ -240,7 +273,11 @@ def bench_integrity_command(
         int, typer.Option(help="Requests queued at once per run.")
     ] = IntegrityBenchConfig.concurrency,
     rounds: Annotated[
-        int, typer.Option(help="Timed interleaved rounds (after one warm-up round).")
+        int,
+        typer.Option(
+            help="Timed lockstep rounds after one warm-up round; a multiple of 4 puts each group on "
+            "each engine equally often."
+        ),
     ] = IntegrityBenchConfig.rounds,
     max_tokens: Annotated[
         int, typer.Option(help="Tokens generated per request.")

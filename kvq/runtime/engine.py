@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -70,6 +70,22 @@ class Engine:
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids()
         self.kv_pool = self._kv_pool()
+        self._new_kv_bookkeeping()
+        self.runner = ModelRunner(self.model, config.page_size, self.kv_pool.zero_page, config.torch_device)
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    def reset_kv(self, kv_integrity: str | None = None) -> None:
+        """A fresh page allocator, prefix cache, scheduler and tracker (in `kv_integrity` mode if given)
+        over the same pool memory and weights. Only with no request in flight."""
+        if self.scheduler.has_unfinished:
+            raise KvqError("reset_kv() with requests in flight; finish or abort them first")
+        if kv_integrity is not None:
+            self.config = replace(self.config, kv_integrity=kv_integrity)
+        self._new_kv_bookkeeping()
+
+    def _new_kv_bookkeeping(self) -> None:
+        config = self.config
         self.tracker = make_tracker(config.kv_integrity, self.kv_pool)  # None when "off"
         self.block_manager = BlockManager(
             self.kv_pool.num_pages, config.page_size, config.enable_prefix_caching, self.tracker
@@ -80,9 +96,6 @@ class Engine:
             config.max_num_batched_tokens,
             config.decode_reserve_ratio,
         )
-        self.runner = ModelRunner(self.model, config.page_size, self.kv_pool.zero_page, config.torch_device)
-        self._ids = itertools.count()
-        self.stats = EngineStats()
 
     def _kv_pool(self) -> KVPool:
         """Pages for the budget (no more than max_num_seqs full contexts), bound to every attention layer."""

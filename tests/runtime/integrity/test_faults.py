@@ -147,3 +147,28 @@ def test_abort_leaves_the_pool_consistent(llama: Path) -> None:
         assert manager.num_free_pages == manager.num_pages - leaked.get(fault.name, 0), fault.name
         assert len(set(manager.free_page_ids)) == manager.num_free_pages  # no page listed twice
         assert sum(page.ref_count for page in manager.pages) == leaked.get(fault.name, 0)
+
+
+def test_reset_kv_switches_the_mode_over_the_same_weights(llama: Path) -> None:
+    """What `kvq bench integrity` uses to rotate the modes over its engines."""
+    from kvq.errors import KvqError
+    from kvq.runtime.sampling import SamplingParams
+
+    engine = make_engine(llama, "off")
+    params = SamplingParams(max_tokens=6)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 12, 14, 15]]
+    before = [out.token_ids for out in engine.generate(prompts, params)]
+    assert engine.tracker is None and engine.block_manager.hash_to_page_id  # the shared prefix is cached
+    model, kv_pool = engine.model, engine.kv_pool
+
+    engine.reset_kv("tags")
+
+    assert engine.config.kv_integrity == "tags" and engine.block_manager.tracker is engine.tracker is not None
+    assert (
+        engine.block_manager.hash_to_page_id == {} and engine.scheduler.block_manager is engine.block_manager
+    )
+    assert engine.model is model and engine.kv_pool is kv_pool
+    assert [out.token_ids for out in engine.generate(prompts, params)] == before
+    engine.add_request(prompts[0], params)
+    with pytest.raises(KvqError, match="in flight"):
+        engine.reset_kv("off")
