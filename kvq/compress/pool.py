@@ -1,8 +1,12 @@
 """Run shard jobs in worker processes (forkserver, or spawn), with per-tensor progress and a clean Ctrl-C.
 
 Workers ignore SIGINT; the parent catches it (or any error), terminates the workers and re-raises, so
-only complete shards survive under their final names. Each worker gets `cpus // workers` torch threads and
-keeps freed heap memory for reuse (a job allocates the same sizes tensor after tensor).
+only complete shards survive under their final names. Progress goes through shared memory, one slot per
+job written only by the worker running it (no queue, no lock: a worker terminated mid-update cannot
+leave anything half-sent). Each worker starts with `cpus // workers` torch threads and, between tensors,
+takes up the threads the parent offers once fewer jobs than workers remain (the last shard of a run, or
+a one-file model, then uses every core). Workers keep freed heap memory for reuse (a job allocates the
+same sizes tensor after tensor).
 """
 
 from __future__ import annotations
@@ -10,11 +14,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from multiprocessing.queues import Queue
+from typing import Any
 
 import torch
 
@@ -23,15 +26,21 @@ from kvq.compress.shard_job import ShardJob, ShardResult, run_shard_job
 from kvq.errors import KvqError
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_DRAIN_TIMEOUT_S = 5.0
-_progress_queue: Queue | None = None  # set in each worker by `_init_worker`
+_POLL_S = 0.1  # how often the parent reads the progress slots
+_done_bytes: Any = None  # in each worker: the shared per-job progress slots (`RawArray` of int64)
+_threads: Any = None  # in each worker: the shared torch thread count to use from the next tensor on
 
 
-def _init_worker(num_threads: int, queue: Queue) -> None:
-    global _progress_queue
+def threads_per_worker(cpus: int, workers: int, unfinished_jobs: int) -> int:
+    """The cores split over the jobs that can still run at once."""
+    return max(1, cpus // max(1, min(workers, unfinished_jobs)))
+
+
+def _init_worker(done_bytes: Any, threads: Any) -> None:
+    global _done_bytes, _threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(num_threads)
-    _progress_queue = queue
+    _done_bytes, _threads = done_bytes, threads
+    torch.set_num_threads(threads.value)
     try:  # fresh multi-MB tensors per op otherwise cost page faults that double the quantizer's time
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024**2)
@@ -41,13 +50,13 @@ def _init_worker(num_threads: int, queue: Queue) -> None:
         pass
 
 
-def _report(nbytes: int) -> None:
-    assert _progress_queue is not None
-    _progress_queue.put(nbytes)
+def _run_in_worker(job: ShardJob, slot: int) -> ShardResult:
+    def after_task(nbytes: int) -> None:
+        _done_bytes[slot] += nbytes  # this worker is the slot's only writer
+        if torch.get_num_threads() != _threads.value:
+            torch.set_num_threads(_threads.value)
 
-
-def _run_in_worker(job: ShardJob) -> ShardResult:
-    return run_shard_job(job, _report)
+    return run_shard_job(job, after_task)
 
 
 def run_jobs(
@@ -60,48 +69,36 @@ def run_jobs(
     if not jobs:
         return
     ctx = worker_context()
-    queue = ctx.Queue()
-    drain = threading.Thread(target=_drain, args=(queue, progress), daemon=True)
-    drain.start()
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    cpus = os.cpu_count() or 1
+    done_bytes = ctx.RawArray(ctypes.c_int64, len(jobs))
+    threads = ctx.RawValue(ctypes.c_int, threads_per_worker(cpus, workers, len(jobs)))
     executor = ProcessPoolExecutor(
-        max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(threads, queue)
+        max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(done_bytes, threads)
     )
-    is_clean = True
+    reported = 0
     try:
-        largest_first = sorted(jobs, key=lambda job: -job.input_bytes)  # shortens the tail of the last jobs
-        pending: set[Future] = {executor.submit(_run_in_worker, job) for job in largest_first}
+        largest_first = sorted(range(len(jobs)), key=lambda i: -jobs[i].input_bytes)  # a shorter tail
+        pending: set[Future] = {executor.submit(_run_in_worker, jobs[i], i) for i in largest_first}
         while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+            threads.value = threads_per_worker(cpus, workers, len(pending))
+            if progress is not None:
+                total = sum(done_bytes)
+                progress(total - reported)
+                reported = total
             for future in sorted(done, key=lambda f: f.exception() is not None):  # record successes first
                 on_done(future.result())
     except BrokenProcessPool as e:
-        is_clean = False
         _terminate(executor)
         raise KvqError(
             f"a worker process died ({e}); if the OS killed it for memory, re-run the same command with "
             "fewer --workers to resume (finished shards are kept)"
         ) from e
     except BaseException:
-        is_clean = False
         _terminate(executor)
         raise
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
-        queue.put(None)
-        # A worker terminated mid-`put` can leave half a message in the queue's pipe (or its lock held):
-        # the drain thread may then never see the None, so after a stop it gets a bounded wait, and the
-        # queue's feeder thread is not waited for at exit.
-        drain.join(timeout=None if is_clean else _DRAIN_TIMEOUT_S)
-        queue.close()
-        if not is_clean:
-            queue.cancel_join_thread()
-
-
-def _drain(queue: Queue, progress: Callable[[int], None] | None) -> None:
-    while (nbytes := queue.get()) is not None:
-        if progress is not None:
-            progress(nbytes)
 
 
 def _terminate(executor: ProcessPoolExecutor) -> None:
