@@ -57,7 +57,7 @@ def quantization_config(recipe: Recipe, plan: CompressPlan, kv_cache_scheme: dic
 
 def quantization_args(**fields: object) -> dict:
     """`QuantizationArgs(**fields).model_dump(mode="json")` of compressed-tensors: defaults filled."""
-    return {**_ARGS_DEFAULTS, **fields}
+    return {**_ARGS_DEFAULTS, "observer_kwargs": {}, **fields}
 
 
 _ARGS_DEFAULTS: dict[str, object] = {
