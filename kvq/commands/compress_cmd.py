@@ -52,8 +52,9 @@ def compress_command(
     compressed-tensors quantization_config), tokenizer/generation files and kvq_manifest.json.
 
     Memory: tensors are streamed one at a time, so peak RSS is bounded by the workers, not by the model
-    or shard size: about 0.5 GB + workers x (0.25 GB + 12 bytes x the elements of the largest weight
-    quantized, 5 per element of the largest FP8 weight kept, at least 64 MiB); printed at start.
+    or shard size: about 0.5 GB + workers x (0.25 GB + the largest weight quantized as stored plus 2
+    bytes per element and 32 MiB, or the largest FP8 weight kept plus 32 MiB, at least 64 MiB); printed
+    at start.
     Resume: re-run the same command on the same OUT; shards whose size and sha256 match the manifest are
     kept. SRC is never modified.
     """

@@ -52,12 +52,13 @@ class PreparedJob:
         return sum(job.input_bytes for job in self.jobs)
 
 
-# Measured on this code (kvq bench compress, and one 33.5M-element FP8 weight): ~0.25 GB per Python process
-# with torch, ~9-12 bytes per element while a weight is dequantized and quantized, ~5 while an FP8 weight is
-# checked and copied, and the 64 MiB chunks plain tensors are copied in.
+# Measured on this code (kvq bench compress, and one 33.5M-element weight): ~0.25 GB per Python process
+# with torch; a weight being quantized is held as read (1 byte per element for FP8, 2 for BF16) plus
+# ~0.9-1.2 bytes per element of outputs and cache-sized scratch (`quantize_rows` works in ~1M-element
+# chunks); an FP8 weight kept is held as read; plain tensors are copied in 64 MiB chunks.
 PROCESS_BASE_BYTES = 256 * 1024**2
-INT4_BYTES_PER_ELEMENT = 12
-FP8_BYTES_PER_ELEMENT = 5
+INT4_EXTRA_BYTES_PER_ELEMENT = 2
+SCRATCH_BYTES = 32 * 1024**2
 
 
 def peak_rss_bound(plan: CompressPlan, workers: int) -> int:
@@ -65,9 +66,10 @@ def peak_rss_bound(plan: CompressPlan, workers: int) -> int:
     largest = COPY_CHUNK_BYTES
     for task in plan.tasks:
         if task.action == INT4:
-            largest = max(largest, INT4_BYTES_PER_ELEMENT * task.source.numel)
+            need = task.source.nbytes + INT4_EXTRA_BYTES_PER_ELEMENT * task.source.numel + SCRATCH_BYTES
+            largest = max(largest, need)
         elif task.action == FP8_BLOCK:
-            largest = max(largest, FP8_BYTES_PER_ELEMENT * task.source.numel)
+            largest = max(largest, task.source.nbytes + SCRATCH_BYTES)
     return 2 * PROCESS_BASE_BYTES + workers * (PROCESS_BASE_BYTES + largest)
 
 
