@@ -1,5 +1,6 @@
 """The runtime on real weights: SmolLM2-135M-Instruct (llama, tied embeddings, 9 heads / 3 KV heads),
-as BF16, FP8-block and INT4 (W4A16, group 64), against transformers' fp32 forward."""
+as BF16, FP8-block and INT4 (W4A16, group 64; kvq's output and llm-compressor's own), against
+transformers' fp32 forward."""
 
 from __future__ import annotations
 
@@ -78,3 +79,44 @@ def test_resident_weights_match_the_checkpoint(smollm2, smollm2_int4, which: str
     path = {"bf16": smollm2.bf16, "fp8": smollm2.fp8, "int4": smollm2_int4}[which]
     engine = Engine(EngineConfig(model=str(path), kv_memory="8MiB"))
     assert abs(engine.weight_bytes / engine.ckpt.tensor_bytes - 1) < 0.10
+
+
+@pytest.fixture(scope="module", params=["model_free_ptq", "oneshot"])
+def smollm2_llmcompressor_int4(request, smollm2, tmp_path_factory: pytest.TempPathFactory):
+    """llm-compressor's own W4A16 output of SmolLM2 (every Linear but lm_head, group 64): files kvq did
+    not write, with llm-compressor's config; `model_free_ptq` keeps the shards, `oneshot` (through
+    transformers and compressed-tensors' compressor) writes one file without an index."""
+    out = tmp_path_factory.mktemp(f"smollm2-{request.param}") / "model"
+    if request.param == "model_free_ptq":
+        from kvq.bench.compress import run_model_free_ptq
+
+        run_model_free_ptq(str(smollm2.bf16), str(out), "w4a16-linear", 2, group_size=64)
+        return out
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvq.compress.recipe import load_recipe
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2.bf16, dtype=torch.bfloat16)
+    config = load_recipe("w4a16-linear", 64).quantization_config()
+    oneshot(
+        model=model, recipe=QuantizationModifier(config_groups=config.config_groups, ignore=config.ignore)
+    )
+    model.save_pretrained(out, save_compressed=True)
+    AutoTokenizer.from_pretrained(smollm2.bf16).save_pretrained(out)
+    return out
+
+
+def test_llm_compressor_output_runs_packed_and_matches_transformers(
+    smollm2_llmcompressor_int4, chat_prompts
+) -> None:
+    path = smollm2_llmcompressor_int4
+    assert not (path / "kvq_manifest.json").exists()
+    hf = hf_reference(path)
+    expected = [hf_greedy(hf, p, NUM_TOKENS) for p in chat_prompts[:2]]
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", kv_memory="64MiB", threads=2))
+    assert engine_greedy(engine, chat_prompts[:2], NUM_TOKENS) == expected
+    fast = Engine(EngineConfig(model=str(path), kv_memory="8MiB"))  # INT4 weights kept packed
+    assert abs(fast.weight_bytes / fast.ckpt.tensor_bytes - 1) < 0.10
+    assert "Paris" in fast.generate([chat_prompts[0]], SamplingParams(max_tokens=12))[0].text
