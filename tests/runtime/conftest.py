@@ -21,6 +21,15 @@ Int4Checkpoint = Callable[..., Path]
 RECIPES = {"llama": ("w4a16-linear", 64), "glm4_moe": ("w4a16-experts", 128)}
 
 
+def model_free_ptq(source: Path, out: Path, recipe: str, group_size: int) -> Path:
+    """llm-compressor's output for `recipe`, leaving alone what kvq keeps at source precision."""
+    from kvq.bench.compress import run_model_free_ptq
+    from tests.compress.conftest import kept_modules
+
+    run_model_free_ptq(str(source), str(out), recipe, 1, group_size, kept_modules(source, recipe, group_size))
+    return out
+
+
 def compress(source: Path, out: Path, recipe: str, group_size: int) -> Path:
     run(prepare(source, out, load_recipe(recipe, group_size)), workers=1)
     return out
@@ -28,14 +37,20 @@ def compress(source: Path, out: Path, recipe: str, group_size: int) -> Path:
 
 @pytest.fixture(scope="session")
 def int4_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Int4Checkpoint:
-    """`int4_checkpoint(arch)`: the tiny llama (from BF16) or glm4_moe (from FP8-block) compressed."""
+    """`int4_checkpoint(arch, writer="kvq")`: the tiny llama (from BF16) or glm4_moe (from FP8-block)
+    compressed by kvq, or by llm-compressor's `model_free_ptq` with the same recipe."""
     built: dict[str, Path] = {}
 
-    def get(arch: str) -> Path:
-        if arch not in built:
+    def get(arch: str, writer: str = "kvq") -> Path:
+        if (arch, writer) not in built:
             source = tiny_checkpoint(arch, "fp8-block" if arch == "glm4_moe" else "bf16")
-            built[arch] = compress(source, tmp_path_factory.mktemp(f"{arch}-int4") / "model", *RECIPES[arch])
-        return built[arch]
+            out = tmp_path_factory.mktemp(f"{arch}-int4-{writer}") / "model"
+            if writer == "kvq":
+                built[arch, writer] = compress(source, out, *RECIPES[arch])
+            else:  # llm-compressor's own: FP8 attention dequantized to bf16, experts INT4
+                assert writer == "model_free_ptq", writer
+                built[arch, writer] = model_free_ptq(source, out, *RECIPES[arch])
+        return built[arch, writer]
 
     return get
 

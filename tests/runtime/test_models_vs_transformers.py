@@ -1,5 +1,6 @@
 """The runtime against transformers' fp32 forward of the same checkpoint (dequantized weights), on every
-tiny fixture: llama and glm4_moe, stored as BF16, FP8-block and INT4 pack-quantized.
+tiny fixture: llama and glm4_moe, stored as BF16, FP8-block and INT4 pack-quantized (kvq's output, and for
+glm4_moe also llm-compressor `model_free_ptq`'s).
 
 Reference mode (fp32 activations and pages) must reproduce transformers' greedy continuations exactly;
 the fast path (bf16 activations, INT4 op, BF16 or calibrated FP8 pages) is held to logit tolerances and
@@ -25,6 +26,7 @@ from tests.runtime.reference import (
 )
 
 FIXTURES = [(arch, fmt) for arch in ("llama", "glm4_moe") for fmt in ("bf16", "fp8-block", "int4")]
+FIXTURES.append(("glm4_moe", "int4-llm-compressor"))  # files kvq did not write: model_free_ptq's
 NUM_TOKENS = 32
 
 
@@ -41,6 +43,8 @@ def checkpoint(tiny_checkpoint, int4_checkpoint, request: pytest.FixtureRequest)
     arch, fmt = request.param
     if fmt == "int4":  # kvq compress: llama all-INT4; glm4_moe INT4 experts + FP8 attention (mixed)
         return int4_checkpoint(arch)
+    if fmt == "int4-llm-compressor":
+        return int4_checkpoint(arch, "model_free_ptq")
     return tiny_checkpoint(arch, fmt)
 
 
