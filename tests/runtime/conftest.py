@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.run import calibrate
-from kvq.compress.recipe import load_recipe
-from kvq.compress.runner import prepare, run
+# Imports of calibrate/compress (compressed-tensors, llm-compressor) stay inside the fixtures: the kernel
+# tests under tests/runtime/kernels must collect on a GPU machine that has only torch, triton and
+# transformers (scripts/gpu_check.sh).
 from kvq.testing.smollm2 import SmolLM2Paths
 
 Int4Checkpoint = Callable[..., Path]
@@ -31,6 +30,9 @@ def model_free_ptq(source: Path, out: Path, recipe: str, group_size: int) -> Pat
 
 
 def compress(source: Path, out: Path, recipe: str, group_size: int) -> Path:
+    from kvq.compress.recipe import load_recipe
+    from kvq.compress.runner import prepare, run
+
     run(prepare(source, out, load_recipe(recipe, group_size)), workers=1)
     return out
 
@@ -63,6 +65,9 @@ def smollm2_int4(smollm2: SmolLM2Paths, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="session")
 def smollm2_int4_calibrated(smollm2_int4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The INT4 SmolLM2 with FP8 KV scales from `kvq calibrate` (a small run: 8 windows of 512 tokens)."""
+    from kvq.calibrate.config import CalibrationConfig
+    from kvq.calibrate.run import calibrate
+
     path = Path(shutil.copytree(smollm2_int4, tmp_path_factory.mktemp("smollm2-int4-kv") / "model"))
     calibrate(path, CalibrationConfig(num_samples=8, seq_len=512))
     return path

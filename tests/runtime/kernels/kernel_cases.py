@@ -1,8 +1,10 @@
 """Fresh random kernel inputs of irregular shapes, and the one closeness check the kernel tests use.
 
-Weights are packed with compressed-tensors' own `pack_to_int32` (the layout's oracle). Paged caches put
-sequences on shuffled pages with unused pages, a page shared by two sequences, block-table padding of
--1 and garbage, and NaN in every slot no sequence owns, so a kernel that reads past seq_len shows it.
+Weights are packed with kvq's `pack_int4` (equal to compressed-tensors' `pack_to_int32`, the layout's
+oracle, in test_w4a16.py; not imported here, so the kernel tests run where only torch and triton are).
+Paged caches put sequences on shuffled pages with unused pages, a page shared by two sequences,
+block-table padding of -1 and garbage, and NaN in every slot no sequence owns, so a kernel that reads
+past seq_len shows it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
+from kvq.formats.pack_quantized import pack_int4
 from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX
 
 # Tolerances, as a fraction of max |expected|, by the dtype the kernel computes and returns in.
@@ -32,7 +34,7 @@ def random_w4a16(
     """(`weight_packed` int32 `[(E,) N, K/8]`, `weight_scale` bf16 `[(E,) N, K/G]`) of random q in -8..7."""
     experts = num_experts or 1
     q = torch.randint(-8, 8, (experts, num_rows, in_features), generator=gen, dtype=torch.int8)
-    packed = torch.stack([pack_to_int32(q_e, 4) for q_e in q])  # [E, N, K/8]
+    packed = torch.stack([pack_int4(q_e) for q_e in q])  # [E, N, K/8]
     scale = (
         (torch.rand(experts, num_rows, in_features // group_size, generator=gen) + 0.5) / 8 / in_features**0.5
     )
