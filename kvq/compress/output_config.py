@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from importlib.metadata import version
 
 from kvq.compress.recipe import Recipe, matches_target
 from kvq.compress.tensor_plan import CompressPlan
+
+SCHEMA_VERSION = "0.19.0"  # the compressed-tensors release whose `QuantizationConfig` dump this reproduces
 
 
 def quantization_config(recipe: Recipe, plan: CompressPlan, kv_cache_scheme: dict | None = None) -> dict:
@@ -43,7 +44,7 @@ def quantization_config(recipe: Recipe, plan: CompressPlan, kv_cache_scheme: dic
             ),
         )
     return {
-        "version": version("compressed-tensors"),
+        "version": SCHEMA_VERSION,
         "transform_config": {},
         "config_groups": groups,
         "quant_method": "compressed-tensors",
