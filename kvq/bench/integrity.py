@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -35,6 +33,7 @@ import typer
 from rich.table import Table
 
 from kvq.bench.integrity_drill import drill_rows, drill_table
+from kvq.bench.integrity_lockstep import TrackerTimer, lockstep_round, summarize
 from kvq.commands.render import console
 
 if TYPE_CHECKING:
@@ -67,42 +66,6 @@ class IntegrityBenchResult:
     drill: list[dict] = field(default_factory=list)
 
 
-TRACKER_METHODS = (
-    "check",
-    "after_forward",
-    "on_take",
-    "on_attach",
-    "on_seal",
-    "on_free",
-    "on_release_of_free_page",
-    "on_unhash",
-)
-
-
-class TrackerTimer:
-    """Seconds spent inside an engine's tracker: every method the engine and block manager call (bench
-    only: wrapped on the tracker instance, re-wrapped by `watch` after `Engine.reset_kv`)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def watch(self, engine: Engine) -> None:
-        tracker = engine.tracker
-        if tracker is None:
-            return
-        for name in TRACKER_METHODS:
-            method = getattr(tracker, name)
-
-            def timed(*args: object, _method=method) -> object:  # type: ignore[no-untyped-def]
-                start = time.perf_counter()
-                try:
-                    return _method(*args)
-                finally:
-                    self.seconds += time.perf_counter() - start
-
-            setattr(tracker, name, timed)
-
-
 def make_prompts(config: IntegrityBenchConfig, vocab_size: int, round_index: int) -> list[list[int]]:
     """`concurrency` prompts sharing their first `shared_prefix_tokens`; fresh ids for every round."""
     rng = random.Random(round_index)
@@ -115,72 +78,6 @@ def make_prompts(config: IntegrityBenchConfig, vocab_size: int, round_index: int
     return [
         shared + ids(config.prompt_tokens - config.shared_prefix_tokens) for _ in range(config.concurrency)
     ]
-
-
-def lockstep_round(
-    engines: dict[str, Engine], timers: dict[str, TrackerTimer], prompts: list[list[int]], max_tokens: int
-) -> dict[str, dict]:
-    """Every prompt queued on every engine, then the engines step in turn (the order rotating each
-    step) until all are done, so load that comes and goes on the machine hits every group alike. Per
-    group: tokens/s of its own step time, its step times, time inside the tracker, aborts."""
-    from kvq.runtime.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for engine in engines.values():
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-    step_s: dict[str, list[float]] = {group: [] for group in engines}
-    generated = dict.fromkeys(engines, 0)
-    tracker_before = {group: timer.seconds for group, timer in timers.items()}
-    aborts_before = {group: engine.stats.integrity_aborts for group, engine in engines.items()}
-    order = list(engines)
-    while active := [g for g in order if engines[g].has_unfinished_requests()]:
-        for group in active:
-            start = time.perf_counter()
-            outputs = engines[group].step()
-            step_s[group].append(time.perf_counter() - start)
-            generated[group] += sum(len(o.token_ids) for o in outputs if o.finished)
-        order = order[1:] + order[:1]
-    return {
-        group: {
-            "tok_s": generated[group] / sum(step_s[group]),
-            "step_s": step_s[group],
-            "tracker_s": timers[group].seconds - tracker_before[group],
-            "aborts": engine.stats.integrity_aborts - aborts_before[group],
-        }
-        for group, engine in engines.items()
-    }
-
-
-def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per group: median tok/s over rounds; median over all steps of the step's time / the same step of
-    `off`; P50 and P95 over all steps of all rounds; the tracker's share of step time; ratios to `off`."""
-    summary = {}
-    off_runs = runs["off"]
-    for group, group_runs in runs.items():
-        steps = sorted(t for run in group_runs for t in run["step_s"])
-        paired = [
-            t / t_off
-            for run, off_run in zip(group_runs, off_runs, strict=True)
-            # strict=False: a group whose request was stopped can finish its round in fewer steps
-            for t, t_off in zip(run["step_s"], off_run["step_s"], strict=False)
-        ]
-        quantiles = statistics.quantiles(steps, n=20, method="inclusive")
-        tracker_s = sum(run["tracker_s"] for run in group_runs)
-        summary[group] = {
-            "tok_s": statistics.median(run["tok_s"] for run in group_runs),
-            "step_vs_off": statistics.median(paired),
-            "p50_step_ms": quantiles[9] * 1e3,
-            "p95_step_ms": quantiles[18] * 1e3,
-            "tracker_ms_per_step": tracker_s / len(steps) * 1e3,
-            "tracker_share": tracker_s / sum(steps),
-            "aborts": sum(run["aborts"] for run in group_runs),
-        }
-    off = summary["off"]
-    for values in summary.values():
-        values["tok_s_vs_off"] = values["tok_s"] / off["tok_s"]
-        values["p95_vs_off"] = values["p95_step_ms"] / off["p95_step_ms"]
-    return summary
 
 
 def make_engine(model: Path, config: IntegrityBenchConfig, mode: str, **kwargs: object) -> Engine:
