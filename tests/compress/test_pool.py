@@ -1,9 +1,11 @@
-"""The compress pool: progress through shared per-job slots adds up to every byte of input, and a worker
-takes up the threads the parent offers when fewer jobs than workers remain."""
+"""The compress pool: progress through shared per-job slots adds up to every byte of input, a worker
+takes up the threads the parent offers when fewer jobs than workers remain, and the process tree stays
+under the memory bound `kvq compress` prints."""
 
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 import torch
@@ -45,3 +47,15 @@ def test_a_worker_takes_up_the_offered_threads_between_tensors(tiny_checkpoint, 
     finally:
         torch.set_num_threads(before)
         pool._done_bytes = pool._threads = None
+
+
+def test_peak_memory_stays_under_the_printed_bound(tiny_checkpoint, tmp_path):
+    from kvq.bench.measure import run_measured
+    from kvq.compress.runner import peak_rss_bound
+
+    src, out = tiny_checkpoint("glm4_moe", "fp8-block"), tmp_path / "out"
+    bound = peak_rss_bound(prepare(src, out, load_recipe("w4a16-experts")).plan, 2)
+    argv = [sys.executable, "-m", "kvq", "compress", str(src), str(out), "--recipe", "w4a16-experts"]
+    measured = run_measured([*argv, "--workers", "2", "--quiet"])  # the whole process tree, every 50 ms
+    assert measured.returncode == 0, measured.output
+    assert 0 < measured.peak_rss_bytes <= bound
