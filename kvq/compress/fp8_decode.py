@@ -36,12 +36,18 @@ def first_nan(weight: torch.Tensor) -> tuple[int, ...]:
 
 
 def decode_fp8_block(
-    bits: torch.Tensor, weight_scale_inv: torch.Tensor, block: tuple[int, int]
+    bits: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`fp8_bits` of a weight `[M, N]` x scale `[ceil(M/bm), ceil(N/bn)]` -> fp32 `[M, N]` (== the spec)."""
+    """`fp8_bits` of a weight `[M, N]` x scale `[ceil(M/bm), ceil(N/bn)]` -> fp32 `[M, N]` (== the spec),
+    written into `out` if given."""
     rows, cols = bits.shape
     bm, bn = block
-    x = bits.view(torch.bfloat16).to(torch.float32)  # value * 2^-120, exact
+    if out is None:
+        out = torch.empty(rows, cols)
+    x = out.copy_(bits.view(torch.bfloat16))  # value * 2^-120, exact
     scale = weight_scale_inv.to(torch.float32)
     is_safe = bool((scale.abs() < 2.0**7).all())  # then scale * 2^120 is exact (finite)
     if not is_safe:

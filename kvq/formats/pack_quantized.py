@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-PACK_FACTOR = 8  # int4 values per int32 word
+from kvq.formats.shapes import PACK_FACTOR
+
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
 INT4_MIN, INT4_MAX = -8, 7
-GROUP_SIZES = (32, 64, 128)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -73,17 +73,23 @@ def _group_scales(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> tuple
         raise ValueError(f"in_features {cols} is not a multiple of group_size {group_size}")
     groups = x.view(rows, cols // group_size, group_size)  # [N, G, g]
     # min/max widened to include 0 then max(|min|, |max|) is absmax; `D(a) / D(7.5)` rounds once to D.
-    weight_scale = (groups.abs().amax(dim=-1, keepdim=True) / 7.5).to(dtype)  # [N, G, 1]
+    absmax = torch.maximum(groups.amax(dim=-1, keepdim=True), groups.amin(dim=-1, keepdim=True).neg_())
+    weight_scale = (absmax.clamp_min_(0) / 7.5).to(dtype)  # [N, G, 1]
     weight_scale.masked_fill_(weight_scale == 0, torch.finfo(dtype).eps)
     return groups, weight_scale
 
 
 def _quantize_groups_(groups: torch.Tensor, weight_scale: torch.Tensor) -> None:
-    """fp32 groups `[N, G, g]` -> `q + 8` in [0, 15], in place."""
+    """fp32 groups `[N, G, g]` -> q in [-8, 7], in place."""
     groups.div_(weight_scale.to(torch.float32))
     if weight_scale.dtype != torch.float32:  # `D(w) / D(s)` is rounded to D before round/clamp
-        groups.copy_(groups.to(weight_scale.dtype))
-    groups.round_().clamp_(INT4_MIN, INT4_MAX).add_(8)
+        round_to_(groups, weight_scale.dtype)
+    groups.round_().clamp_(INT4_MIN, INT4_MAX)
+
+
+def round_to_(x: torch.Tensor, dtype: torch.dtype) -> None:
+    """Round fp32 `x` to the nearest `dtype` value (as `x.to(dtype)` does), in place."""
+    x.copy_(x.to(dtype))
 
 
 def quantize_int4_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,12 +100,15 @@ def quantize_int4_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Te
     x = weight.to(torch.float32, copy=True)
     groups, weight_scale = _group_scales(x, group_size, weight.dtype)
     _quantize_groups_(groups, weight_scale)
-    return x.to(torch.int8) - 8, weight_scale.squeeze(-1)
+    return x.to(torch.int8), weight_scale.squeeze(-1)
 
 
 def quantize_pack_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float `[N, K]` -> (weight_packed int32 `[N, K/8]`, weight_scale `[N, K/group_size]`), fused."""
     return quantize_pack_int4_(weight.to(torch.float32, copy=True), group_size, weight.dtype)
+
+
+_NIBBLE_SIGNS = -0x7F7F7F80  # 0x80808080 as int32: bit 3 of every high nibble
 
 
 def quantize_pack_int4_(
@@ -110,6 +119,9 @@ def quantize_pack_int4_(
     rows, cols = x.shape
     groups, weight_scale = _group_scales(x, group_size, dtype)
     _quantize_groups_(groups, weight_scale)
-    # Two nibbles per byte, low first, still in fp32 (exact: at most 255), then 4 bytes per int32 word.
-    pairs = torch.add(x[:, 0::2], x[:, 1::2], alpha=16).to(torch.uint8)  # [N, K/2]
-    return pairs.view(torch.int32).reshape(rows, cols // PACK_FACTOR), weight_scale.squeeze(-1)
+    # Byte k holds q[2k] + 8 in its low nibble, q[2k+1] + 8 in its high one. In fp32 (exact), first
+    # `q[2k] + 8 + 16 q[2k+1]`, in [-128, 127], whose int8 byte has `q[2k+1] mod 16` on top; adding 8 to
+    # that nibble mod 16 flips its bit 3, for 4 bytes at once in each int32 word.
+    pairs = torch.add(x[:, 0::2], x[:, 1::2], alpha=16).add_(8).to(torch.int8)  # [N, K/2]
+    weight_packed = pairs.view(torch.int32).reshape(rows, cols // PACK_FACTOR)
+    return weight_packed.bitwise_xor_(_NIBBLE_SIGNS), weight_scale.squeeze(-1)
