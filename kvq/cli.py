@@ -2,44 +2,57 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Callable
 
 import typer
 
 from kvq import __version__
-from kvq.bench.calibrate import bench_calibrate_command
-from kvq.bench.compress import bench_compress_command
-from kvq.bench.decode import bench_decode_command
-from kvq.bench.integrity import bench_integrity_command
-from kvq.commands.calibrate_cmd import calibrate_command
-from kvq.commands.compress_cmd import compress_command
-from kvq.commands.default_model import default_model_command
-from kvq.commands.generate_cmd import generate_command
-from kvq.commands.inspect_cmd import inspect_command
-from kvq.commands.plan_cmd import plan_command
 from kvq.errors import KvqError
 
-app = typer.Typer(
-    name="kvq",
-    help="Compress LLM checkpoints to INT4, calibrate FP8 KV-cache scales, and serve them from a checked "
-    "paged KV pool.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-bench_app = typer.Typer(help="Benchmarks whose numbers go into BENCHMARKS.md.", no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
+# name -> (module, function); a command's module is imported only when that command runs (or for the
+# full `kvq --help`), so `kvq compress` and `kvq plan` start without torch.
+COMMANDS = {
+    "inspect": ("kvq.commands.inspect_cmd", "inspect_command"),
+    "default-model": ("kvq.commands.default_model", "default_model_command"),
+    "plan": ("kvq.commands.plan_cmd", "plan_command"),
+    "compress": ("kvq.commands.compress_cmd", "compress_command"),
+    "generate": ("kvq.commands.generate_cmd", "generate_command"),
+    "calibrate": ("kvq.commands.calibrate_cmd", "calibrate_command"),
+}
+BENCH_COMMANDS = {
+    "compress": ("kvq.bench.compress", "bench_compress_command"),
+    "decode": ("kvq.bench.decode", "bench_decode_command"),
+    "integrity": ("kvq.bench.integrity", "bench_integrity_command"),
+    "calibrate": ("kvq.bench.calibrate", "bench_calibrate_command"),
+}
 
-app.command("inspect")(inspect_command)
-app.command("default-model")(default_model_command)
-app.command("plan")(plan_command)
-app.command("compress")(compress_command)
-bench_app.command("compress")(bench_compress_command)
-bench_app.command("decode")(bench_decode_command)
-bench_app.command("integrity")(bench_integrity_command)
-app.command("generate")(generate_command)
-app.command("calibrate")(calibrate_command)
-bench_app.command("calibrate")(bench_calibrate_command)
+
+def build_app(command: str | None = None) -> typer.Typer:
+    """The `kvq` app with every subcommand registered, or only `command` when it names one."""
+    app = typer.Typer(
+        name="kvq",
+        help="Compress LLM checkpoints to INT4, calibrate FP8 KV-cache scales, and serve them from a checked "
+        "paged KV pool.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=False,
+    )
+    app.callback()(_root)
+    wanted = [command] if command in COMMANDS else list(COMMANDS)
+    for name in wanted:
+        app.command(name)(_load(*COMMANDS[name]))
+    if command not in COMMANDS:
+        bench_app = typer.Typer(help="Benchmarks whose numbers go into BENCHMARKS.md.", no_args_is_help=True)
+        for name, target in BENCH_COMMANDS.items():
+            bench_app.command(name)(_load(*target))
+        app.add_typer(bench_app, name="bench")
+    return app
+
+
+def _load(module: str, function: str) -> Callable[..., object]:
+    return getattr(importlib.import_module(module), function)
 
 
 def _version_callback(value: bool) -> None:
@@ -48,7 +61,6 @@ def _version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
@@ -60,7 +72,7 @@ def _root(
 def main() -> None:
     """Console-script entry point: a `KvqError` becomes `kvq: error: ...` on stderr and exit code 2."""
     try:
-        app()
+        build_app(sys.argv[1] if len(sys.argv) > 1 else None)()
     except KvqError as e:
         print(f"kvq: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

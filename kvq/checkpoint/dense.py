@@ -10,24 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from kvq.checkpoint.reader import Checkpoint
+from kvq.checkpoint.reader import Checkpoint, block_size
 from kvq.errors import KvqError
-from kvq.formats.fp8_block import DEFAULT_BLOCK, dequantize_fp8_block
+from kvq.formats.fp8_block import dequantize_fp8_block
 from kvq.formats.pack_quantized import dequantize_pack_quantized
 
 _DROPPED = ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point", "input_scale")
-
-
-def block_size(ckpt: Checkpoint) -> tuple[int, int]:
-    """The FP8 block shape declared in config.json (`weight_block_size` or a block `block_structure`)."""
-    qc = ckpt.quantization_config
-    if "weight_block_size" in qc:
-        return tuple(qc["weight_block_size"])  # type: ignore[return-value]
-    for group in (qc.get("config_groups") or {}).values():
-        structure = (group.get("weights") or {}).get("block_structure")
-        if structure:
-            return tuple(structure)  # type: ignore[return-value]
-    return DEFAULT_BLOCK
 
 
 def dequantize_float_quantized(

@@ -1,28 +1,28 @@
-"""The safetensors dtype codes kvq understands, with their torch dtype and size in bytes."""
+"""The safetensors dtype codes kvq understands and their size in bytes (no torch: headers and plans only).
+
+The matching torch dtypes are in `kvq.checkpoint.torch_dtypes`.
+"""
 
 from __future__ import annotations
 
-import torch
-
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+ITEMSIZES: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
 }
-TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 FP8_CODES = {"F8_E4M3", "F8_E5M2"}
 
 
 def itemsize(code: str) -> int:
     """Bytes per element of a safetensors dtype code."""
-    return SAFETENSORS_DTYPES[code].itemsize
+    return ITEMSIZES[code]

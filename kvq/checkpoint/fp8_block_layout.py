@@ -13,7 +13,7 @@ import torch
 
 from kvq.checkpoint.module_kind import module_kind
 from kvq.checkpoint.specs import TensorSpec
-from kvq.formats.fp8_block import DEFAULT_BLOCK, scale_inv_shape
+from kvq.formats.shapes import DEFAULT_BLOCK, scale_inv_shape
 
 # DeepSeek-V3's config.json carries exactly these keys.
 FP8_BLOCK_QUANTIZATION_CONFIG = {

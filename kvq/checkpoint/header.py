@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvq.checkpoint.dtypes import SAFETENSORS_DTYPES, itemsize
+from kvq.checkpoint.dtypes import ITEMSIZES, itemsize
 from kvq.errors import KvqError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -92,10 +92,10 @@ def _tensor_info(path: Path, name: str, entry: object, header_bytes: int, data_b
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise _bad(path, f"tensor {name!r} has a malformed header entry {entry!r}")
     dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-    if dtype not in SAFETENSORS_DTYPES:
+    if dtype not in ITEMSIZES:
         raise KvqError(
             f"{path}: tensor {name!r} has dtype {dtype}, which kvq does not read "
-            f"(supported: {', '.join(SAFETENSORS_DTYPES)})"
+            f"(supported: {', '.join(ITEMSIZES)})"
         )
     if not 0 <= begin <= end:
         raise _bad(path, f"tensor {name!r} has invalid data_offsets [{begin}, {end}]")

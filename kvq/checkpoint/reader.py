@@ -1,23 +1,27 @@
 """Open a checkpoint directory: config.json, the shard index and every shard header, validated up front.
 
 Nothing here reads tensor data until `read`/`read_many` is called; those go through the index, so a
-tensor (a `weight_scale_inv`, say) is found wherever it is stored.
+tensor (a `weight_scale_inv`, say) is found wherever it is stored. Opening imports no torch (`kvq plan`
+and the `kvq compress` parent only read headers).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING
 
 from kvq.checkpoint.dtypes import FLOAT_CODES, FP8_CODES
 from kvq.checkpoint.header import ShardHeader, TensorInfo, read_header
 from kvq.errors import KvqError
+from kvq.formats.shapes import DEFAULT_BLOCK
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -68,7 +72,7 @@ class Checkpoint:
                 tensors[tensor_name] = info
         for tensor_name, shard in weight_map.items():
             found = tensors.get(tensor_name)
-            if found is None or found.file.name != Path(shard).name:
+            if found is None or found.file.name != os.path.basename(shard):
                 raise KvqError(
                     f"{root / INDEX_NAME}: names tensor {tensor_name!r} in {shard}, "
                     f"but {shard} does not contain it; the index does not match the shards"
@@ -101,6 +105,8 @@ class Checkpoint:
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in names:
             by_file[self.info(name).file].append(name)
+        from safetensors import safe_open
+
         out: dict[str, torch.Tensor] = {}
         for file, file_names in by_file.items():
             with safe_open(str(file), framework="pt") as f:
@@ -152,3 +158,15 @@ def detect_format(tensors: Iterable[TensorInfo]) -> str:
     return {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}[
         max(float_codes, key=lambda code: float_codes[code])
     ]
+
+
+def block_size(ckpt: Checkpoint) -> tuple[int, int]:
+    """The FP8 block shape declared in config.json (`weight_block_size` or a block `block_structure`)."""
+    qc = ckpt.quantization_config
+    if "weight_block_size" in qc:
+        return tuple(qc["weight_block_size"])  # type: ignore[return-value]
+    for group in (qc.get("config_groups") or {}).values():
+        structure = (group.get("weights") or {}).get("block_structure")
+        if structure:
+            return tuple(structure)  # type: ignore[return-value]
+    return DEFAULT_BLOCK

@@ -6,11 +6,12 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from kvq.checkpoint.reader import INDEX_NAME
+
+if TYPE_CHECKING:
+    import torch
 
 TMP_SUFFIX = ".kvq-tmp"
 
@@ -29,6 +30,8 @@ def save_safetensors_atomic(
     tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict | None = None
 ) -> int:
     """Write a safetensors file under a temporary name, fsync, rename; return its size in bytes."""
+    from safetensors.torch import save_file
+
     path = Path(path)
     tmp = tmp_path(path)
     try:

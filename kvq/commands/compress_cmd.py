@@ -7,14 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from kvq.commands.recipe_options import GroupSizeOption, RecipeOption
 from kvq.commands.render import console, human_bytes
@@ -80,6 +72,15 @@ def compress_command(
 def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:
     if quiet:
         return run(job, workers)
+    from rich.progress import (  # here: --quiet runs start ~30 ms sooner
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),

@@ -14,15 +14,15 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-import torch
-
 from kvq.compress.forkserver import worker_context
-from kvq.compress.shard_job import ShardJob, ShardResult, run_shard_job
+from kvq.compress.jobs import Outcome, Work
 from kvq.errors import KvqError
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -40,8 +40,8 @@ def _init_worker(done_bytes: Any, threads: Any) -> None:
     global _done_bytes, _threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _done_bytes, _threads = done_bytes, threads
-    torch.set_num_threads(threads.value)
-    try:  # fresh multi-MB tensors per op otherwise cost page faults that double the quantizer's time
+    os.environ["OMP_NUM_THREADS"] = str(threads.value)  # for torch, if a task needs its quantizer
+    try:  # torch's fresh multi-MB tensors per op otherwise cost page faults that double its time
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024**2)
         libc.mallopt(_M_TRIM_THRESHOLD, 1024**3)
@@ -50,44 +50,53 @@ def _init_worker(done_bytes: Any, threads: Any) -> None:
         pass
 
 
-def _run_in_worker(job: ShardJob, slot: int) -> ShardResult:
+def _run_in_worker(item: Work, slot: int) -> Outcome:
+    from kvq.compress.shard_job import run_work
+
     def after_task(nbytes: int) -> None:
         _done_bytes[slot] += nbytes  # this worker is the slot's only writer
-        if torch.get_num_threads() != _threads.value:
+        torch = sys.modules.get("torch")  # loaded only if a task needed the torch quantizer
+        if torch is not None and torch.get_num_threads() != _threads.value:
             torch.set_num_threads(_threads.value)
 
-    return run_shard_job(job, after_task)
+    return run_work(item, after_task if slot >= 0 else None)
 
 
 def run_jobs(
-    jobs: Sequence[ShardJob],
+    work: Sequence[Work],
     workers: int,
-    on_done: Callable[[ShardResult], None],
+    on_result: Callable[[Outcome], Work | None],
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Run every job on `workers` processes; call `on_done` in this process as each finishes."""
-    if not jobs:
+    """Run all `work` on `workers` processes, largest first; call `on_result` in this process as each item
+    finishes. What it returns (a shard's `CommitJob`) runs next, before anything still queued."""
+    if not work:
         return
     ctx = worker_context()
     cpus = os.cpu_count() or 1
-    done_bytes = ctx.RawArray(ctypes.c_int64, len(jobs))
-    threads = ctx.RawValue(ctypes.c_int, threads_per_worker(cpus, workers, len(jobs)))
+    done_bytes = ctx.RawArray(ctypes.c_int64, len(work))  # one slot per item of `work`
+    threads = ctx.RawValue(ctypes.c_int, threads_per_worker(cpus, workers, len(work)))
     executor = ProcessPoolExecutor(
         max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(done_bytes, threads)
     )
+    queue = deque(sorted(enumerate(work), key=lambda slot_item: -slot_item[1].input_bytes))
+    running: set[Future] = set()
     reported = 0
     try:
-        largest_first = sorted(range(len(jobs)), key=lambda i: -jobs[i].input_bytes)  # a shorter tail
-        pending: set[Future] = {executor.submit(_run_in_worker, jobs[i], i) for i in largest_first}
-        while pending:
-            done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
-            threads.value = threads_per_worker(cpus, workers, len(pending))
+        while queue or running:
+            while queue and len(running) <= workers:  # one queued ahead: a free worker never waits
+                slot, item = queue.popleft()
+                running.add(executor.submit(_run_in_worker, item, slot))
+            done, running = wait(running, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+            threads.value = threads_per_worker(cpus, workers, len(running) + len(queue))
             if progress is not None:
                 total = sum(done_bytes)
                 progress(total - reported)
                 reported = total
             for future in sorted(done, key=lambda f: f.exception() is not None):  # record successes first
-                on_done(future.result())
+                follow_up = on_result(future.result())
+                if follow_up is not None:
+                    queue.appendleft((-1, follow_up))  # reports no progress: its input was counted
     except BrokenProcessPool as e:
         _terminate(executor)
         raise KvqError(

@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 
 import yaml
 
 from kvq.errors import KvqError
-from kvq.formats.pack_quantized import GROUP_SIZES
+from kvq.formats.shapes import GROUP_SIZES
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 _MODIFIER = "QuantizationModifier"
@@ -89,8 +90,13 @@ def matches_target(module: str, target: str) -> bool:
     if target == "Linear":
         return True
     if target.startswith("re:"):
-        return re.match(target.removeprefix("re:"), module) is not None
+        return _regex(target).match(module) is not None
     return module == target
+
+
+@cache
+def _regex(target: str) -> re.Pattern[str]:
+    return re.compile(target.removeprefix("re:"))
 
 
 def available_recipes() -> list[str]:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvq import __version__
-from kvq.checkpoint.dense import block_size
-from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint
+from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint, block_size
 from kvq.checkpoint.write import TMP_SUFFIX, tmp_path, write_index, write_json_atomic
+from kvq.compress.jobs import CommitJob, Committed, Outcome, PartDone, ShardJob, ShardResult
 from kvq.compress.manifest import (
     MANIFEST_NAME,
     describe_identity,
@@ -28,10 +28,10 @@ from kvq.compress.manifest import (
     write_manifest,
 )
 from kvq.compress.output_config import quantization_config
+from kvq.compress.parts import Parts
 from kvq.compress.pool import run_jobs
 from kvq.compress.recipe import Recipe
-from kvq.compress.shard_job import ShardJob, ShardResult
-from kvq.compress.shard_writer import COPY_CHUNK_BYTES, publish
+from kvq.compress.shard_files import COPY_CHUNK_BYTES, publish
 from kvq.compress.tensor_plan import FP8_BLOCK, INT4, CompressPlan, KeptTensor, build_plan
 from kvq.errors import KvqError
 
@@ -125,8 +125,17 @@ def run(job: PreparedJob, workers: int, progress: Callable[[int], None] | None =
             write_manifest(out, {"shards": dict(sorted(shards.items())), "complete": False})
             publish(out / result.shard)  # after the record: a final name is always a shard the manifest knows
 
+    parts = Parts(job.jobs, workers)
+
+    def on_outcome(outcome: Outcome) -> CommitJob | None:
+        if isinstance(outcome, PartDone):
+            return parts.done(outcome.shard)
+        on_done(parts.result(outcome) if isinstance(outcome, Committed) else outcome)
+        return None
+
     try:
-        run_jobs(job.jobs, max(1, min(workers, len(job.jobs))), on_done, progress)
+        parts.create_files()
+        run_jobs(parts.work, max(1, min(workers, len(parts.work))), on_outcome, progress)
     finally:
         for stale in out.glob(f"*{TMP_SUFFIX}"):
             stale.unlink()

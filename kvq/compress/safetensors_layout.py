@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvq.compress.tensor_plan import OutputTensor
@@ -49,6 +49,12 @@ class ShardLayout:
     @property
     def tensor_bytes(self) -> int:
         return self.file_bytes - len(self.header)
+
+    def subset(self, names: Iterable[str]) -> ShardLayout:
+        """The offsets and tensors of `names` only (no header): what a part writer needs."""
+        names = list(names)
+        offsets = {name: self.offsets[name] for name in names}
+        return ShardLayout(b"", offsets, {name: self.tensors[name] for name in names}, self.file_bytes)
 
 
 def shard_layout(tensors: Sequence[OutputTensor], metadata: dict[str, str] | None = None) -> ShardLayout:

@@ -10,14 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvq.checkpoint.dense import block_size
-from kvq.checkpoint.dtypes import TORCH_TO_SAFETENSORS
 from kvq.checkpoint.header import TensorInfo
-from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint, read_json
+from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint, block_size, read_json
 from kvq.compress.safetensors_layout import shard_layout
 from kvq.compress.tensor_plan import OutputTensor, virtual_tensors
 from kvq.errors import KvqError
-from kvq.formats.fp8_block import DEFAULT_BLOCK
+from kvq.formats.shapes import DEFAULT_BLOCK
 
 # Kimi-K2 ships `model_type: kimi_k2` for a DeepSeek-V3 architecture (its model card says to treat it as one).
 _MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -56,6 +54,7 @@ def config_tensors(config: dict, where: Path) -> tuple[dict[str, TensorInfo], tu
 
     from kvq.checkpoint.fp8_block_layout import fp8_block_specs
     from kvq.checkpoint.specs import checkpoint_specs
+    from kvq.checkpoint.torch_dtypes import TORCH_TO_SAFETENSORS
 
     fields = {
         k: v

@@ -17,8 +17,7 @@ from kvq.checkpoint.dtypes import FLOAT_CODES, itemsize
 from kvq.checkpoint.header import TensorInfo
 from kvq.compress.recipe import Recipe
 from kvq.errors import KvqError
-from kvq.formats.fp8_block import scale_inv_shape
-from kvq.formats.pack_quantized import PACK_FACTOR
+from kvq.formats.shapes import PACK_FACTOR, scale_inv_shape
 
 INT4, FP8_BLOCK, COPY = "int4", "fp8_block", "copy"
 _EMBEDDING_MODULES = ("embed_tokens", "wte", "word_embeddings")

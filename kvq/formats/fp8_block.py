@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvq.formats.shapes import DEFAULT_BLOCK, scale_inv_shape
+
 FP8_E4M3_MAX = 448.0
-DEFAULT_BLOCK = (128, 128)
-
-
-def scale_inv_shape(weight_shape: tuple[int, ...], block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[int, int]:
-    """Shape of `weight_scale_inv` for a 2-D weight: one scale per (partial) block."""
-    rows, cols = weight_shape
-    return (-(-rows // block[0]), -(-cols // block[1]))
 
 
 def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvq.checkpoint.dense import block_size
-from kvq.checkpoint.reader import Checkpoint
+from kvq.checkpoint.reader import Checkpoint, block_size
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.kernels.w4a16 import GROUP_SIZES

@@ -23,8 +23,7 @@ def compress(
 
 def kept_modules(src: Path, recipe: str, group_size: int | None) -> tuple[str, ...]:
     """Modules kvq keeps at source precision because the group size does not divide their in_features."""
-    from kvq.checkpoint.dense import block_size
-    from kvq.checkpoint.reader import Checkpoint
+    from kvq.checkpoint.reader import Checkpoint, block_size
     from kvq.compress.tensor_plan import build_plan
 
     ckpt = Checkpoint.open(src)

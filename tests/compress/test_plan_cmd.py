@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvq.cli import app
+from kvq.cli import build_app
 
 DATA = Path(__file__).parent / "data"
 GiB = 2**30
+
+
+app = build_app()
 
 
 def plan_json(*args: str) -> dict:

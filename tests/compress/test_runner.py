@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvq.checkpoint.dense import block_size
-from kvq.checkpoint.reader import Checkpoint
+from kvq.checkpoint.reader import Checkpoint, block_size
 from kvq.checkpoint.specs import checkpoint_specs
 from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import load_recipe
@@ -103,7 +102,7 @@ def many_shard_source(root: Path) -> Path:
     return src
 
 
-def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals) -> int:
+def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals, workers: int = 1) -> int:
     """Run `kvq compress` in its own session; once a shard is recorded and under its final name, send `sig`
     to the whole session."""
     argv = [
@@ -116,7 +115,7 @@ def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals) -> in
         "--recipe",
         "w4a16-experts",
         "--workers",
-        "1",
+        str(workers),
         "--quiet",
     ]
     proc = subprocess.Popen(
@@ -134,13 +133,17 @@ def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals) -> in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=lambda sig: sig.name)
-def test_interrupted_run_resumes_to_identical_bytes(tmp_path, sig):
+@pytest.mark.parametrize(
+    ("sig", "workers"),
+    [(signal.SIGKILL, 1), (signal.SIGINT, 1), (signal.SIGKILL, 2)],  # 12 shards on 2 workers: cut in parts
+    ids=["SIGKILL", "SIGINT", "SIGKILL-parts"],
+)
+def test_interrupted_run_resumes_to_identical_bytes(tmp_path, sig, workers):
     src = many_shard_source(tmp_path / "src")
     source_before = snapshot(src)
     reference = compress(src, tmp_path / "reference", workers=1)
     out = tmp_path / "out"
-    returncode = interrupt_after_first_shard(src, out, sig)
+    returncode = interrupt_after_first_shard(src, out, sig, workers)
     assert returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 130)
     manifest = read_json(out / MANIFEST_NAME)
     assert not manifest["complete"] and 1 <= len(manifest["shards"]) < 12

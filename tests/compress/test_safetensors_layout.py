@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from kvq.checkpoint.dtypes import TORCH_TO_SAFETENSORS
+from kvq.checkpoint.torch_dtypes import TORCH_TO_SAFETENSORS
 from kvq.compress.safetensors_layout import shard_layout
-from kvq.compress.shard_writer import tensor_bytes
 from kvq.compress.tensor_plan import OutputTensor
+from kvq.compress.torch_quantize import tensor_bytes
 
 DTYPES = [
     torch.int64,

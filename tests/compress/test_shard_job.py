@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from kvq.checkpoint.dense import block_size
-from kvq.checkpoint.reader import Checkpoint
-from kvq.compress import shard_writer
+from kvq.checkpoint.reader import Checkpoint, block_size
+from kvq.compress import shard_files
+from kvq.compress.jobs import ShardJob
 from kvq.compress.recipe import load_recipe
-from kvq.compress.shard_job import ShardJob, run_shard_job
+from kvq.compress.shard_job import run_shard_job
 from kvq.compress.tensor_plan import build_plan
 from kvq.errors import KvqError
 
@@ -28,20 +28,20 @@ def test_same_job_same_bytes(tiny_checkpoint, tmp_path):
     seen = []
     first = run_shard_job(job, seen.append)
     assert not job.out_path.exists()  # finished under its temporary name: the parent publishes it
-    shard_writer.publish(job.out_path)
+    shard_files.publish(job.out_path)
     data = job.out_path.read_bytes()
     assert sum(seen) == job.input_bytes and first.file_bytes == len(data)
     assert set(first.weight_map.values()) == {job.shard} and not first.is_resumed
     os.remove(job.out_path)
     again = run_shard_job(job)
-    shard_writer.publish(job.out_path)
+    shard_files.publish(job.out_path)
     assert job.out_path.read_bytes() == data and again.sha256 == first.sha256
 
 
 def test_recorded_shard_is_verified_not_redone(tiny_checkpoint, tmp_path):
     job = first_job(tiny_checkpoint("glm4_moe", "bf16"), tmp_path)
     result = run_shard_job(job)
-    shard_writer.publish(job.out_path)
+    shard_files.publish(job.out_path)
     mtime = job.out_path.stat().st_mtime_ns
     resumed = run_shard_job(
         ShardJob(
@@ -64,9 +64,9 @@ def test_disk_full_in_a_worker(tiny_checkpoint, tmp_path, monkeypatch):
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(
-        shard_writer.os, "posix_fallocate", lambda *a: None
+        shard_files.os, "posix_fallocate", lambda *a: None
     )  # a filesystem that cannot reserve
-    monkeypatch.setattr(shard_writer.os, "pwrite", pwrite)
+    monkeypatch.setattr(shard_files.os, "pwrite", pwrite)
     with pytest.raises(KvqError, match=f"{job.shard}: disk full while writing '.*' .*free space on"):
         run_shard_job(job)
     assert os.listdir(tmp_path) == []
