@@ -4,8 +4,10 @@ Input: the ~1.4 GB `size="bench"` glm4_moe FP8-block fixture (built once under `
 Each contender runs as a subprocess measured by `run_measured` (wall time, sampled peak RSS of the whole
 process tree): `kvq compress --recipe w4a16-experts`; `model_free_ptq` with `FP8BlockDequantizer` and the
 same recipe's config, on CPU; and the I/O floor, which reads every input shard and writes files of kvq's
-output sizes (fsynced) on the same number of processes. A warm-up read puts the input in the page cache
-first, so every contender starts from the same cache state.
+output sizes (fsynced) on the same number of processes. Every run starts after `sync` (so no contender
+pays for the writeback of the one before) with the input in the page cache; kvq and the floor run once
+to warm up (the first write of this much data to fresh disk blocks took the floor 1.4-1.7 s instead of
+0.8), then `repeats` times, alternately, and the median is reported.
 """
 
 from __future__ import annotations
@@ -34,15 +36,19 @@ class CompressBenchConfig:
     arch: str = "glm4_moe"
     recipe: str = "w4a16-experts"
     workers: int = 2
+    repeats: int = 3  # kvq and the I/O floor, alternately; model_free_ptq (~30x slower) runs once
 
 
 @dataclass(frozen=True)
 class Row:
+    """A contender's median run (wall time and peak RSS), its output size and every run's wall time."""
+
     name: str
     wall_s: float
     peak_rss_bytes: int
     output_bytes: int
     returncode: int
+    runs_s: tuple[float, ...] = ()
 
 
 def bench_fixture(arch: str) -> Path:
@@ -147,53 +153,56 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors")) if path.is_dir() else 0
 
 
-def _measure(name: str, argv: list[str], out: Path) -> Row:
+def _settle(src: Path) -> None:
+    """The same start for every run: no dirty pages of an earlier run still being written back (which
+    slowed whichever contender came next by up to 1.2 s), and the input in the page cache."""
+    os.sync()
+    _warm(src)
+
+
+def _measure(name: str, argv: list[str], out: Path, src: Path) -> tuple[Measurement, int]:
     shutil.rmtree(out, ignore_errors=True)
-    m: Measurement = run_measured(argv)
+    _settle(src)
+    m = run_measured(argv)
     if m.returncode != 0:
-        console.print(f"[red]{name} failed ({m.returncode})[/red]\n{m.output[-3000:]}")
-    row = Row(name, m.wall_s, m.peak_rss_bytes, _dir_bytes(out), m.returncode)
-    shutil.rmtree(out, ignore_errors=True)
-    return row
+        raise SystemExit(f"{name} failed ({m.returncode}):\n{m.output[-3000:]}")
+    output_bytes = _dir_bytes(out)
+    return m, output_bytes
+
+
+def _median_row(name: str, runs: list[tuple[Measurement, int]]) -> Row:
+    ordered = sorted(runs, key=lambda run: run[0].wall_s)
+    median, output_bytes = ordered[len(ordered) // 2]
+    walls = tuple(run[0].wall_s for run in runs)
+    return Row(name, median.wall_s, median.peak_rss_bytes, output_bytes, median.returncode, walls)
 
 
 def run_bench(config: CompressBenchConfig, work: Path) -> tuple[list[Row], dict]:
     src = bench_fixture(config.arch)
     work.mkdir(parents=True, exist_ok=True)
     py, w = sys.executable, str(config.workers)
-    _warm(src)
-    kvq_out = work / "kvq"
-    shutil.rmtree(kvq_out, ignore_errors=True)
-    kvq = run_measured(
-        [
-            py,
-            "-m",
-            "kvq",
-            "compress",
-            str(src),
-            str(kvq_out),
-            "--recipe",
-            config.recipe,
-            "--workers",
-            w,
-            "--quiet",
-        ]
-    )
-    kvq_row = Row("kvq compress", kvq.wall_s, kvq.peak_rss_bytes, _dir_bytes(kvq_out), kvq.returncode)
-    if kvq.returncode != 0:
-        raise SystemExit(f"kvq compress failed:\n{kvq.output[-3000:]}")
-    sizes = {p.name: p.stat().st_size for p in kvq_out.glob("*.safetensors")}
-    shutil.rmtree(kvq_out)
-    floor_code = (
-        f"from kvq.bench.compress import io_floor; io_floor({str(src)!r}, {str(work / 'floor')!r}, "
-        f"{sizes!r}, {config.workers})"
-    )
-    floor = _measure("I/O floor (read inputs, write outputs)", [py, "-c", floor_code], work / "floor")
+    kvq_out, floor_out = work / "kvq", work / "floor"
+    kvq_argv = [py, "-m", "kvq", "compress", str(src), str(kvq_out), "--recipe", config.recipe]
+    kvq_argv += ["--workers", w, "--quiet"]
+    kvq_runs, floor_runs = [], []
+    for repeat in range(config.repeats + 1):  # run 0 is a warm-up of each, not counted
+        kvq_run = _measure("kvq compress", kvq_argv, kvq_out, src)
+        sizes = {p.name: p.stat().st_size for p in kvq_out.glob("*.safetensors")}
+        floor_code = (
+            f"from kvq.bench.compress import io_floor; io_floor({str(src)!r}, {str(floor_out)!r}, "
+            f"{sizes!r}, {config.workers})"
+        )
+        floor_run = _measure("I/O floor", [py, "-c", floor_code], floor_out, src)
+        if repeat:
+            kvq_runs.append(kvq_run)
+            floor_runs.append(floor_run)
     mfp_code = (
         f"from kvq.bench.compress import run_model_free_ptq; run_model_free_ptq({str(src)!r}, "
         f"{str(work / 'mfp')!r}, {config.recipe!r}, {config.workers})"
     )
-    mfp = _measure("llm-compressor model_free_ptq", [py, "-c", mfp_code], work / "mfp")
+    mfp_run = _measure("llm-compressor model_free_ptq", [py, "-c", mfp_code], work / "mfp", src)
+    for out in (kvq_out, floor_out, work / "mfp"):
+        shutil.rmtree(out, ignore_errors=True)
     machine = {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
@@ -201,19 +210,25 @@ def run_bench(config: CompressBenchConfig, work: Path) -> tuple[list[Row], dict]
         "input_bytes": _dir_bytes(src),
         "source": str(src),
     }
-    return [kvq_row, mfp, floor], machine
+    rows = [
+        _median_row("kvq compress", kvq_runs),
+        _median_row("llm-compressor model_free_ptq", [mfp_run]),
+        _median_row("I/O floor (read inputs, write outputs)", floor_runs),
+    ]
+    return rows, machine
 
 
 def render(rows: list[Row], workers: int) -> Table:
     kvq, mfp, floor = rows
     table = Table(title=f"kvq bench compress ({workers} workers)")
-    for col in ("contender", "wall s", "peak RSS", "output", "vs kvq"):
+    for col in ("contender", "wall s (median)", "runs s", "peak RSS", "output", "vs kvq"):
         table.add_column(col, justify="left" if col == "contender" else "right")
     for row in rows:
         ratio = f"{row.wall_s / kvq.wall_s:.2f}x kvq time" if row is not kvq else "-"
         table.add_row(
             row.name,
-            f"{row.wall_s:.1f}",
+            f"{row.wall_s:.2f}",
+            " ".join(f"{t:.2f}" for t in row.runs_s),
             human_bytes(row.peak_rss_bytes),
             human_bytes(row.output_bytes),
             ratio,
@@ -231,12 +246,18 @@ def bench_compress_command(
     recipe: Annotated[
         str, typer.Option("--recipe", help="Recipe for kvq and model_free_ptq.")
     ] = "w4a16-experts",
+    repeats: Annotated[
+        int,
+        typer.Option("--repeats", help="Runs of kvq and of the I/O floor after a warm-up (median reported)."),
+    ] = 3,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
 ) -> None:
-    """Time and peak RSS of kvq compress vs llm-compressor model_free_ptq vs the I/O floor (1.4 GB FP8)."""
-    config = CompressBenchConfig(recipe=recipe, workers=workers)
+    """Time and peak RSS of kvq compress vs llm-compressor model_free_ptq vs the I/O floor (1.4 GB FP8).
+
+    Every run starts after `sync` with the input in the page cache."""
+    config = CompressBenchConfig(recipe=recipe, workers=workers, repeats=repeats)
     work = cache_dir() / "bench" / "compress-work"
     rows, machine = run_bench(config, work)
     console.print(render(rows, workers))

@@ -15,7 +15,7 @@ import struct
 from types import ModuleType
 
 from kvq.checkpoint.header import TensorInfo
-from kvq.compress.shard_writer import read_bytes
+from kvq.compress.shard_writer import mapped, read_bytes
 from kvq.compress.tensor_plan import TensorTask
 
 _int4: ModuleType | None
@@ -49,9 +49,10 @@ def quantize_task(
         scale_inv = scale
     rows, cols = info.shape
     weight_packed, weight_scale = bytearray(rows * cols // 2), bytearray(rows * cols // group_size * 2)
-    status = _int4.quantize(
-        kind, read_bytes(info), scale_inv, rows, cols, group_size, *block, weight_packed, weight_scale
-    )
+    with mapped(info) as weight:
+        status = _int4.quantize(
+            kind, weight, scale_inv, rows, cols, group_size, *block, weight_packed, weight_scale
+        )
     if status:  # a NaN/Inf scale: find and name the bad element
         from kvq.compress.torch_quantize import raise_non_finite
 

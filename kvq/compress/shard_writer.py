@@ -8,8 +8,10 @@ lives here too: the two edges of a job, in bytes (no torch).
 
 from __future__ import annotations
 
+import mmap
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -31,6 +33,22 @@ def read_bytes(info: TensorInfo) -> bytearray:
             "the shard is truncated: re-download it"
         )
     return data
+
+
+@contextmanager
+def mapped(info: TensorInfo) -> Iterator[memoryview]:
+    """Source tensor `info`'s bytes, memory-mapped read-only for the `with` block (no copy; its pages are
+    resident only while mapped). Planning checked that every tensor lies inside its file."""
+    start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
+    with (
+        open(info.file, "rb") as f,
+        mmap.mmap(f.fileno(), info.end - start, offset=start, access=mmap.ACCESS_READ) as m,
+    ):
+        view = memoryview(m)[info.start - start : info.end]
+        try:
+            yield view
+        finally:
+            view.release()
 
 
 class ShardWriter:

@@ -67,6 +67,21 @@ def test_fp8_extreme_block_scales(scale) -> None:
     assert_same_as_torch(weight, torch.full((1, 2), scale), 128, (128, 128))
 
 
+@pytest.mark.parametrize("scale", [0.0123, -0.0123, 0.0], ids=["positive", "negative", "zero"])
+def test_fp8_every_largest_code_of_a_group(scale) -> None:
+    """The C kernel computes each (block scale, largest code) pair once: give every row its own."""
+    gen = torch.Generator().manual_seed(7)
+    top = torch.arange(127, dtype=torch.int64).repeat_interleave(2)[:, None]  # 254 rows: tops 0..126
+    codes = (torch.rand(254, 256, generator=gen) * (top + 1)).long()  # magnitudes 0..top
+    codes[:, 5] = top[:, 0]  # each row reaches its top
+    codes |= torch.randint(0, 2, codes.shape, generator=gen) * 0x80  # either sign
+    weight = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    scale_inv = torch.full((2, 2), scale)
+    scale_inv[1, 1] = abs(scale) * 3
+    for group in (32, 128):
+        assert_same_as_torch(weight, scale_inv, group, (128, 128))
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_bf16_source(group) -> None:
     gen = torch.Generator().manual_seed(group)
