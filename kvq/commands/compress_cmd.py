@@ -38,9 +38,10 @@ def compress_command(
 ) -> None:
     """Compress SRC into OUT as compressed-tensors pack-quantized INT4 (W4A16, symmetric) per the recipe.
 
-    One job per source shard, run on --workers processes; each reads only the tensors it needs (a
-    weight_scale_inv in another shard included), dequantizes FP8 blocks in fp32, quantizes, packs and
-    writes its shard under a temporary name, then renames it. Then the index, config.json (with the
+    One job per source shard (cut into parts when there are fewer than 8 per worker), run on --workers
+    processes; each reads only the tensors it needs (a weight_scale_inv in another shard included),
+    dequantizes FP8 blocks, quantizes, packs and writes its shard under a temporary name, then renames
+    it. Then the index, config.json (with the
     compressed-tensors quantization_config), tokenizer/generation files and kvq_manifest.json.
 
     Memory: tensors are streamed one at a time, so peak RSS is bounded by the workers, not by the model
@@ -51,7 +52,7 @@ def compress_command(
     kept. SRC is never modified.
     """
     job = prepare(src, out, load_recipe(recipe, group_size))
-    workers = max(1, min(workers, len(job.jobs)))
+    workers = max(1, workers)  # a few shards are cut into parts, so every worker has work
     console.print(
         f"kvq compress: {job.ckpt.root} ({job.ckpt.format}, {len(job.jobs)} shards, "
         f"{human_bytes(job.input_bytes)}) -> {job.out}, recipe {job.recipe.name} "

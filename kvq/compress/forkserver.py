@@ -1,8 +1,9 @@
-"""The compress workers' process context: a forkserver that imports torch and the shard job once.
+"""The compress workers' process context: a forkserver that imports the shard job once.
 
-`kvq compress` starts it (`start_early`) before the command line's own imports, so the server imports
-torch on another core while the parent does (about 1.2 s of wall time on a 2-core box); `pool.run_jobs`
-then forks its workers from the same server. Imports nothing heavy itself.
+`kvq compress` starts it (`start_early`) before the command line's own imports, so the server loads on
+another core while the parent does; `pool.run_jobs` then forks its workers from it. The shard job needs
+no torch (the C quantizer), so workers are ready ~0.1 s after the command starts; a worker imports torch
+only if a tensor needs the torch quantizer. Imports nothing heavy itself.
 """
 
 from __future__ import annotations

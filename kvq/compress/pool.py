@@ -1,12 +1,13 @@
 """Run shard jobs in worker processes (forkserver, or spawn), with per-tensor progress and a clean Ctrl-C.
 
-Workers ignore SIGINT; the parent catches it (or any error), terminates the workers and re-raises, so
-only complete shards survive under their final names. Progress goes through shared memory, one slot per
-job written only by the worker running it (no queue, no lock: a worker terminated mid-update cannot
-leave anything half-sent). Each worker starts with `cpus // workers` torch threads and, between tensors,
-takes up the threads the parent offers once fewer jobs than workers remain (the last shard of a run, or
-a one-file model, then uses every core). Workers keep freed heap memory for reuse (a job allocates the
-same sizes tensor after tensor).
+The parent hands out work largest first, one item ahead of the workers, and runs what a finished item
+returns (a cut shard's commit) before anything still queued. Workers ignore SIGINT; the parent catches it
+(or any error), terminates the workers and re-raises, so only complete shards survive under their final
+names. Progress goes through shared memory, one slot per item written only by the worker running it (no
+queue, no lock: a worker terminated mid-update cannot leave anything half-sent). Where a tensor needs
+the torch quantizer, a worker uses `cpus // workers` torch threads and, between tensors, takes up the
+threads the parent offers once fewer items than workers remain. Workers keep freed heap memory for
+reuse (a job allocates the same sizes tensor after tensor).
 """
 
 from __future__ import annotations
