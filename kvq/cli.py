@@ -20,6 +20,7 @@ COMMANDS = {
     "compress": ("kvq.commands.compress_cmd", "compress_command"),
     "generate": ("kvq.commands.generate_cmd", "generate_command"),
     "calibrate": ("kvq.commands.calibrate_cmd", "calibrate_command"),
+    "serve": ("kvq.commands.serve_cmd", "serve_command"),
 }
 BENCH_COMMANDS = {
     "compress": ("kvq.bench.compress", "bench_compress_command"),

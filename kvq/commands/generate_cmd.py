@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from kvq.commands.engine_options import (
+    DtypeOption,
+    KvCacheDtypeOption,
+    KvIntegrityOption,
+    KvMemoryOption,
+    ModelArgument,
+    PageSizeOption,
+    RequireKvScalesOption,
+    ThreadsOption,
+)
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.sampling import SamplingParams
 
 
 def generate_command(
-    model: Annotated[
-        Path, typer.Argument(help="Checkpoint directory (BF16, FP8-block or compressed-tensors).")
-    ],
+    model: ModelArgument,
     prompt: Annotated[str, typer.Argument(help="The user message (sent through the chat template if any).")],
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = SamplingParams.max_tokens,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = SamplingParams.temperature,
@@ -25,38 +32,13 @@ def generate_command(
     ] = SamplingParams.top_k,
     seed: Annotated[int | None, typer.Option(help="Seed of this request's sampler.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable); not printed.")] = None,
-    kv_cache_dtype: Annotated[
-        str,
-        typer.Option(
-            help="auto (fp8_e4m3 when the checkpoint has kv scales, else the activation dtype), "
-            "bf16 or fp8_e4m3."
-        ),
-    ] = EngineConfig.kv_cache_dtype,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = EngineConfig.page_size,
-    kv_memory: Annotated[
-        str | None, typer.Option(help="KV pool size, e.g. 512MiB (default: a fraction of free memory).")
-    ] = None,
-    require_kv_scales: Annotated[
-        bool,
-        typer.Option(
-            "--require-kv-scales", help="Fail instead of warning when FP8 KV has no calibrated scales."
-        ),
-    ] = False,
-    dtype: Annotated[
-        str,
-        typer.Option(help="Activations: auto (bfloat16) or float32 (reference mode, weights dequantized)."),
-    ] = EngineConfig.dtype,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
-    kv_integrity: Annotated[
-        str,
-        typer.Option(
-            help="Checked KV pages: off (no checks, no cost); tags (before each step's attention, every "
-            "page the request reads or writes must carry the tag its own tokens and allocations expect: "
-            "catches freed, reused, misdirected and stale pages); full (tags, plus a hash of sampled "
-            "bytes of every full page, taken when it was written: catches bytes changed in place). A "
-            "failed check stops the request with an error naming the page."
-        ),
-    ] = EngineConfig.kv_integrity,
+    kv_cache_dtype: KvCacheDtypeOption = EngineConfig.kv_cache_dtype,
+    page_size: PageSizeOption = EngineConfig.page_size,
+    kv_memory: KvMemoryOption = None,
+    require_kv_scales: RequireKvScalesOption = False,
+    dtype: DtypeOption = EngineConfig.dtype,
+    threads: ThreadsOption = None,
+    kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
 ) -> None:
     """Generate a completion for one prompt, streaming the text as it is produced."""

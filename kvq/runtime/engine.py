@@ -53,6 +53,7 @@ class EngineStats:
     """Counters since the engine was made."""
 
     integrity_aborts: int = 0  # requests stopped by a failed KV page check
+    largest_batch: int = 0  # most requests one step ran
 
 
 class Engine:
@@ -133,7 +134,15 @@ class Engine:
         """`prompt` as one user turn through the tokenizer's chat template (plain encoding without one)."""
         if not self.tokenizer.chat_template:
             return self.encode(prompt)
-        messages = [{"role": "user", "content": prompt}]
+        return self.encode_messages([{"role": "user", "content": prompt}])
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation (`role`/`content` dicts) through the chat template, ready for the assistant's
+        turn; `KvqError` if the tokenizer has no chat template."""
+        if not self.tokenizer.chat_template:
+            raise KvqError(
+                f"{self.ckpt.root}: the tokenizer has no chat template; send a plain prompt (/v1/completions)"
+            )
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
@@ -165,6 +174,14 @@ class Engine:
         self.scheduler.add(seq)
         return seq.seq_id
 
+    def abort(self, request_id: int) -> bool:
+        """Stop a queued or running request now (its client went away) and free its pages; False if the
+        request is unknown or already finished. Call between steps."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            seq.finish_reason = "abort"
+        return seq is not None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
@@ -174,6 +191,7 @@ class Engine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
+        self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
         outputs: list[RequestOutput] = []
         if self.tracker is None:
             logits = self.runner.run(seqs, is_prefill)

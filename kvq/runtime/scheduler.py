@@ -84,6 +84,19 @@ class Scheduler:
         seq.status = Status.FINISHED
         self.running.remove(seq)
 
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Take request `seq_id` out, queued or running (its pages are freed); None if it is not here."""
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:  # a waiting request holds no pages (preemption freed them)
+                self.waiting.remove(seq)
+                seq.status = Status.FINISHED
+                return seq
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                self.finish(seq)
+                return seq
+        return None
+
     def requeue(self, seq: Sequence) -> None:
         """Take a running sequence out of this step and preempt it (recomputed when readmitted)."""
         self.running.remove(seq)

@@ -1,0 +1,40 @@
+"""The runtime engine's command-line options, shared by `kvq generate` and `kvq serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ModelArgument = Annotated[
+    Path, typer.Argument(help="Checkpoint directory (BF16, FP8-block or compressed-tensors).")
+]
+KvCacheDtypeOption = Annotated[
+    str,
+    typer.Option(
+        help="auto (fp8_e4m3 when the checkpoint has kv scales, else the activation dtype), bf16 or fp8_e4m3."
+    ),
+]
+PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page.")]
+KvMemoryOption = Annotated[
+    str | None, typer.Option(help="KV pool size, e.g. 512MiB (default: a fraction of free memory).")
+]
+RequireKvScalesOption = Annotated[
+    bool,
+    typer.Option("--require-kv-scales", help="Fail instead of warning when FP8 KV has no calibrated scales."),
+]
+DtypeOption = Annotated[
+    str, typer.Option(help="Activations: auto (bfloat16) or float32 (reference mode, weights dequantized).")
+]
+ThreadsOption = Annotated[int | None, typer.Option(help="torch CPU threads.")]
+KvIntegrityOption = Annotated[
+    str,
+    typer.Option(
+        help="Checked KV pages: off (no checks, no cost); tags (before each step's attention, every "
+        "page the request reads or writes must carry the tag its own tokens and allocations expect: "
+        "catches freed, reused, misdirected and stale pages); full (tags, plus a hash of sampled "
+        "bytes of every full page, taken when it was written: catches bytes changed in place). A "
+        "failed check stops the request with an error naming the page."
+    ),
+]

@@ -1,0 +1,1 @@
+"""`kvq serve`: the runtime engine behind an OpenAI-compatible HTTP API (completions, chat, streaming)."""

@@ -1,0 +1,224 @@
+"""`kvq serve` on loopback: a real uvicorn server in a thread, real HTTP from httpx, the embedded SmolLM2.
+
+Greedy answers over HTTP equal `Engine.generate` on the same engine (fp32 reference mode, so batching
+across clients cannot flip a near-tied token); streams add up to the same text; concurrent clients share
+engine steps; bad requests get 400/404 with the reason; a client that goes away frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.engine import Engine
+from kvq.runtime.sampling import SamplingParams
+from kvq.serve.app import make_app
+from kvq.serve.async_engine import AsyncEngine
+
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at",
+    "The largest planet in the solar system is",
+    "A haiku about autumn:",
+    "def fibonacci(n):",
+    "The three primary colors are",
+]
+CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a fruit."}]
+MAX_TOKENS = 12
+
+
+@dataclass
+class Server:
+    url: str
+    engine: Engine
+    expected: dict[str, str]  # prompt -> greedy completion of MAX_TOKENS
+    expected_chat: str
+
+
+@pytest.fixture(scope="module")
+def server(smollm2) -> Iterator[Server]:
+    engine = Engine(EngineConfig(model=str(smollm2.bf16), dtype="float32", kv_memory="64MiB", threads=2))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS)
+    expected = {p: out.text for p, out in zip(PROMPTS, engine.generate(PROMPTS, greedy), strict=True)}
+    expected_chat = engine.generate([engine.encode_messages(CHAT)], greedy)[0].text
+    async_engine = AsyncEngine(engine)
+    config = uvicorn.Config(
+        make_app(async_engine, "smollm2", 64), host="127.0.0.1", port=0, log_level="warning"
+    )
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    port = uv.servers[0].sockets[0].getsockname()[1]
+    yield Server(f"http://127.0.0.1:{port}", engine, expected, expected_chat)
+    uv.should_exit = True
+    thread.join(timeout=30)
+    async_engine.stop()
+
+
+def events(response: httpx.Response) -> list[dict]:
+    """The JSON events of a server-sent event stream, which must end with [DONE]."""
+    data = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_health_and_models(server: Server) -> None:
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["smollm2"]
+    assert models["data"][0]["max_model_len"] == server.engine.max_model_len
+
+
+def test_completion_is_the_engines_greedy_answer(server: Server) -> None:
+    prompt = PROMPTS[0]
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    choice = reply["choices"][0]
+    assert choice["text"] == server.expected[prompt] and "Paris" in choice["text"]
+    assert choice["finish_reason"] == "length" and reply["object"] == "text_completion"
+    prompt_tokens = len(server.engine.encode(prompt))
+    assert reply["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": MAX_TOKENS,
+        "total_tokens": prompt_tokens + MAX_TOKENS,
+    }
+    by_ids = {**body, "prompt": server.engine.encode(prompt)}  # token ids instead of text
+    assert (
+        httpx.post(f"{server.url}/v1/completions", json=by_ids, timeout=60).json()["choices"][0]["text"]
+        == (server.expected[prompt])
+    )
+
+
+def test_streamed_completion_adds_up_to_the_same_text(server: Server) -> None:
+    prompt = PROMPTS[1]
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        chunks = events(response)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == server.expected[prompt]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_completion_plain_and_streamed(server: Server) -> None:
+    body = {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": server.expected_chat}
+    assert reply["object"] == "chat.completion"
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}) as response:
+        chunks = events(response)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == server.expected_chat
+    assert chunks[-1]["object"] == "chat.completion.chunk"
+
+
+def test_concurrent_clients_share_engine_steps(server: Server) -> None:
+    def ask(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+    server.engine.stats.largest_batch = 0
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, PROMPTS))
+    assert answers == [server.expected[p] for p in PROMPTS]
+    assert server.engine.stats.largest_batch > 1  # requests of different clients decoded together
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "fragment"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, 400, "KV pages but the pool has"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be >= 0"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=1 only"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
+        ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ],
+)
+def test_bad_requests_are_refused_by_name(server: Server, path, body, status, fragment) -> None:
+    reply = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert fragment in error["message"] and error["code"] == status
+
+
+def test_a_client_that_goes_away_frees_its_pages(server: Server) -> None:
+    engine = server.engine
+    body = {"prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # the connection is closed after a few tokens of 400
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_a_request_the_engine_stops_gets_its_error(server: Server, monkeypatch) -> None:
+    """As when a KV page check fails: the engine ends the request with finish reason "error"."""
+    engine, real_step = server.engine, server.engine.step
+
+    def step_then_stop() -> list:
+        outputs = real_step()
+        for i, out in enumerate(outputs):
+            if len(out.token_ids) == 3 and not out.finished:
+                engine.abort(out.request_id)
+                outputs[i] = dataclasses.replace(
+                    out, finished=True, finish_reason="error", error="page 7 holds tag 0x1 (expected 0x2)"
+                )
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step_then_stop)
+    body = {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 500 and "page 7 holds tag" in reply.json()["error"]["message"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as response:
+        data = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert data[-2]["choices"][0]["finish_reason"] == "error"
+    assert "page 7 holds tag" in data[-1]["error"]["message"]
+    assert not engine.has_unfinished_requests()
+
+
+def test_the_kvq_serve_command(smollm2) -> None:
+    """The command line end to end: `kvq serve` answers, and stops cleanly on Ctrl-C."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [sys.executable, "-m", "kvq", "serve", str(smollm2.bf16), "--port", str(port)]
+    proc = subprocess.Popen([*argv, "--kv-memory", "16MiB", "--served-model-name", "tiny"], text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{url}/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert reply["model"] == "tiny" and reply["usage"]["completion_tokens"] <= 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
