@@ -52,9 +52,10 @@ def commit_shard_file(path: Path) -> str:
 
 def reserve_and_write_header(fd: int, path: Path, layout: ShardLayout) -> None:
     """Allocate the whole file now, so a full disk is reported before any work is done; write the header."""
+    reserve = getattr(os, "posix_fallocate", None)  # not on macOS: there a full disk shows while writing
     try:
-        if layout.file_bytes:
-            os.posix_fallocate(fd, 0, layout.file_bytes)
+        if layout.file_bytes and reserve is not None:
+            reserve(fd, 0, layout.file_bytes)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise disk_full_error(path, f"reserving {layout.file_bytes} bytes", e) from e

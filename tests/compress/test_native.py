@@ -1,4 +1,4 @@
-"""The C quantizer gives exactly the torch quantizer's bytes (itself tested against compressed-tensors), on
+"""The C quantizer gives exactly the torch quantizer's bytes and compressed-tensors' own (the oracle), on
 shapes, group sizes, block shapes and magnitudes beyond the fixtures; bad values are reported, not packed."""
 
 from __future__ import annotations
@@ -138,3 +138,25 @@ def test_workers_import_no_torch() -> None:
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
     )
+
+
+@pytest.mark.parametrize("source", ["bf16", "fp8-block"])
+def test_equals_compressed_tensors_itself(source) -> None:
+    """The oracle directly: the library's W4A16 quantize-and-pack of the same bf16 values."""
+    from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
+
+    from tests.compress.oracle import library_quantize
+
+    gen = torch.Generator().manual_seed(11)
+    dense = torch.randn(96, 640, generator=gen) * torch.exp(torch.randn(96, 1, generator=gen))
+    if source == "bf16":
+        weight, scale_inv, bf16 = dense.bfloat16(), None, dense.bfloat16()
+    else:
+        weight = (dense * 20).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale_inv = torch.rand(1, 5, generator=gen) * 0.01 + 1e-3
+        tensors = {"m.weight": weight, "m.weight_scale_inv": scale_inv}
+        bf16 = FP8BlockDequantizer(targets=["m"]).process(tensors)["m.weight"]
+    expected = library_quantize(bf16, 64)
+    status, packed, scale = c_quantize(weight, scale_inv, 64, (128, 128))
+    assert status == 0 and bf16.dtype == torch.bfloat16
+    assert torch.equal(packed, expected["weight_packed"]) and torch.equal(scale, expected["weight_scale"])
