@@ -4,7 +4,11 @@ and the output byte-identical to one job per shard; the torch fallback gives the
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
 
 from kvq.checkpoint.write import tmp_path as temporary
 from kvq.compress import native
@@ -68,3 +72,21 @@ def test_torch_fallback_gives_the_c_quantizers_bytes(tiny_checkpoint, tmp_path, 
         monkeypatch.undo()
         assert temporary(job.out_path).read_bytes() == c_bytes
         assert torch_result.sha256 == c_result.sha256
+
+
+def test_bf16_stored_scales_take_the_torch_path_to_the_same_tensors(tiny_checkpoint, tmp_path) -> None:
+    """A `weight_scale_inv` stored as BF16 (the C kernel takes fp32 only): same tensors as fp32 scales."""
+    src = tiny_checkpoint("glm4_moe", "fp8-block")
+    outputs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        copy = tmp_path / f"src-{dtype}"
+        shutil.copytree(src, copy)
+        for shard in sorted(copy.glob("*.safetensors")):
+            tensors = load_file(shard)
+            for name in [n for n in tensors if n.endswith("weight_scale_inv")]:
+                tensors[name] = tensors[name].bfloat16().to(dtype)  # bf16-exact either way
+            save_file(tensors, shard, metadata={"format": "pt"})
+        out = compress(copy, tmp_path / f"out-{dtype}")
+        outputs[dtype] = {k: v for p in sorted(out.glob("*.safetensors")) for k, v in load_file(p).items()}
+    fp32, bf16 = outputs[torch.float32], outputs[torch.bfloat16]
+    assert fp32.keys() == bf16.keys() and all(torch.equal(fp32[k], bf16[k]) for k in fp32)
