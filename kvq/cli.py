@@ -21,6 +21,7 @@ COMMANDS = {
     "generate": ("kvq.commands.generate_cmd", "generate_command"),
     "calibrate": ("kvq.commands.calibrate_cmd", "calibrate_command"),
     "serve": ("kvq.commands.serve_cmd", "serve_command"),
+    "eval": ("kvq.commands.eval_cmd", "eval_command"),
 }
 BENCH_COMMANDS = {
     "compress": ("kvq.bench.compress", "bench_compress_command"),

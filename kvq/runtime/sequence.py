@@ -40,6 +40,8 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
+    forced_token_ids: list[int] | None = None  # teacher forcing: the completion to append, not sample
+    nll: float = 0.0  # with forced tokens: the sum of -log p(forced token) over the steps so far
     text: str = ""  # completion text so far (stop strings cut off)
     num_text_sent: int = 0  # characters of `text` already streamed
 
