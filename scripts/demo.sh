@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make demo`: the main job end to end on the embedded default model (SmolLM2-135M-Instruct):
-# inspect -> plan -> compress (FP8-block -> INT4) -> calibrate FP8 KV scales -> generate.
+# inspect -> plan -> compress (FP8-block -> INT4) -> calibrate FP8 KV scales -> eval -> generate.
 set -euo pipefail
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -29,6 +29,9 @@ kvq calibrate "$INT4" --num-samples 16 --seq-len 512
 
 step "kvq inspect: the compressed, calibrated checkpoint"
 kvq inspect "$INT4"
+
+step "kvq eval: perplexity of the INT4 + FP8-KV model vs the BF16 source, through the runtime"
+kvq eval "$INT4" --baseline "$BF16" --num-windows 8 --seq-len 128 --threads 2 --kv-memory 64MiB
 
 step "kvq generate: INT4 weights, FP8 KV pages with the calibrated scales, every page checked by tag"
 kvq generate "$INT4" "What is the capital of France?" --max-tokens 64 --require-kv-scales --kv-memory 256MiB \
