@@ -9,7 +9,6 @@ Imports torch, transformers (config, tokenizer) and kvq.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -29,6 +28,7 @@ from kvq.runtime.model_runner import ModelRunner
 from kvq.runtime.models.registry import model_class
 from kvq.runtime.sampling import SamplingParams, make_generator, sample
 from kvq.runtime.scheduler import Scheduler
+from kvq.runtime.scoring import force_tokens
 from kvq.runtime.sequence import Sequence
 
 Prompt = str | list[int]
@@ -202,7 +202,7 @@ class Engine:
                 return outputs
             logits = checked_logits
         token_ids, is_finite = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        self._force(seqs, logits, token_ids)
+        force_tokens(seqs, logits, token_ids)
         for seq, token_id, ok in zip(seqs, token_ids, is_finite, strict=True):
             if ok:
                 self._append(seq, token_id)
@@ -234,23 +234,10 @@ class Engine:
         return [final[s.seq_id] for s in seqs]
 
     def perplexity(self, windows: Seq[Seq[int]]) -> float:
-        """exp(mean next-token NLL) of token windows, every prediction made by a decode step that reads
-        the earlier tokens' K/V from the paged pool (FP8 pages included), as serving does: each window is
-        a one-token prompt whose completion is forced to the window's next tokens (teacher forcing)."""
-        if not windows or any(len(w) < 2 for w in windows):
-            raise KvqError("perplexity needs windows of at least 2 tokens")
-        seqs = []
-        for window in windows:
-            seq = self.make_sequence([window[0]], SamplingParams(max_tokens=len(window) - 1, ignore_eos=True))
-            seq.forced_token_ids = list(window[1:])
-            seqs.append(seq)
-            self.scheduler.add(seq)
-        while any(s.finish_reason is None for s in seqs):
-            self.step()
-        if any(s.finish_reason != "length" for s in seqs):
-            errors = sorted({f"{s.finish_reason}: {s.error}" for s in seqs if s.finish_reason != "length"})
-            raise KvqError(f"a perplexity window stopped early ({'; '.join(errors)})")
-        return math.exp(sum(s.nll for s in seqs) / sum(len(w) - 1 for w in windows))
+        """Perplexity of token windows as this engine decodes them (`kvq.runtime.scoring.perplexity`)."""
+        from kvq.runtime.scoring import perplexity
+
+        return perplexity(self, windows)
 
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
         """One request, output by output (other queued requests advance alongside)."""
@@ -282,20 +269,6 @@ class Engine:
             logits = self.runner.forward(batch)
             self.tracker.after_forward()
         return seqs, logits, [self._output(s) for s in stopped]
-
-    @staticmethod
-    def _force(seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
-        """Teacher forcing: forced sequences take their next given token (not the sampled one) and add
-        its negative log-likelihood under `logits`."""
-        rows = [i for i, s in enumerate(seqs) if s.forced_token_ids is not None]
-        if not rows:
-            return
-        log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
-        for row, log_prob in zip(rows, log_probs, strict=True):
-            seq = seqs[row]
-            assert seq.forced_token_ids is not None
-            token_ids[row] = seq.forced_token_ids[seq.num_tokens - seq.num_prompt_tokens]
-            seq.nll -= float(log_prob[token_ids[row]])
 
     # -- tokens to text -------------------------------------------------------------------------------
     def _append(self, seq: Sequence, token_id: int) -> None:
