@@ -103,5 +103,6 @@ def _table(rows: list[dict], source: str, num_windows: int, seq_len: int) -> Tab
         table.add_column(column, justify="left" if column in ("model", "weights", "KV cache") else "right")
     for row in rows:
         change = f"{row['vs_baseline']:+.2%}" if "vs_baseline" in row else ""
-        table.add_row(row["model"], row["format"], row["kv_cache"], f"{row['perplexity']:.4f}", change)
+        name = Path(row["model"]).name  # the directory: the JSON has the whole path
+        table.add_row(name, row["format"], row["kv_cache"], f"{row['perplexity']:.4f}", change)
     return table
