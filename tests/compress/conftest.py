@@ -15,9 +15,14 @@ FIXTURES = [(arch, fmt) for arch in ("llama", "glm4_moe", "glm_moe_dsa") for fmt
 
 
 def compress(
-    src: Path, out: Path, recipe: str = "w4a16-experts", group_size: int | None = None, workers: int = 2
+    src: Path,
+    out: Path,
+    recipe: str = "w4a16-experts",
+    group_size: int | None = None,
+    workers: int = 2,
+    target: str = "vllm",
 ) -> Path:
-    run(prepare(src, out, load_recipe(recipe, group_size)), workers)
+    run(prepare(src, out, load_recipe(recipe, group_size), target), workers)
     return out
 
 
@@ -33,14 +38,21 @@ def kept_modules(src: Path, recipe: str, group_size: int | None) -> tuple[str, .
 
 @pytest.fixture(scope="session")
 def compressed(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Compressed:
-    """`compressed(arch, fmt, recipe="w4a16-experts", group_size=None) -> Path`: kvq's output, built once."""
+    """`compressed(arch, fmt, recipe="w4a16-experts", group_size=None, target="vllm") -> Path`: kvq's
+    output, built once."""
     built: dict[tuple, Path] = {}
 
-    def get(arch: str, fmt: str, recipe: str = "w4a16-experts", group_size: int | None = None) -> Path:
-        key = (arch, fmt, recipe, group_size)
+    def get(
+        arch: str,
+        fmt: str,
+        recipe: str = "w4a16-experts",
+        group_size: int | None = None,
+        target: str = "vllm",
+    ) -> Path:
+        key = (arch, fmt, recipe, group_size, target)
         if key not in built:
-            out = tmp_path_factory.mktemp(f"kvq-{arch}-{fmt}-{recipe}-g{group_size}") / "out"
-            built[key] = compress(tiny_checkpoint(arch, fmt), out, recipe, group_size)
+            out = tmp_path_factory.mktemp(f"kvq-{arch}-{fmt}-{recipe}-g{group_size}-{target}") / "out"
+            built[key] = compress(tiny_checkpoint(arch, fmt), out, recipe, group_size, target=target)
         return built[key]
 
     return get

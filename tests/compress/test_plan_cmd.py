@@ -80,6 +80,9 @@ def test_glm5_fp8_plan_and_serving_memory(tmp_path):
     assert round(plan["source_file_bytes"] / GiB) == 704  # the "705 GB" GLM-5-FP8
     assert 360 * GiB < plan["output_file_bytes"] < 380 * GiB
     assert plan["num_fp8_kept"] > 500 and not plan["kept"]
+    by_target = out["output_file_bytes_by_target"]  # sglang: FP8 attention and dense MLPs as BF16
+    assert by_target["vllm"] == plan["output_file_bytes"]
+    assert by_target["vllm"] + 10 * GiB < by_target["sglang"] < by_target["vllm"] + 20 * GiB
     assert serving["weight_bytes_per_gpu"] == -(-plan["total"]["bytes_after"] // 8)
     assert serving["kv_bytes_per_token_per_gpu"] == 78 * (512 + 64 + 128)  # MLA latent + DSA indexer key, fp8
     assert serving["kv_tokens"] == (141 * GiB - serving["weight_bytes_per_gpu"]) // (78 * 704)
