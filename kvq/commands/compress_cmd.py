@@ -74,6 +74,10 @@ def compress_command(
         )
         raise typer.Exit(130) from None
     _print_report(report, job.input_bytes)
+    from kvq.check import check_checkpoint
+    from kvq.commands.check_cmd import print_report
+
+    print_report(check_checkpoint(job.out))
 
 
 def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:
