@@ -5,11 +5,15 @@ per-group input activations run only when in_features is a multiple of the group
 
 from __future__ import annotations
 
+import re
+
 from kvq.check.ct_layers import Resolved, check_form
 from kvq.check.ct_scheme import first_match, scheme_class, scheme_map
 from kvq.check.kv_scales import check_kv_scales
 from kvq.check.report import ERROR, WARNING, EngineVerdict
 from kvq.check.view import CheckpointView
+
+_ROUTER = re.compile(r"\.mlp\.gate$")
 
 
 def check(view: CheckpointView, tp: int) -> EngineVerdict:
@@ -44,6 +48,8 @@ def _resolve(view: CheckpointView, module: str) -> Resolved:
 
 def _check_modules(view: CheckpointView, verdict: EngineVerdict) -> None:
     for module, stored in view.linears.items():
+        if _ROUTER.search(module):  # a TopkRouter in transformers' MoE models, not an nn.Linear
+            continue
         resolved = _resolve(view, module)
         verdict.schemes[module] = resolved.cls or "unquantized"
         if resolved.cls == "":
