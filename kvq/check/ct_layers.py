@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvq.check.ct_scheme import WNA16, Scheme, scheme_class, scheme_map, shard_names
-from kvq.check.report import ERROR, EngineVerdict
+from kvq.check.report import ERROR, WARNING, EngineVerdict
 from kvq.check.view import DENSE, FP8, INT4, LINEAR, CheckpointView, EngineLayer
 
 _ROW_PARALLEL = ("o_proj", "down_proj")
@@ -31,6 +31,19 @@ class Matching:
 class Resolved:
     scheme: Scheme | None
     cls: str | None  # scheme class; None = unquantized; "" = no scheme (the engine raises)
+
+
+def is_checked_format(view: CheckpointView, verdict: EngineVerdict) -> bool:
+    """compressed-tensors (or unquantized / FP8-source) checkpoints are checked; others get a warning."""
+    if view.quant.get("quant_method") in (None, "compressed-tensors", "fp8"):
+        return True
+    verdict.add(
+        f"{verdict.engine}.quant-method",
+        WARNING,
+        "quantization_config",
+        f"quant_method {view.quant.get('quant_method')!r} is not compressed-tensors: not checked",
+    )
+    return False
 
 
 def class_name(layer: EngineLayer) -> str:

@@ -5,7 +5,7 @@ what main does not load: a mixed-precision checkpoint of INT4 experts beside FP8
 
 from __future__ import annotations
 
-from kvq.check.ct_layers import Matching, check_linear_layers, check_wna16_tp
+from kvq.check.ct_layers import Matching, check_linear_layers, check_wna16_tp, is_checked_format
 from kvq.check.ct_scheme import (
     FUSED_MAPPING,
     PACK_QUANTIZED,
@@ -52,13 +52,7 @@ MATCHING = Matching("sglang", should_ignore_layer, find_matched_target, per_grou
 
 def check(view: CheckpointView, tp: int) -> EngineVerdict:
     verdict = EngineVerdict("sglang", tp)
-    if view.quant.get("quant_method") not in (None, "compressed-tensors", "fp8"):
-        verdict.add(
-            "sglang.quant-method",
-            WARNING,
-            "quantization_config",
-            "not a compressed-tensors checkpoint: not checked",
-        )
+    if not is_checked_format(view, verdict):
         return verdict
     if view.quant.get("config_groups"):
         resolved = check_linear_layers(view, verdict, MATCHING, SOURCE)

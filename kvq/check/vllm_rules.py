@@ -10,6 +10,7 @@ from kvq.check.ct_layers import (
     Resolved,
     check_linear_layers,
     check_wna16_tp,
+    is_checked_format,
     parallel_style,
     resolve,
 )
@@ -52,13 +53,7 @@ MATCHING = Matching("vllm", should_ignore_layer, find_matched_target, per_group_
 
 def check(view: CheckpointView, tp: int) -> EngineVerdict:
     verdict = EngineVerdict("vllm", tp)
-    if view.quant.get("quant_method") not in (None, "compressed-tensors", "fp8"):
-        verdict.add(
-            "vllm.quant-method",
-            WARNING,
-            "quantization_config",
-            "not a compressed-tensors checkpoint: not checked",
-        )
+    if not is_checked_format(view, verdict):
         return verdict
     resolved = check_linear_layers(view, verdict, MATCHING, SOURCE) if view.quant.get("config_groups") else {}
     for layer in view.layers:
