@@ -15,7 +15,7 @@ from kvq.compress.recipe import load_recipe
 from kvq.compress.serving_memory import ServingMemory, parse_bytes, serving_memory
 from kvq.compress.size_plan import SizePlan, size_plan
 from kvq.compress.source import PlanSource, open_source
-from kvq.compress.tensor_plan import build_plan
+from kvq.compress.tensor_plan import TARGETS, build_plan
 from kvq.errors import KvqError
 
 _SHOWN_KEPT = 8
@@ -45,6 +45,10 @@ def plan_command(
     the_recipe = load_recipe(recipe, group_size)
     plan = build_plan(source.tensors, the_recipe, source.block)
     sizes = size_plan(plan, source.file_bytes)
+    target_bytes = {  # the same plan for each --target of kvq compress (the table above is vllm's)
+        target: size_plan(build_plan(source.tensors, the_recipe, source.block, target), 0).output_file_bytes
+        for target in TARGETS
+    }
     memory = None
     if tp is not None or gpu_mem is not None:
         if tp is None or gpu_mem is None:
@@ -58,6 +62,7 @@ def plan_command(
                     "is_bare_config": source.is_bare_config,
                     "recipe": the_recipe.identity(),
                     "plan": sizes.to_json(),
+                    "output_file_bytes_by_target": target_bytes,
                     "serving": memory.to_json() if memory else None,
                 },
                 indent=2,
@@ -65,6 +70,10 @@ def plan_command(
         )
         return
     console.print(render(source, sizes))
+    console.print(
+        "output by --target: "
+        + ", ".join(f"{target} {human_bytes(n)} ({n} B)" for target, n in target_bytes.items())
+    )
     _print_kept(sizes)
     if memory is not None:
         console.print(_render_memory(memory))

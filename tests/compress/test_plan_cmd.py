@@ -47,6 +47,14 @@ def test_plan_json_per_kind(tiny_checkpoint):
     assert plan["total"]["parameters"] == sum(k["parameters"] for k in plan["kinds"].values())
 
 
+def test_plan_lists_fp8_weights_written_as_bf16(tiny_checkpoint):
+    plan = plan_json(str(tiny_checkpoint("glm_moe_dsa", "fp8-block")), "--recipe", "w4a16-experts")["plan"]
+    names = {d["name"] for d in plan["dequantized"]}  # q_lora 192 and the dense MLP's 576 are partial blocks
+    assert (
+        "model.layers.0.self_attn.q_b_proj.weight" in names and "model.layers.0.mlp.down_proj.weight" in names
+    )
+
+
 def test_bare_config_matches_the_published_glm_5_1_checkpoint():
     # GLM-5.1 (BF16) as published: 59,870 tensors, 753,864,139,008 parameters, 1404.18 GiB of tensors.
     plan = plan_json(str(DATA / "glm-5.1-config.json"), "--recipe", "w4a16-experts")
@@ -79,7 +87,10 @@ def test_glm5_fp8_plan_and_serving_memory(tmp_path):
     plan, serving = out["plan"], out["serving"]
     assert round(plan["source_file_bytes"] / GiB) == 704  # the "705 GB" GLM-5-FP8
     assert 360 * GiB < plan["output_file_bytes"] < 380 * GiB
-    assert plan["num_fp8_kept"] > 500 and not plan["kept"]
+    assert plan["num_fp8_kept"] > 500 and not plan["kept"] and not plan["dequantized"]  # all 128-aligned
+    by_target = out["output_file_bytes_by_target"]  # sglang: FP8 attention and dense MLPs as BF16
+    assert by_target["vllm"] == plan["output_file_bytes"]
+    assert by_target["vllm"] + 10 * GiB < by_target["sglang"] < by_target["vllm"] + 20 * GiB
     assert serving["weight_bytes_per_gpu"] == -(-plan["total"]["bytes_after"] // 8)
     assert serving["kv_bytes_per_token_per_gpu"] == 78 * (512 + 64 + 128)  # MLA latent + DSA indexer key, fp8
     assert serving["kv_tokens"] == (141 * GiB - serving["weight_bytes_per_gpu"]) // (78 * 704)
