@@ -21,7 +21,8 @@ import typer
 from rich.table import Table
 
 from kvq.bench.measure import Measurement, run_measured
-from kvq.commands.render import console, human_bytes
+from kvq.byte_sizes import format_bytes
+from kvq.commands.render import console
 from kvq.paths import cache_dir
 
 
@@ -194,7 +195,7 @@ def render(report: dict) -> None:
         for col in ("run", "peak RSS", "wall s"):
             table.add_column(col, justify="left" if col == "run" else "right")
         for row in report["rss"]:
-            table.add_row(row["name"], human_bytes(row["peak_rss_bytes"]), f"{row['wall_s']:.1f}")
+            table.add_row(row["name"], format_bytes(row["peak_rss_bytes"]), f"{row['wall_s']:.1f}")
         table.caption = f"calibrate (fp8-block) / full model = {report['rss_ratio']:.3f}"
         console.print(table)
     if "perplexity" in report:

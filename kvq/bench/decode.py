@@ -27,7 +27,8 @@ import torch
 import typer
 from rich.table import Table
 
-from kvq.commands.render import console, human_bytes
+from kvq.byte_sizes import format_bytes
+from kvq.commands.render import console
 from kvq.paths import cache_dir
 
 
@@ -256,8 +257,8 @@ def render(result: DecodeBenchResult) -> Table:
     for name, m in result.memory.items():
         table.add_row(
             f"resident after load: {name}",
-            f"{human_bytes(m['rss_delta'])} RSS, {human_bytes(m['weight_bytes'])} "
-            f"weights, checkpoint {human_bytes(m['checkpoint_bytes'])}",
+            f"{format_bytes(m['rss_delta'])} RSS, {format_bytes(m['weight_bytes'])} "
+            f"weights, checkpoint {format_bytes(m['checkpoint_bytes'])}",
         )
     table.add_row(
         "pool tokens bf16 / fp8 (same bytes)",
@@ -266,9 +267,9 @@ def render(result: DecodeBenchResult) -> Table:
     )
     for name, a in result.admission.items():
         table.add_row(
-            f"admission {name} kv ({human_bytes(a['kv_bytes'])})",
+            f"admission {name} kv ({format_bytes(a['kv_bytes'])})",
             f"peak running {a['peak_running']}, preemptions {a['preemptions']}, {a['tok_s']:.1f} tok/s, "
-            f"RSS growth while serving {human_bytes(a['rss_growth'])}",
+            f"RSS growth while serving {format_bytes(a['rss_growth'])}",
         )
     a = result.admission
     table.add_row("FP8 / BF16 total throughput", f"{a['fp8_e4m3']['tok_s'] / a['bf16']['tok_s']:.2f}x")

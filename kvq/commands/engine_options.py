@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from kvq.byte_sizes import SIZE_HELP
+
 ModelArgument = Annotated[
     Path, typer.Argument(help="Checkpoint directory (BF16, FP8-block or compressed-tensors).")
 ]
@@ -18,7 +20,8 @@ KvCacheDtypeOption = Annotated[
 ]
 PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page.")]
 KvMemoryOption = Annotated[
-    str | None, typer.Option(help="KV pool size, e.g. 512MiB (default: a fraction of free memory).")
+    str | None,
+    typer.Option(help=f"KV pool size, e.g. 512MiB (default: a fraction of free memory). {SIZE_HELP}"),
 ]
 RequireKvScalesOption = Annotated[
     bool,

@@ -10,23 +10,11 @@ Not counted: activations, CUDA graphs, the runtime's own reserve; treat the toke
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 
 from kvq.errors import KvqError
 
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 @dataclass(frozen=True)
@@ -41,14 +29,6 @@ class ServingMemory:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def parse_bytes(text: str) -> int:
-    """'80GB' -> 80e9, '141GiB' -> 141 * 2^30; a unit is required (GB and GiB differ by 7%)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)\s*", text.upper())
-    if match is None:
-        raise KvqError(f"--gpu-mem {text!r}: give a size with a unit, e.g. 80GB, 141GiB or 96GiB")
-    return int(float(match[1]) * _UNITS[match[2]])
 
 
 def kv_bytes_per_token(config: dict, kv_dtype: str, tp: int) -> tuple[int, str]:

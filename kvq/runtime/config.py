@@ -1,11 +1,10 @@
 """The engine's settings: one flat dataclass, validated on creation, whose defaults the CLI reads.
 
-Imports torch, psutil and kvq.errors only.
+Imports torch, psutil, kvq.byte_sizes and kvq.errors only.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from kvq.byte_sizes import parse_bytes
 from kvq.errors import KvqError
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -20,7 +20,6 @@ KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8_e4m3": torch.float
 FP8_WEIGHT_MODES = ("per-use", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 
 
 @dataclass
@@ -31,8 +30,8 @@ class EngineConfig:
       "float32" is the reference mode: every weight dequantized to fp32, KV pages fp32 unless set.
     kv_cache_dtype: "auto" is fp8_e4m3 when the checkpoint has a `kv_cache_scheme` (calibrated scales),
       else the activation dtype; "bf16" / "fp8_e4m3" force it (names as in vLLM / SGLang).
-    kv_memory: bytes for the KV pool ("512MiB", "2G" or an integer); unset: kv_memory_fraction of the free
-      memory of the device.
+    kv_memory: bytes for the KV pool ("512MiB", "2GB" = 2 * 10^9 or an integer: `kvq.byte_sizes`); unset:
+      kv_memory_fraction of the free memory of the device.
     decode_reserve_ratio: a request is admitted only when its prompt pages plus this fraction of the
       pages its remaining max_tokens may need (for it and every running request) are free. 1.0 never
       preempts a request that runs to max_tokens; 0.0 admits on prompt pages alone (vLLM) and relies on
@@ -117,21 +116,6 @@ class EngineConfig:
             torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
         )
         return int(free * self.kv_memory_fraction)
-
-
-def parse_bytes(value: str | int, what: str) -> int:
-    """'512MiB', '1.5G', '4096' -> bytes (K/M/G/T are powers of 1024); raises `KvqError` otherwise."""
-    if isinstance(value, int):
-        number, unit = float(value), ""
-    else:
-        match = _SIZE.match(value)
-        if match is None:
-            raise KvqError(f"{what} is {value!r}; expected a size like 512MiB, 2G or 1073741824")
-        number, unit = float(match[1]), match[2].upper()
-    size = int(number * 1024 ** "_KMGT".index(unit or "_"))
-    if size <= 0:
-        raise KvqError(f"{what} must be positive, got {value!r}")
-    return size
 
 
 def _choice(name: str, value: str, choices: Collection[str]) -> None:

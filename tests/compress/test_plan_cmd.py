@@ -95,7 +95,7 @@ def test_kimi_k2_model_type_is_planned_as_deepseek_v3():
     ("args", "match"),
     [
         (["--tp", "8"], "--tp and --gpu-mem go together"),
-        (["--tp", "8", "--gpu-mem", "80"], "give a size with a unit"),
+        (["--tp", "8", "--gpu-mem", "80 gigs"], "--gpu-mem: '80 gigs' is not a size"),
         (["--tp", "8", "--gpu-mem", "80GB", "--kv-dtype", "int8"], "--kv-dtype 'int8'"),
     ],
 )

@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
-from kvq.compress.serving_memory import kv_bytes_per_token, parse_bytes, serving_memory
-from kvq.errors import KvqError
+from kvq.compress.serving_memory import kv_bytes_per_token, serving_memory
 
 LLAMA = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 MLA = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 128}
-
-
-def test_parse_bytes():
-    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("141GiB") == 141 * 2**30
-    assert parse_bytes("1.5 TiB") == int(1.5 * 2**40)
-    with pytest.raises(KvqError, match="unit"):
-        parse_bytes("80G")
 
 
 def test_gqa_kv_is_split_across_ranks_down_to_one_head():
