@@ -29,6 +29,7 @@ from rich.table import Table
 
 from kvq.byte_sizes import format_bytes
 from kvq.commands.render import console
+from kvq.kv_cache_dtypes import BF16, FP8_E4M3
 from kvq.paths import cache_dir
 
 
@@ -212,9 +213,9 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     torch.set_num_threads(config.threads)
     result = DecodeBenchResult(config=asdict(config))
     contenders = {
-        "kvq bf16 weights, bf16 kv": kvq_generate(bf16, config, "bf16"),
-        "kvq int4 weights, bf16 kv": kvq_generate(int4, config, "bf16"),
-        "kvq int4 weights, fp8 kv": kvq_generate(int4, config, "fp8_e4m3"),
+        "kvq bf16 weights, bf16 kv": kvq_generate(bf16, config, BF16),
+        "kvq int4 weights, bf16 kv": kvq_generate(int4, config, BF16),
+        "kvq int4 weights, fp8 kv": kvq_generate(int4, config, FP8_E4M3),
         "transformers generate, bf16": transformers_generate(bf16),
     }
     result.tok_s = decode_tok_s(contenders, config)
@@ -224,7 +225,7 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     result.memory["transformers int4 (decompressed)"] = resident_after_load("transformers", int4)
     e = engine(int4, config, kv_memory=1 << 20)
     layers, heads, dim = len(e.kv_pool.k_caches), e.model.num_kv_heads, e.model.head_dim
-    for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
+    for name, dtype in ((BF16, torch.bfloat16), (FP8_E4M3, torch.float8_e4m3fn)):
         result.pool_tokens[name] = (
             config.pool_bytes // page_bytes(layers, config.page_size, heads, dim, dtype) * config.page_size
         )
@@ -234,7 +235,7 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
         * pages_per_request
         * page_bytes(layers, config.page_size, heads, dim, torch.bfloat16)
     )
-    for name in ("bf16", "fp8_e4m3"):
+    for name in (BF16, FP8_E4M3):
         result.admission[name] = {"kv_bytes": budget, **admission_run(int4, config, name, budget)}
     return result
 

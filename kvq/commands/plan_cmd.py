@@ -18,6 +18,7 @@ from kvq.compress.size_plan import SizePlan, size_plan
 from kvq.compress.source import PlanSource, open_source
 from kvq.compress.tensor_plan import build_plan
 from kvq.errors import KvqError
+from kvq.kv_cache_dtypes import AUTO, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, kv_cache_dtype_flag
 
 _SHOWN_KEPT = 8
 
@@ -36,12 +37,21 @@ def plan_command(
     gpu_mem: Annotated[
         str | None, typer.Option("--gpu-mem", help=f"Memory per GPU, e.g. 80GB or 141GiB. {SIZE_HELP}")
     ] = None,
-    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV-cache dtype: bf16 or fp8.")] = "bf16",
+    kv_cache_dtype: Annotated[
+        str, typer.Option("--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP, callback=kv_cache_dtype_flag)
+    ] = AUTO,
+    old_kv_dtype: Annotated[
+        str | None, typer.Option("--kv-dtype", hidden=True, help="Renamed: --kv-cache-dtype.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Plan a compression: per module kind, tensors, parameters and bytes before and after, the exact output
     size, and with --tp/--gpu-mem the weight memory per GPU and the KV-cache tokens that fit. Reads headers
     only; writes nothing."""
+    if old_kv_dtype is not None:
+        raise KvqError(
+            f"--kv-dtype is now --kv-cache-dtype ({', '.join(KV_CACHE_DTYPES)}, as vLLM names them)"
+        )
     source = open_source(src)
     the_recipe = load_recipe(recipe, group_size)
     plan = build_plan(source.tensors, the_recipe, source.block)
@@ -51,7 +61,7 @@ def plan_command(
         if tp is None or gpu_mem is None:
             raise KvqError("--tp and --gpu-mem go together: pass both (e.g. --tp 8 --gpu-mem 141GiB)")
         gpu_mem_bytes = parse_bytes(gpu_mem, "--gpu-mem")
-        memory = serving_memory(source.config, sizes.total.bytes_after, tp, gpu_mem_bytes, kv_dtype)
+        memory = serving_memory(source.config, sizes.total.bytes_after, tp, gpu_mem_bytes, kv_cache_dtype)
     if as_json:
         print(
             json.dumps(
@@ -108,7 +118,8 @@ def _print_kept(sizes: SizePlan) -> None:
 
 def _render_memory(memory: ServingMemory) -> Table:
     table = Table(
-        title=f"serving on {memory.tp} GPU(s) of {format_bytes(memory.gpu_mem_bytes)}, KV {memory.kv_dtype}"
+        title=f"serving on {memory.tp} GPU(s) of {format_bytes(memory.gpu_mem_bytes)}, "
+        f"KV {memory.kv_cache_dtype}"
     )
     table.add_column("per GPU", justify="left")
     table.add_column("value", justify="right")

@@ -1,6 +1,6 @@
 """The engine's settings: one flat dataclass, validated on creation, whose defaults the CLI reads.
 
-Imports torch, psutil, kvq.byte_sizes and kvq.errors only.
+Imports torch, psutil, kvq.byte_sizes, kvq.kv_cache_dtypes and kvq.errors only.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 
 from kvq.byte_sizes import parse_bytes
 from kvq.errors import KvqError
+from kvq.kv_cache_dtypes import AUTO, BF16, FP8_E4M3, check_kv_cache_dtype
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
-KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+KV_TORCH_DTYPES = {BF16: torch.bfloat16, FP8_E4M3: torch.float8_e4m3fn}  # names: kvq.kv_cache_dtypes
 FP8_WEIGHT_MODES = ("per-use", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
@@ -46,7 +47,7 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = AUTO
     page_size: int = 16
     kv_memory: str | int | None = None
     kv_memory_fraction: float = 0.3
@@ -65,7 +66,7 @@ class EngineConfig:
         if not Path(self.model).is_dir():
             raise KvqError(f"{self.model}: no such model directory; pass a checkpoint directory")
         _choice("dtype", self.dtype, DTYPES)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_kv_cache_dtype(self.kv_cache_dtype, "kv_cache_dtype")
         _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
         _choice("device", self.device, DEVICES)
         _choice("kv_integrity", self.kv_integrity, KV_INTEGRITY_MODES)
@@ -102,9 +103,8 @@ class EngineConfig:
 
     def kv_torch_dtype(self, has_kv_cache_scheme: bool) -> torch.dtype:
         """The KV page dtype: the explicit choice, else FP8 for calibrated checkpoints, else activations."""
-        explicit = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        if explicit is not None:
-            return explicit
+        if self.kv_cache_dtype != AUTO:
+            return KV_TORCH_DTYPES[self.kv_cache_dtype]
         return torch.float8_e4m3fn if has_kv_cache_scheme else self.activation_dtype
 
     def kv_pool_bytes(self) -> int:
