@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
-from kvq.formats.fp8_block import FP8_E4M3_MAX
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 
 KvScales = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (k_scale, v_scale), [1] or [H_kv, 1, 1]
 

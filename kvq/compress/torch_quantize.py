@@ -11,10 +11,11 @@ import torch
 
 from kvq.checkpoint.header import TensorInfo
 from kvq.checkpoint.torch_dtypes import SAFETENSORS_DTYPES
-from kvq.compress.fp8_decode import decode_fp8_block, first_nan, fp8_bits, has_nan
 from kvq.compress.shard_writer import read_bytes
 from kvq.compress.tensor_plan import TensorTask
 from kvq.errors import KvqError
+from kvq.formats.fp8_block import decode_fp8_block
+from kvq.formats.fp8_e4m3 import first_nan, fp8_bits_to, has_nan
 from kvq.formats.pack_quantized import quantize_pack_int4_, round_to_
 from kvq.formats.shapes import PACK_FACTOR
 
@@ -80,7 +81,7 @@ def quantize_rows(
         else:
             # as compressed-tensors' FP8BlockDequantizer: the fp32 product, rounded to bf16, is quantized
             block_rows = scale_inv[r // block[0] : -(-(r + step) // block[0])]
-            round_to_(decode_fp8_block(fp8_bits(part), block_rows, block, out=x), torch.bfloat16)
+            round_to_(decode_fp8_block(fp8_bits_to(part), block_rows, block, out=x), torch.bfloat16)
         weight_packed[r : r + step], weight_scale[r : r + step] = quantize_pack_int4_(x, group_size, dtype)
     return weight_packed, weight_scale
 
@@ -112,7 +113,7 @@ def raise_non_finite(task: TensorTask, block: tuple[int, int]) -> None:
     dense = read_tensor(info)
     if task.scale_inv is not None:
         check_fp8(info, dense)
-        dense = decode_fp8_block(fp8_bits(dense), read_scale_inv(task.scale_inv), block)
+        dense = decode_fp8_block(fp8_bits_to(dense), read_scale_inv(task.scale_inv), block)
     bad = [int(i) for i in torch.nonzero(~torch.isfinite(dense.float()))[0]]
     after = " after FP8 dequantization" if task.scale_inv is not None else ""
     raise KvqError(

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
-from kvq.formats.fp8_block import FP8_E4M3_MAX, dequantize_fp8_block
+from kvq.formats.fp8_block import dequantize_fp8_block
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 from kvq.testing.checkpoint_fixtures import build_fixture
 from kvq.testing.tiny_models import ARCHITECTURES, build_model
 
