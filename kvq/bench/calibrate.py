@@ -43,7 +43,7 @@ class CalibrateBenchConfig:
 
 def bench_fixture(arch: str, fmt: str, num_layers: int) -> Path:
     """The cached `size="bench"` fixture (built on first use, about a minute per GB)."""
-    from kvq.testing.checkpoint_fixtures import build_fixture
+    from kvq.fixtures.checkpoint_fixtures import build_fixture
 
     path = cache_dir() / "bench" / f"{arch}-{fmt}-bench-l{num_layers}"
     if not path.is_dir():
@@ -138,7 +138,7 @@ def measure_perplexity(cfg: CalibrateBenchConfig, work: Path) -> dict:
     from kvq.calibrate.samples import build_samples
     from kvq.calibrate.scales import layer_scales
     from kvq.data.texts import DEFAULT_SOURCE, load_texts
-    from kvq.testing.smollm2 import ensure_smollm2
+    from kvq.data.embedded_model import ensure_smollm2
 
     torch.set_num_threads(cfg.threads)
     source = ensure_smollm2().bf16

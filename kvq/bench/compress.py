@@ -53,7 +53,7 @@ class Row:
 
 
 def bench_fixture(arch: str) -> Path:
-    from kvq.testing.checkpoint_fixtures import build_fixture
+    from kvq.fixtures.checkpoint_fixtures import build_fixture
 
     path = cache_dir() / "bench" / f"{arch}-fp8-block-bench"
     if not path.is_dir():

@@ -305,7 +305,7 @@ def bench_decode_command(
 ) -> None:
     """Decode speed (INT4 vs BF16 weights vs transformers), resident weight memory, FP8 vs BF16 KV capacity
     and admission throughput on the embedded SmolLM2-135M-Instruct; all ratios from one run."""
-    from kvq.testing.smollm2 import ensure_smollm2
+    from kvq.data.embedded_model import ensure_smollm2
 
     config = DecodeBenchConfig(
         threads=threads,

@@ -219,7 +219,7 @@ def bench_integrity_command(
         drill=drill,
     )
     if model is None:
-        from kvq.testing.smollm2 import ensure_smollm2
+        from kvq.data.embedded_model import ensure_smollm2
 
         model = ensure_smollm2().bf16
     result = run_bench(config, model)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvq.checkpoint.hf_checkpoint import write_checkpoint
 from kvq.checkpoint.reader import Checkpoint, block_size
 from kvq.checkpoint.specs import checkpoint_specs
 from kvq.compress.manifest import MANIFEST_NAME
@@ -21,9 +22,8 @@ from kvq.compress.runner import prepare, run
 from kvq.compress.size_plan import size_plan
 from kvq.compress.tensor_plan import build_plan
 from kvq.errors import KvqError
-from kvq.testing.checkpoint_fixtures import write_checkpoint
-from kvq.testing.tiny_models import random_tensor, tiny_config
-from kvq.testing.tiny_tokenizer import tiny_tokenizer
+from kvq.fixtures.tiny_models import random_tensor, tiny_config
+from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
 from tests.compress.conftest import FIXTURES, compress
 from tests.compress.synthetic import EXPERT, fp8_expert, read_json, snapshot, write_shards
 
