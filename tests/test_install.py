@@ -55,9 +55,11 @@ def test_the_venv_runs_its_own_kvq_on_cpu_torch(venv: dict[str, str]) -> None:
     probe = (
         "import importlib.metadata as m, json, kvq, torch; "
         "print(json.dumps([kvq.__file__, torch.__version__, torch.version.cuda, "
-        "sorted(d.metadata['Name'].lower() for d in m.distributions())]))"
+        "sorted(d.metadata['Name'].lower().replace('_', '-') for d in m.distributions())]))"
     )
-    out = subprocess.run(["python", "-c", probe], env=venv, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["python", "-c", probe], env=venv, capture_output=True, text=True, check=True, cwd="/"
+    )
     kvq_file, torch_version, cuda, names = json.loads(out.stdout)
     assert Path(kvq_file).is_relative_to(Path(venv["PATH"].split(os.pathsep)[0]).parent)
     assert torch_version == "2.13.0+cpu" and cuda is None
