@@ -12,7 +12,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml setup.py kvq/compress/_int4.c constraints.txt requirements-data.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(PIP) -c constraints.txt -e '.[serve,kernels,dev]'
+	$(PIP) -c constraints.txt -e '.[data,serve,kernels,dev]'
 	$(PIP) --no-deps -r requirements-data.txt
 	touch $@
 

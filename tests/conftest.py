@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvq.testing.checkpoint_fixtures import build_fixture
-from kvq.testing.smollm2 import SmolLM2Paths, ensure_smollm2
+from kvq.data.embedded_model import SmolLM2Paths, ensure_smollm2
+from kvq.fixtures.checkpoint_fixtures import build_fixture
 
 TinyCheckpoint = Callable[..., Path]
 Compressed = Callable[..., Path]

@@ -30,7 +30,9 @@ import torch
 import typer
 from rich.table import Table
 
-from kvq.commands.render import console, human_bytes
+from kvq.byte_sizes import format_bytes
+from kvq.commands.render import console
+from kvq.kv_cache_dtypes import BF16, FP8_E4M3
 from kvq.paths import cache_dir
 
 
@@ -237,9 +239,9 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     torch.set_num_threads(config.threads)
     result = DecodeBenchResult(config=asdict(config))
     contenders = {
-        "kvq bf16 weights, bf16 kv": kvq_generate(bf16, config, "bf16"),
-        "kvq int4 weights, bf16 kv": kvq_generate(int4, config, "bf16"),
-        "kvq int4 weights, fp8 kv": kvq_generate(int4, config, "fp8_e4m3"),
+        "kvq bf16 weights, bf16 kv": kvq_generate(bf16, config, BF16),
+        "kvq int4 weights, bf16 kv": kvq_generate(int4, config, BF16),
+        "kvq int4 weights, fp8 kv": kvq_generate(int4, config, FP8_E4M3),
         "transformers generate, bf16": transformers_generate(bf16),
     }
     result.tok_s = decode_tok_s(contenders, config)
@@ -257,7 +259,7 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     result.memory["transformers int4 (decompressed)"] = resident_after_load("transformers", int4)
     e = engine(int4, config, kv_memory=1 << 20)
     layers, heads, dim = len(e.kv_pool.k_caches), e.model.num_kv_heads, e.model.head_dim
-    for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
+    for name, dtype in ((BF16, torch.bfloat16), (FP8_E4M3, torch.float8_e4m3fn)):
         result.pool_tokens[name] = (
             config.pool_bytes // page_bytes(layers, config.page_size, heads, dim, dtype) * config.page_size
         )
@@ -267,7 +269,7 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
         * pages_per_request
         * page_bytes(layers, config.page_size, heads, dim, torch.bfloat16)
     )
-    for name in ("bf16", "fp8_e4m3"):
+    for name in (BF16, FP8_E4M3):
         result.admission[name] = {"kv_bytes": budget, **admission_run(int4, config, name, budget)}
     return result
 
@@ -295,8 +297,8 @@ def render(result: DecodeBenchResult) -> Table:
     for name, m in result.memory.items():
         table.add_row(
             f"resident after load: {name}",
-            f"{human_bytes(m['rss_delta'])} RSS, {human_bytes(m['weight_bytes'])} "
-            f"weights, checkpoint {human_bytes(m['checkpoint_bytes'])}",
+            f"{format_bytes(m['rss_delta'])} RSS, {format_bytes(m['weight_bytes'])} "
+            f"weights, checkpoint {format_bytes(m['checkpoint_bytes'])}",
         )
     table.add_row(
         "pool tokens bf16 / fp8 (same bytes)",
@@ -305,9 +307,9 @@ def render(result: DecodeBenchResult) -> Table:
     )
     for name, a in result.admission.items():
         table.add_row(
-            f"admission {name} kv ({human_bytes(a['kv_bytes'])})",
+            f"admission {name} kv ({format_bytes(a['kv_bytes'])})",
             f"peak running {a['peak_running']}, preemptions {a['preemptions']}, {a['tok_s']:.1f} tok/s, "
-            f"RSS growth while serving {human_bytes(a['rss_growth'])}",
+            f"RSS growth while serving {format_bytes(a['rss_growth'])}",
         )
     a = result.admission
     table.add_row("FP8 / BF16 total throughput", f"{a['fp8_e4m3']['tok_s'] / a['bf16']['tok_s']:.2f}x")
@@ -342,7 +344,7 @@ def bench_decode_command(
 ) -> None:
     """Decode speed (INT4 vs BF16 weights vs transformers), resident weight memory, FP8 vs BF16 KV capacity
     and admission throughput on the embedded SmolLM2-135M-Instruct; all ratios from one run."""
-    from kvq.testing.smollm2 import ensure_smollm2
+    from kvq.data.embedded_model import ensure_smollm2
 
     config = DecodeBenchConfig(
         threads=threads,

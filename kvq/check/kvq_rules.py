@@ -9,7 +9,7 @@ from kvq.check.view import INT4, CheckpointView
 
 
 def check(view: CheckpointView, tp: int) -> EngineVerdict:
-    from kvq.runtime.kernels.w4a16 import GROUP_SIZES
+    from kvq.formats.shapes import GROUP_SIZES
     from kvq.runtime.loader import SUPPORTED_QUANT_METHODS
     from kvq.runtime.models.registry import MODELS
 

@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 
+from kvq.byte_sizes import format_bytes
 from kvq.commands.recipe_options import GroupSizeOption, RecipeOption, TargetOption
-from kvq.commands.render import console, human_bytes
+from kvq.commands.render import console
 from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import load_recipe
 from kvq.compress.runner import CompressReport, PreparedJob, peak_rss_bound, prepare, run
@@ -61,9 +62,9 @@ def compress_command(
     workers = max(1, workers)  # a few shards are cut into parts, so every worker has work
     console.print(
         f"kvq compress: {job.ckpt.root} ({job.ckpt.format}, {len(job.jobs)} shards, "
-        f"{human_bytes(job.input_bytes)}) -> {job.out}, recipe {job.recipe.name} "
+        f"{format_bytes(job.input_bytes)}) -> {job.out}, recipe {job.recipe.name} "
         f"(group {job.recipe.group_size}), target {target}, {workers} workers, peak memory <= ~"
-        f"{human_bytes(peak_rss_bound(job.plan, workers))}"
+        f"{format_bytes(peak_rss_bound(job.plan, workers))}"
     )
     try:
         report = _run(job, workers, quiet)
@@ -107,8 +108,8 @@ def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:
 def _print_report(report: CompressReport, input_bytes: int) -> None:
     resumed = f", {len(report.shards_resumed)} kept from an earlier run" if report.shards_resumed else ""
     console.print(
-        f"wrote {len(report.shards_written)} shard(s){resumed}: {human_bytes(input_bytes)} -> "
-        f"{human_bytes(report.output_bytes)} in {report.wall_s:.1f} s -> {report.out}"
+        f"wrote {len(report.shards_written)} shard(s){resumed}: {format_bytes(input_bytes)} -> "
+        f"{format_bytes(report.output_bytes)} in {report.wall_s:.1f} s -> {report.out}"
     )
     _print_tensors("kept at source precision", report.kept)
     _print_tensors("FP8-block written as BF16", report.dequantized)

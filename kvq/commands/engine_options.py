@@ -7,18 +7,17 @@ from typing import Annotated
 
 import typer
 
+from kvq.byte_sizes import SIZE_HELP
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPE_HELP, kv_cache_dtype_flag
+
 ModelArgument = Annotated[
     Path, typer.Argument(help="Checkpoint directory (BF16, FP8-block or compressed-tensors).")
 ]
-KvCacheDtypeOption = Annotated[
-    str,
-    typer.Option(
-        help="auto (fp8_e4m3 when the checkpoint has kv scales, else the activation dtype), bf16 or fp8_e4m3."
-    ),
-]
+KvCacheDtypeOption = Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP, callback=kv_cache_dtype_flag)]
 PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page.")]
 KvMemoryOption = Annotated[
-    str | None, typer.Option(help="KV pool size, e.g. 512MiB (default: a fraction of free memory).")
+    str | None,
+    typer.Option(help=f"KV pool size, e.g. 512MiB (default: a fraction of free memory). {SIZE_HELP}"),
 ]
 RequireKvScalesOption = Annotated[
     bool,

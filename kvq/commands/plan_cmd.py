@@ -9,14 +9,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from kvq.byte_sizes import SIZE_HELP, format_bytes, parse_bytes
 from kvq.commands.recipe_options import GroupSizeOption, RecipeOption
-from kvq.commands.render import console, human_bytes, human_count
+from kvq.commands.render import console, human_count
 from kvq.compress.recipe import load_recipe
-from kvq.compress.serving_memory import ServingMemory, parse_bytes, serving_memory
+from kvq.compress.serving_memory import ServingMemory, serving_memory
 from kvq.compress.size_plan import SizePlan, size_plan
 from kvq.compress.source import PlanSource, open_source
 from kvq.compress.tensor_plan import TARGETS, build_plan
 from kvq.errors import KvqError
+from kvq.kv_cache_dtypes import AUTO, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, kv_cache_dtype_flag
 
 _SHOWN_KEPT = 8
 
@@ -33,14 +35,23 @@ def plan_command(
     group_size: GroupSizeOption = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel GPUs to serve on.")] = None,
     gpu_mem: Annotated[
-        str | None, typer.Option("--gpu-mem", help="Memory per GPU, e.g. 80GB or 141GiB.")
+        str | None, typer.Option("--gpu-mem", help=f"Memory per GPU, e.g. 80GB or 141GiB. {SIZE_HELP}")
     ] = None,
-    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV-cache dtype: bf16 or fp8.")] = "bf16",
+    kv_cache_dtype: Annotated[
+        str, typer.Option("--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP, callback=kv_cache_dtype_flag)
+    ] = AUTO,
+    old_kv_dtype: Annotated[
+        str | None, typer.Option("--kv-dtype", hidden=True, help="Renamed: --kv-cache-dtype.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Plan a compression: per module kind, tensors, parameters and bytes before and after, the exact output
     size, and with --tp/--gpu-mem the weight memory per GPU and the KV-cache tokens that fit. Reads headers
     only; writes nothing."""
+    if old_kv_dtype is not None:
+        raise KvqError(
+            f"--kv-dtype is now --kv-cache-dtype ({', '.join(KV_CACHE_DTYPES)}, as vLLM names them)"
+        )
     source = open_source(src)
     the_recipe = load_recipe(recipe, group_size)
     plan = build_plan(source.tensors, the_recipe, source.block)
@@ -53,7 +64,8 @@ def plan_command(
     if tp is not None or gpu_mem is not None:
         if tp is None or gpu_mem is None:
             raise KvqError("--tp and --gpu-mem go together: pass both (e.g. --tp 8 --gpu-mem 141GiB)")
-        memory = serving_memory(source.config, sizes.total.bytes_after, tp, parse_bytes(gpu_mem), kv_dtype)
+        gpu_mem_bytes = parse_bytes(gpu_mem, "--gpu-mem")
+        memory = serving_memory(source.config, sizes.total.bytes_after, tp, gpu_mem_bytes, kv_cache_dtype)
     if as_json:
         print(
             json.dumps(
@@ -72,7 +84,7 @@ def plan_command(
     console.print(render(source, sizes))
     console.print(
         "output by --target: "
-        + ", ".join(f"{target} {human_bytes(n)} ({n} B)" for target, n in target_bytes.items())
+        + ", ".join(f"{target} {format_bytes(n)} ({n} B)" for target, n in target_bytes.items())
     )
     _print_kept(sizes)
     if memory is not None:
@@ -90,13 +102,13 @@ def render(source: PlanSource, sizes: SizePlan) -> Table:
             f"[bold]{kind}[/bold]" if kind == "total" else kind,
             f"{row.tensors_before} -> {row.tensors_after}",
             human_count(row.parameters),
-            human_bytes(row.bytes_before),
-            human_bytes(row.bytes_after),
+            format_bytes(row.bytes_before),
+            format_bytes(row.bytes_after),
             ratio,
             end_section=kind == "total" or kind == list(sizes.kinds)[-1],
         )
     table.caption = (
-        f"files: {human_bytes(sizes.source_file_bytes)} -> predicted {human_bytes(sizes.output_file_bytes)}"
+        f"files: {format_bytes(sizes.source_file_bytes)} -> predicted {format_bytes(sizes.output_file_bytes)}"
         f" ({sizes.output_file_bytes} B); {sizes.num_int4} Linears to INT4, "
         f"{sizes.num_fp8_kept} kept FP8-block, {len(sizes.kept)} kept at source precision"
     )
@@ -115,13 +127,14 @@ def _print_kept(sizes: SizePlan) -> None:
 
 def _render_memory(memory: ServingMemory) -> Table:
     table = Table(
-        title=f"serving on {memory.tp} GPU(s) of {human_bytes(memory.gpu_mem_bytes)}, KV {memory.kv_dtype}"
+        title=f"serving on {memory.tp} GPU(s) of {format_bytes(memory.gpu_mem_bytes)}, "
+        f"KV {memory.kv_cache_dtype}"
     )
     table.add_column("per GPU", justify="left")
     table.add_column("value", justify="right")
-    table.add_row("weights", human_bytes(memory.weight_bytes_per_gpu))
+    table.add_row("weights", format_bytes(memory.weight_bytes_per_gpu))
     table.add_row(
-        "left for KV cache", human_bytes(max(0, memory.gpu_mem_bytes - memory.weight_bytes_per_gpu))
+        "left for KV cache", format_bytes(max(0, memory.gpu_mem_bytes - memory.weight_bytes_per_gpu))
     )
     table.add_row("KV bytes per token", f"{memory.kv_bytes_per_token_per_gpu} ({memory.kv_layout})")
     table.add_row(

@@ -8,7 +8,9 @@ import typer
 
 RecipeOption = Annotated[
     str,
-    typer.Option("--recipe", help="Recipe name in recipes/ (w4a16-experts, w4a16-linear) or a YAML path."),
+    typer.Option(
+        "--recipe", help="Built-in recipe (w4a16-experts, w4a16-linear: kvq/recipes/) or a YAML path."
+    ),
 ]
 GroupSizeOption = Annotated[
     int | None, typer.Option("--group-size", help="Override the recipe's group size (32, 64 or 128).")

@@ -10,30 +10,17 @@ Not counted: activations, CUDA graphs, the runtime's own reserve; treat the toke
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 
 from kvq.errors import KvqError
-
-KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPE_BYTES, resolve_kv_cache_dtype
 
 
 @dataclass(frozen=True)
 class ServingMemory:
     tp: int
     gpu_mem_bytes: int
-    kv_dtype: str
+    kv_cache_dtype: str
     weight_bytes_per_gpu: int
     kv_bytes_per_token_per_gpu: int
     kv_layout: str
@@ -43,18 +30,11 @@ class ServingMemory:
         return asdict(self)
 
 
-def parse_bytes(text: str) -> int:
-    """'80GB' -> 80e9, '141GiB' -> 141 * 2^30; a unit is required (GB and GiB differ by 7%)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)\s*", text.upper())
-    if match is None:
-        raise KvqError(f"--gpu-mem {text!r}: give a size with a unit, e.g. 80GB, 141GiB or 96GiB")
-    return int(float(match[1]) * _UNITS[match[2]])
-
-
-def kv_bytes_per_token(config: dict, kv_dtype: str, tp: int) -> tuple[int, str]:
-    """(KV-cache bytes per token on one of `tp` GPUs, a description of the layout)."""
+def kv_bytes_per_token(config: dict, kv_cache_dtype: str, tp: int) -> tuple[int, str]:
+    """(KV-cache bytes per token on one of `tp` GPUs, a description of the layout); `kv_cache_dtype` is
+    bf16 or fp8_e4m3."""
     text = config.get("text_config") or config
-    elem = KV_DTYPE_BYTES[kv_dtype]
+    elem = KV_CACHE_DTYPE_BYTES[kv_cache_dtype]
     layers = int(text["num_hidden_layers"])
     if text.get("kv_lora_rank"):
         per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim", 0))
@@ -73,13 +53,15 @@ def kv_bytes_per_token(config: dict, kv_dtype: str, tp: int) -> tuple[int, str]:
 
 
 def serving_memory(
-    config: dict, weight_bytes: int, tp: int, gpu_mem_bytes: int, kv_dtype: str
+    config: dict, weight_bytes: int, tp: int, gpu_mem_bytes: int, kv_cache_dtype: str
 ) -> ServingMemory:
+    """What `tp` GPUs of `gpu_mem_bytes` hold; `kv_cache_dtype` "auto" is fp8_e4m3 when config.json has a
+    `kv_cache_scheme` (calibrated scales), else bf16, as the runtime picks it."""
     if tp < 1:
         raise KvqError(f"--tp {tp}: must be at least 1")
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise KvqError(f"--kv-dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPE_BYTES)}")
+    has_scales = bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, has_scales)
     per_gpu = math.ceil(weight_bytes / tp)
-    kv_per_token, layout = kv_bytes_per_token(config, kv_dtype, tp)
+    kv_per_token, layout = kv_bytes_per_token(config, kv_cache_dtype, tp)
     tokens = max(0, gpu_mem_bytes - per_gpu) // kv_per_token
-    return ServingMemory(tp, gpu_mem_bytes, kv_dtype, per_gpu, kv_per_token, layout, tokens)
+    return ServingMemory(tp, gpu_mem_bytes, kv_cache_dtype, per_gpu, kv_per_token, layout, tokens)

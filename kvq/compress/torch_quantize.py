@@ -13,10 +13,11 @@ import torch
 
 from kvq.checkpoint.header import TensorInfo
 from kvq.checkpoint.torch_dtypes import SAFETENSORS_DTYPES
-from kvq.compress.fp8_decode import decode_fp8_block, first_nan, fp8_bits, has_nan
 from kvq.compress.shard_writer import read_bytes
 from kvq.compress.tensor_plan import TensorTask
 from kvq.errors import KvqError
+from kvq.formats.fp8_block import decode_fp8_block
+from kvq.formats.fp8_e4m3 import first_nan, fp8_bits_to, has_nan
 from kvq.formats.pack_quantized import quantize_pack_int4_, round_to_
 from kvq.formats.shapes import PACK_FACTOR
 
@@ -108,7 +109,7 @@ def dense_chunks(
             x.copy_(part)
         else:
             block_rows = scale_inv[r // block[0] : -(-(r + step) // block[0])]
-            decode_fp8_block(fp8_bits(part), block_rows, block, out=x)
+            decode_fp8_block(fp8_bits_to(part), block_rows, block, out=x)
         yield r, x
 
 
@@ -139,7 +140,7 @@ def raise_non_finite(task: TensorTask, block: tuple[int, int]) -> None:
     dense = read_tensor(info)
     if task.scale_inv is not None:
         check_fp8(info, dense)
-        dense = decode_fp8_block(fp8_bits(dense), read_scale_inv(task.scale_inv), block)
+        dense = decode_fp8_block(fp8_bits_to(dense), read_scale_inv(task.scale_inv), block)
     bad = [int(i) for i in torch.nonzero(~torch.isfinite(dense.float()))[0]]
     after = " after FP8 dequantization" if task.scale_inv is not None else ""
     raise KvqError(

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from transformers import DeepseekV3Config
 
+from kvq.checkpoint.hf_checkpoint import config_json
 from kvq.checkpoint.specs import checkpoint_specs
 from kvq.checkpoint.write import save_safetensors_atomic
-from kvq.testing.checkpoint_fixtures import config_json
-from kvq.testing.tiny_models import random_tensor
-from kvq.testing.tiny_tokenizer import VOCAB_SIZE
+from kvq.fixtures.tiny_models import random_tensor
+from kvq.fixtures.tiny_tokenizer import VOCAB_SIZE
 
 ROUTED = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 # Kimi K2 Thinking / K2.5 / K2.6 (DESIGN.md): one group under `Linear`, INT4 group 32, only routed experts

@@ -82,7 +82,15 @@ def test_glm5_fp8_plan_and_serving_memory(tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = plan_json(
-        str(tmp_path), "--recipe", "w4a16-experts", "--tp", "8", "--gpu-mem", "141GiB", "--kv-dtype", "fp8"
+        str(tmp_path),
+        "--recipe",
+        "w4a16-experts",
+        "--tp",
+        "8",
+        "--gpu-mem",
+        "141GiB",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
     )
     plan, serving = out["plan"], out["serving"]
     assert round(plan["source_file_bytes"] / GiB) == 704  # the "705 GB" GLM-5-FP8
@@ -106,8 +114,10 @@ def test_kimi_k2_model_type_is_planned_as_deepseek_v3():
     ("args", "match"),
     [
         (["--tp", "8"], "--tp and --gpu-mem go together"),
-        (["--tp", "8", "--gpu-mem", "80"], "give a size with a unit"),
-        (["--tp", "8", "--gpu-mem", "80GB", "--kv-dtype", "int8"], "--kv-dtype 'int8'"),
+        (["--tp", "8", "--gpu-mem", "80 gigs"], "--gpu-mem: '80 gigs' is not a size"),
+        (["--tp", "8", "--gpu-mem", "80GB", "--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8'"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8': the name is now 'fp8_e4m3'"),
+        (["--kv-dtype", "fp8"], "--kv-dtype is now --kv-cache-dtype"),
     ],
 )
 def test_bad_serving_flags(tiny_checkpoint, args, match):

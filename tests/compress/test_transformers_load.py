@@ -19,12 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsC
 
 from kvq.checkpoint.dense import read_dense
 from kvq.checkpoint.expert_layout import fuse_experts
+from kvq.checkpoint.hf_checkpoint import write_checkpoint
 from kvq.checkpoint.reader import Checkpoint
 from kvq.checkpoint.specs import checkpoint_specs
+from kvq.fixtures.tiny_models import random_tensor, tiny_config
+from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
 from kvq.formats.fp8_block import dequantize_fp8_block
-from kvq.testing.checkpoint_fixtures import write_checkpoint
-from kvq.testing.tiny_models import random_tensor, tiny_config
-from kvq.testing.tiny_tokenizer import tiny_tokenizer
 from tests.compress.conftest import compress
 
 # Passing dequantize= overrides only that loading attribute of the config; transformers warns anyway.

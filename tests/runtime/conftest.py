@@ -12,7 +12,7 @@ import pytest
 # Imports of calibrate/compress (compressed-tensors, llm-compressor) stay inside the fixtures: the kernel
 # tests under tests/runtime/kernels must collect on a GPU machine that has only torch, triton and
 # transformers (scripts/gpu_check.sh).
-from kvq.testing.smollm2 import SmolLM2Paths
+from kvq.data.embedded_model import SmolLM2Paths
 
 Int4Checkpoint = Callable[..., Path]
 # (arch, source format) -> (recipe, group size): llama all-INT4 (group 64: SmolLM2's 576 needs it);

@@ -34,9 +34,10 @@ from functools import cached_property
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_BITS_SCALE
 from kvq.runtime.kernels.backend import KVQ_KERNELS_ENV, Backend, resolve_backend
 from kvq.runtime.kernels.fused_moe import fused_moe_reference, fused_moe_torch
-from kvq.runtime.kernels.kv_cache_layout import FP8_BITS_SCALE, check_kv_cache, kv_slot_rows, per_head_scale
+from kvq.runtime.kernels.kv_cache_layout import check_kv_cache, kv_slot_rows, per_head_scale
 from kvq.runtime.kernels.kv_store import store_kv_reference, store_kv_torch
 from kvq.runtime.kernels.paged_attention import (
     PagedDecodePlan,
@@ -49,7 +50,6 @@ from kvq.runtime.kernels.w4a16 import (
     W4A16Weight,
     check_w4a16_tensors,
     compressed_tensors_weight,
-    dequantize_w4a16,
     prepare_w4a16_torch,
     w4a16_linear_torch,
     w4a16_reference,
@@ -60,7 +60,6 @@ __all__ = [
     "PagedDecodePlan",
     "PagedKVCache",
     "W4A16Weight",
-    "dequantize_w4a16",
     "fused_moe_reference",
     "fused_moe_w4a16",
     "paged_decode_attention",

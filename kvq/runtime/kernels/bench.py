@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
+from kvq.formats.pack_quantized import dequantize_pack_quantized
 from kvq.runtime.kernels import (
-    dequantize_w4a16,
     fused_moe_reference,
     fused_moe_w4a16,
     paged_decode_attention,
@@ -32,7 +33,6 @@ from kvq.runtime.kernels import (
     prepare_w4a16,
     w4a16_linear,
 )
-from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX
 
 EXIT_MISMATCH, EXIT_TARGET_MISSED = 1, 3
 
@@ -122,7 +122,7 @@ def bench_gemv(
     for name, n, k in cfg.gemv_shapes:
         packed, scale = random_w4a16(None, n, k, cfg.group_size, device)
         w = prepare_w4a16(packed, scale, cfg.group_size)
-        dense = dequantize_w4a16(packed, scale, cfg.group_size)  # [N, K] fp32, the reference weight
+        dense = dequantize_pack_quantized(packed, scale, dtype=torch.float32)  # [N, K] fp32, the reference
         dense_bf16 = dense.to(torch.bfloat16)
         for m in cfg.batches:
             x = gen_x[:m, :k].to(torch.bfloat16)

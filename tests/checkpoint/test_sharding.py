@@ -6,8 +6,8 @@ from itertools import pairwise
 
 import torch
 
+from kvq.checkpoint.sharding import MIN_SHARDS, plan_shards, shard_file_names
 from kvq.checkpoint.specs import TensorSpec
-from kvq.testing.sharding import MIN_SHARDS, plan_shards, shard_file_names
 
 
 def _fp8_pair(name: str, rows: int, cols: int) -> list[TensorSpec]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvq.checkpoint.staging import staged_dir
 from kvq.errors import KvqError
-from kvq.testing.staging import staged_dir
 
 
 def test_complete_build_is_renamed_into_place(tmp_path):
