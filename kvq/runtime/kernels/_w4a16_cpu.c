@@ -37,6 +37,7 @@
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 #define MIN_WORK_PER_THREAD 32768 /* multiply-adds: below this a thread costs more than it saves */
+#define CHUNKS_PER_THREAD 4         /* row ranges per thread, taken dynamically (see _w4a16_cpu_pool.h) */
 
 typedef struct {
     int isa, group, x_dtype, scale_dtype, y_dtype, scale_size;
@@ -153,9 +154,9 @@ static void convert_row(const Job *job, int64_t m) {
     }
 }
 
-static void convert_task(void *ctx, int tid, int nt) {
+static void convert_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const Job *job = (const Job *)ctx;
-    for (int64_t m = job->M * tid / nt; m < job->M * (tid + 1) / nt; m++)
+    for (int64_t m = job->M * chunk / num_chunks; m < job->M * (chunk + 1) / num_chunks; m++)
         convert_row(job, m);
 }
 
@@ -276,10 +277,10 @@ static int isa_supported(int isa) {
     return 0;
 }
 
-static void rows_task(void *ctx, int tid, int nt) {
+static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const Job *job = (const Job *)ctx;
-    int64_t tiles = (job->N + 3) / 4; /* split in whole tiles of 4 rows */
-    int64_t n0 = tiles * tid / nt * 4, n1 = tiles * (tid + 1) / nt * 4;
+    int64_t tiles = (job->N + 3) / 4; /* chunks are whole tiles of 4 rows */
+    int64_t n0 = tiles * chunk / num_chunks * 4, n1 = tiles * (chunk + 1) / num_chunks * 4;
     n1 = n1 < job->N ? n1 : job->N;
     if (n0 >= n1)
         return;
@@ -315,13 +316,12 @@ static int run_job(Job *job, int threads) {
     job->xp = scratch;
     int64_t work = job->M * job->N * job->K, useful = work / MIN_WORK_PER_THREAD;
     int nt = useful < threads ? (int)(useful > 1 ? useful : 1) : threads;
-    int64_t tiles = (job->N + 3) / 4;
-    nt = tiles < nt ? (int)tiles : nt;
+    int64_t tiles = (job->N + 3) / 4, chunks = (int64_t)nt * CHUNKS_PER_THREAD;
     if (job->M * job->K > 65536)
-        run_parallel(convert_task, job, nt);
+        run_parallel(convert_task, job, chunks < job->M ? chunks : job->M, nt);
     else
         convert_task(job, 0, 1);
-    run_parallel(rows_task, job, nt);
+    run_parallel(rows_task, job, chunks < tiles ? chunks : tiles, nt);
     return 0;
 }
 
