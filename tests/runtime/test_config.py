@@ -30,6 +30,8 @@ def test_sizes_parse_in_powers_of_1024() -> None:
         ({"kv_memory": "many"}, "kv_memory"),
         ({"decode_reserve_ratio": 2.0}, "decode_reserve_ratio"),
         ({"fp8_weights": "fp4"}, "fp8_weights"),
+        ({"lm_head_weights": "int2"}, "lm_head_weights is 'int2'; pick one of stored, int4"),
+        ({"lm_head_weights": "int4", "dtype": "float32"}, "reference mode"),
     ],
 )
 def test_bad_settings_are_user_errors(tmp_path: Path, kwargs: dict, message: str) -> None:
