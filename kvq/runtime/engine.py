@@ -9,6 +9,7 @@ Imports torch, transformers (config, tokenizer) and kvq.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
+from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.loader import WeightLoader
 from kvq.runtime.model_runner import ModelRunner
@@ -32,6 +34,7 @@ from kvq.runtime.scoring import force_tokens
 from kvq.runtime.sequence import Sequence
 
 Prompt = str | list[int]
+logger = logging.getLogger("kvq")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class Engine:
         with WeightLoader(self.ckpt, config) as loader:
             self.model = cls(hf_config, loader)
             loader.finish()
+        if config.torch_device.type == "cpu":
+            logger.info(describe_cpu_path(resolve_cpu_isa()))
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids()
         self.kv_pool = self._kv_pool()
