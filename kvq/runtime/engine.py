@@ -65,6 +65,7 @@ class Engine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        cpu_path = describe_cpu_path(resolve_cpu_isa()) if config.torch_device.type == "cpu" else None
         self.ckpt = Checkpoint.open(config.model)
         cls = model_class(self.ckpt.config, str(self.ckpt.root / "config.json"))
         hf_config = AutoConfig.from_pretrained(self.ckpt.root)
@@ -72,8 +73,8 @@ class Engine:
         with WeightLoader(self.ckpt, config) as loader:
             self.model = cls(hf_config, loader)
             loader.finish()
-        if config.torch_device.type == "cpu":
-            logger.info(describe_cpu_path(resolve_cpu_isa()))
+        if cpu_path is not None:
+            logger.info(cpu_path)
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids()
         self.kv_pool = self._kv_pool()

@@ -40,7 +40,7 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 #define CHUNKS_PER_THREAD 4         /* row ranges per thread, taken dynamically (see _w4a16_cpu_pool.h) */
 
 typedef struct {
-    int isa, group, x_dtype, scale_dtype, y_dtype, scale_size;
+    int isa, group, group_shift, x_dtype, scale_dtype, y_dtype, scale_size;
     int64_t M, K, N, num_groups, xp_stride;
     const void *x;
     const int32_t *packed;
@@ -346,6 +346,7 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
     Job job = {
         .isa = isa,
         .group = group,
+        .group_shift = group == 32 ? 5 : group == 64 ? 6 : 7,
         .x_dtype = x_dtype,
         .scale_dtype = scale_dtype,
         .y_dtype = y_dtype,

@@ -15,31 +15,33 @@
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, ISA)
 #define BW (L * 8)            /* weight elements per block */
+#define BW_SHIFT (L == 16 ? 7 : 6)
 #define BLOCK_FLOATS (BW + L) /* permuted activations per block */
 #define KC_BLOCKS 8           /* blocks per dequantized tile */
 #define TILE_VECS (KC_BLOCKS * 8)
 #define M_BLOCK 64 /* activation rows per pass over a tile */
 
-/* The per-lane group scales of block b of row `srow` (lanes past K get 0). */
+/* The per-lane group scales of block b of row `srow` (lanes past K get 0). Groups and blocks are powers
+   of two: shifts, no division, in this per-block path. */
 TARGET static inline VF FN(scale_vec)(const Job *job, const uint8_t *srow, int64_t b, VI idx) {
-    const int group = job->group;
+    const int gs = job->group_shift;
     int64_t words = job->K / 8, first_word = b * L;
     if (first_word + L > words) { /* the tail block */
         float lanes[L];
         for (int i = 0; i < L; i++)
-            lanes[i] = first_word + i < words ? scale_at(job, srow, (first_word + i) * 8 / group) : 0.0f;
+            lanes[i] = first_word + i < words ? scale_at(job, srow, ((first_word + i) * 8) >> gs) : 0.0f;
         return V_LOADU(lanes);
     }
-    if (group >= BW)
-        return V_SET1(scale_at(job, srow, b * BW / group));
-    int64_t g0 = b * (BW / group); /* 2 or 4 groups in this block */
-    const uint8_t *p = srow + g0 * job->scale_size;
+    if (gs >= BW_SHIFT)
+        return V_SET1(scale_at(job, srow, (b << BW_SHIFT) >> gs));
+    int per_block = 1 << (BW_SHIFT - gs); /* 2 or 4 groups in this block */
+    const uint8_t *p = srow + (b * per_block) * job->scale_size;
     __m128 s4;
     if (job->scale_dtype == DTYPE_F32) {
-        s4 = BW / group == 4 ? _mm_loadu_ps((const float *)p) : _mm_castpd_ps(_mm_load_sd((const double *)p));
+        s4 = per_block == 4 ? _mm_loadu_ps((const float *)p) : _mm_castpd_ps(_mm_load_sd((const double *)p));
     } else {
         uint64_t bits = 0;
-        memcpy(&bits, p, (size_t)(BW / group) * 2);
+        memcpy(&bits, p, (size_t)per_block * 2);
         s4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_cvtsi64_si128((long long)bits)), 16));
     }
     return V_EXPAND4(s4, idx);
@@ -181,6 +183,7 @@ TARGET static void FN(run)(const Job *job, int64_t n0, int64_t n1) {
 }
 
 #undef BW
+#undef BW_SHIFT
 #undef BLOCK_FLOATS
 #undef KC_BLOCKS
 #undef TILE_VECS

@@ -1,5 +1,5 @@
-"""`cpu_isa`: each CPU W4A16 path (KVQ_CPU_ISA) in turn, set in the environment for the test; a path this
-CPU or build cannot run is skipped by its marker."""
+"""The `cpu_isa` fixture (registered in tests/runtime/conftest.py): each CPU W4A16 path (KVQ_CPU_ISA) in
+turn, set in the environment for the test; a path this CPU or build cannot run is skipped by its marker."""
 
 from __future__ import annotations
 
