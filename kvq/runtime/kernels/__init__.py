@@ -93,6 +93,8 @@ def prepare_w4a16(
 
 def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     """y = x @ W^T for x `[..., K]` -> `[..., N]` in x.dtype, on the backend `w` was prepared for."""
+    if w.native is not None and x.dim() == 2 and x.shape[1] == w.in_features:
+        return w.native(x)  # the CPU kernel's short path (decode calls it ~100 times per token)
     if w.num_experts is not None:
         raise ValueError(f"w holds {w.num_experts} stacked experts: use fused_moe_w4a16")
     if x.shape[-1] != w.in_features:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvq.formats.pack_quantized import unpack_int4
-from kvq.runtime.kernels.w4a16_cpu import native_scale, resolve_cpu_isa, w4a16_native
+from kvq.runtime.kernels.w4a16_cpu import NativeW4A16, native_scale, resolve_cpu_isa, w4a16_native
 
 GROUP_SIZES = (32, 64, 128)
 LAYOUT_COMPRESSED_TENSORS = "compressed-tensors"
@@ -58,7 +58,8 @@ class W4A16Weight:
     - "compressed-tensors": `weight_packed` int32 `[(E,) N, K/8]` and `weight_scale` `[(E,) N, K/G]` as
       loaded (Triton on any device; the torch path off-CPU dequantizes per call).
     - "native-cpu": `weight_packed` as loaded and `weight_scale` (bf16 as loaded, other dtypes as fp32)
-      for kvq's CPU kernel; `cpu_isa` names its path ("avx512", "avx2" or "scalar").
+      for kvq's CPU kernel; `cpu_isa` names its path ("avx512", "avx2" or "scalar") and `native` (plain
+      weights only) is the kernel call with the weight's arguments bound.
     - "int4pack-cpu": `int4pack` uint8 `[(E,) N16, K/2]` for `aten._weight_int4pack_mm_for_cpu` and
       `scales_and_zeros` `[(E,) K/G, N16, 2]` (zeros are 0); N16 = N rounded up to a multiple of 16.
     """
@@ -74,6 +75,7 @@ class W4A16Weight:
     int4pack: torch.Tensor | None = None
     scales_and_zeros: torch.Tensor | None = None
     cpu_isa: str | None = None
+    native: NativeW4A16 | None = None
 
     @property
     def device(self) -> torch.device:
@@ -156,7 +158,12 @@ def prepare_w4a16_torch(
         return loaded
     isa = resolve_cpu_isa()
     if isa != "torch":
-        return replace(loaded, layout=LAYOUT_NATIVE_CPU, weight_scale=native_scale(weight_scale), cpu_isa=isa)
+        assert loaded.weight_packed is not None
+        scale = native_scale(weight_scale)
+        native = (
+            NativeW4A16(loaded.weight_packed, scale, group_size, isa) if weight_packed.dim() == 2 else None
+        )
+        return replace(loaded, layout=LAYOUT_NATIVE_CPU, weight_scale=scale, cpu_isa=isa, native=native)
     stacked_packed = weight_packed.reshape(-1, *weight_packed.shape[-2:])
     stacked_scale = weight_scale.reshape(-1, *weight_scale.shape[-2:])
     pairs = [to_int4pack_cpu(p, s) for p, s in zip(stacked_packed, stacked_scale, strict=True)]

@@ -91,6 +91,26 @@ def native_scale(weight_scale: torch.Tensor) -> torch.Tensor:
     return scale.contiguous()
 
 
+class NativeW4A16:
+    """One prepared plain (not stacked) weight's `w4a16_native` with its constant arguments bound: decode
+    calls ~100 Linears per token, so the per-call Python (~1 us per line here) is worth keeping short."""
+
+    __slots__ = ("weight_packed", "weight_scale", "group_size", "isa", "_isa_code", "_ptrs", "_scale_code")
+
+    def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int, isa: str):
+        self.weight_packed, self.weight_scale = weight_packed, weight_scale  # keep the addresses valid
+        self.group_size, self.isa, self._isa_code = group_size, isa, _ISA_CODES[isa]
+        self._ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
+        self._scale_code = _DTYPE_CODES[weight_scale.dtype]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[M, K]` -> `[M, N]` in x.dtype."""
+        if x.dtype not in _DTYPE_CODES or not x.is_contiguous():  # an error or a copy: the general path
+            return w4a16_native(x, self.weight_packed, self.weight_scale, self.group_size, self.isa)
+        y = torch.empty((x.shape[0], self.weight_packed.shape[0]), dtype=x.dtype)
+        return _gemm(self._isa_code, x, *self._ptrs, self._scale_code, self.group_size, y)
+
+
 def w4a16_native(
     x: torch.Tensor,
     weight_packed: torch.Tensor,
@@ -104,28 +124,22 @@ def w4a16_native(
     `weight_packed` int32 `[N, K/8]`, `weight_scale` `[N, K/G]` from `native_scale` (both contiguous,
     checked at prepare); x fp32, bf16 or fp16 (copied if not contiguous). Threads: torch.get_num_threads().
     """
-    assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
-    dtype_code = _DTYPE_CODES.get(x.dtype)
-    if dtype_code is None:
+    if x.dtype not in _DTYPE_CODES:
         raise TypeError(f"the CPU W4A16 kernel takes fp32, bf16 or fp16 activations, got {x.dtype}")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    num_rows, in_features = x.shape
-    out_features = weight_packed.shape[0]
-    y = torch.empty((num_rows, out_features), dtype=out_dtype or x.dtype)
-    _ext.gemm(
-        _ISA_CODES[isa],
-        torch.get_num_threads(),
-        x.data_ptr(),
-        dtype_code,
-        num_rows,
-        in_features,
-        weight_packed.data_ptr(),
-        weight_scale.data_ptr(),
-        _DTYPE_CODES[weight_scale.dtype],
-        out_features,
-        group_size,
-        y.data_ptr(),
-        _DTYPE_CODES[y.dtype],
-    )
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], weight_packed.shape[0]), dtype=out_dtype or x.dtype)
+    scale_code = _DTYPE_CODES[weight_scale.dtype]
+    ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
+    return _gemm(_ISA_CODES[isa], x, *ptrs, scale_code, group_size, y)
+
+
+def _gemm(
+    isa_code: int, x: torch.Tensor, packed: int, scale: int, scale_code: int, group_size: int, y: torch.Tensor
+) -> torch.Tensor:
+    """The C call on contiguous x `[M, K]` into y `[M, N]` (dtypes checked by the caller)."""
+    assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
+    (num_rows, in_features), out_features = x.shape, y.shape[1]
+    x_code, y_code, threads = _DTYPE_CODES[x.dtype], _DTYPE_CODES[y.dtype], torch.get_num_threads()
+    args = (x.data_ptr(), x_code, num_rows, in_features, packed, scale, scale_code, out_features)
+    _ext.gemm(isa_code, threads, *args, group_size, y.data_ptr(), y_code)
     return y

@@ -188,3 +188,15 @@ def test_without_the_extension_auto_is_the_torch_op() -> None:
     )
     env_code = f"import os; os.environ.pop('{CPU_ISA_ENV}', None)\n" + code
     subprocess.run([sys.executable, "-c", env_code], check=True)
+
+
+def test_strided_and_leading_dims(cpu_isa: str) -> None:
+    gen = torch.Generator().manual_seed(12)
+    packed, scale = random_w4a16(40, 128, 64, gen)
+    w = prepare_w4a16(packed, scale, 64, backend="torch")
+    x = torch.randn(128, 6, generator=gen).to(torch.bfloat16).T  # [6, 128], not contiguous
+    expected = w4a16_reference(x, packed, scale, 64)
+    assert_close_rel(w4a16_linear(x, w), expected, REL_TOL[torch.bfloat16])
+    y = w4a16_linear(x.reshape(2, 3, 128), w)
+    assert y.shape == (2, 3, 40)
+    assert_close_rel(y.reshape(6, 40), expected, REL_TOL[torch.bfloat16])
