@@ -404,4 +404,12 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__w4a16_cpu(void) { return PyModule_Create(&module); }
+static void forget_after_fork(void) { /* a forked child has one thread and no call in flight */
+    pthread_mutex_init(&call_lock, NULL);
+    pool_forget_after_fork();
+}
+
+PyMODINIT_FUNC PyInit__w4a16_cpu(void) {
+    pthread_atfork(NULL, NULL, forget_after_fork);
+    return PyModule_Create(&module);
+}

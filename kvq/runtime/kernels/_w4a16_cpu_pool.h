@@ -96,6 +96,7 @@ static void *pool_worker(void *arg) {
     return NULL;
 }
 
+/* For pthread_atfork's child handler (registered by the module). */
 static void pool_forget_after_fork(void) {
     pthread_mutex_init(&pool.mu, NULL);
     pthread_cond_init(&pool.cv, NULL);
@@ -105,11 +106,6 @@ static void pool_forget_after_fork(void) {
 
 /* Make sure threads 1..n-1 exist (as far as the system allows). */
 static void pool_ensure(int n) {
-    static int is_fork_handled = 0;
-    if (!is_fork_handled) {
-        pthread_atfork(NULL, NULL, pool_forget_after_fork);
-        is_fork_handled = 1;
-    }
     n = n > MAX_THREADS ? MAX_THREADS : n;
     while (pool.num_workers < n - 1) {
         pthread_t thread;
