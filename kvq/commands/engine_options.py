@@ -37,3 +37,10 @@ KvIntegrityOption = Annotated[
         "failed check stops the request with an error naming the page."
     ),
 ]
+LmHeadWeightsOption = Annotated[
+    str,
+    typer.Option(
+        help="stored (the lm_head as the checkpoint has it; a tied embedding stays BF16) or int4 (a W4A16 "
+        "copy made at load, group 32: faster decode on CPU, some quality cost: measure it with kvq eval)."
+    ),
+]

@@ -19,6 +19,8 @@ from kvq.kv_cache_dtypes import AUTO, BF16, FP8_E4M3, check_kv_cache_dtype
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 KV_TORCH_DTYPES = {BF16: torch.bfloat16, FP8_E4M3: torch.float8_e4m3fn}  # names: kvq.kv_cache_dtypes
 FP8_WEIGHT_MODES = ("per-use", "bf16")
+LM_HEAD_WEIGHT_MODES = ("stored", "int4")
+LM_HEAD_GROUP_SIZE = 32  # the int4 copy's group size: the finest the kernels run
 DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
 
@@ -39,6 +41,10 @@ class EngineConfig:
       preemption by recompute when decode runs out of pages.
     fp8_weights: FP8-block weights dequantized at every use ("per-use", memory as stored) or once at
       load to BF16 ("bf16", faster, twice the memory).
+    lm_head_weights: "stored" runs the lm_head as the checkpoint stores it (a tied embedding: dense);
+      "int4" makes a runtime W4A16 copy (group 32, round to nearest) of a dense lm_head at load, so the
+      largest matmul of a small model's decode step reads a quarter of the bytes (opt-in: it costs some
+      quality, `kvq eval --lm-head-weights int4` measures how much). Not in reference mode.
     kv_integrity: checked KV pages (`kvq.runtime.integrity`). "off" builds no tracker and does no work;
       "tags" checks, once per step before any page is read, that every page a request reads or writes
       carries the tag its own state expects; "full" also re-hashes sampled bytes of every sealed page
@@ -61,6 +67,7 @@ class EngineConfig:
     device: str = "auto"
     threads: int | None = None
     kv_integrity: str = "off"
+    lm_head_weights: str = "stored"
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -70,6 +77,12 @@ class EngineConfig:
         _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
         _choice("device", self.device, DEVICES)
         _choice("kv_integrity", self.kv_integrity, KV_INTEGRITY_MODES)
+        _choice("lm_head_weights", self.lm_head_weights, LM_HEAD_WEIGHT_MODES)
+        if self.lm_head_weights != "stored" and self.is_reference:
+            raise KvqError(
+                f"lm_head_weights {self.lm_head_weights!r} quantizes the lm_head, but dtype float32 is the "
+                "reference mode (every weight dense fp32); use dtype auto, or lm_head_weights stored"
+            )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise KvqError("device 'cuda' was requested but torch sees no CUDA device; use --device cpu")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):

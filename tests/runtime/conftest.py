@@ -13,6 +13,7 @@ import pytest
 # tests under tests/runtime/kernels must collect on a GPU machine that has only torch, triton and
 # transformers (scripts/gpu_check.sh).
 from kvq.data.embedded_model import SmolLM2Paths
+from tests.runtime.cpu_isa import cpu_isa  # noqa: F401  (a fixture: every CPU W4A16 path in turn)
 
 Int4Checkpoint = Callable[..., Path]
 # (arch, source format) -> (recipe, group size): llama all-INT4 (group 64: SmolLM2's 576 needs it);

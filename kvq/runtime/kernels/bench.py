@@ -4,7 +4,8 @@
 (bytes = 2 x size, read + write), W4A16 GEMV vs BF16 matmul at GLM-5 expert shapes (bytes = packed
 N*K/2 + scales N*K/G*2 + activations M*K*2 + M*N*2), the fused MoE, and FP8 vs BF16 paged decode
 attention at 1K/8K/32K context. Exit 1 on any mismatch or error, 3 on a missed H100/H200 target.
-`--cpu --threads 2`: copy bandwidth and the CPU int4 op vs a BF16 matmul only. Nothing runs at import.
+`--cpu --threads 2`: copy bandwidth and the CPU W4A16 path (KVQ_CPU_ISA) vs a BF16 matmul only. Nothing
+runs at import.
 """
 
 from __future__ import annotations
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
-    parser.add_argument("--cpu", action="store_true", help="CPU int4 op vs bf16 matmul only")
+    parser.add_argument("--cpu", action="store_true", help="CPU W4A16 path vs bf16 matmul only")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (pin for CPU numbers)")
     parser.add_argument("--no-enforce-targets", action="store_true", help="report H100/H200 targets only")
     args = parser.parse_args(argv)

@@ -77,22 +77,33 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize(("lead", "out_features", "in_features", "group_size", "dtype"), CPU_CASES)
-def test_cpu_int4pack_path_matches_reference(
-    lead: tuple[int, ...], out_features: int, in_features: int, group_size: int, dtype: torch.dtype
+def test_cpu_path_matches_reference(
+    cpu_isa: str,
+    lead: tuple[int, ...],
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    dtype: torch.dtype,
 ) -> None:
     gen = torch.Generator().manual_seed(out_features)
     packed, scale = random_w4a16(out_features, in_features, group_size, gen)
     x = torch.randn(*lead, in_features, generator=gen).to(dtype)
     w = prepare_w4a16(packed, scale, group_size, backend="torch")
+    assert w.cpu_isa == (None if cpu_isa == "torch" else cpu_isa)
     y = w4a16_linear(x, w)
     assert y.shape == (*lead, out_features) and y.dtype == dtype
     assert_close_rel(y, w4a16_reference(x, packed, scale, group_size), REL_TOL[dtype])
 
 
-def test_cpu_weight_keeps_only_packed_bytes() -> None:
+def test_cpu_weight_keeps_only_packed_bytes(cpu_isa: str) -> None:
     gen = torch.Generator().manual_seed(3)
     packed, scale = random_w4a16(64, 256, 64, gen)
     w = prepare_w4a16(packed, scale, 64, backend="torch")
+    if cpu_isa != "torch":  # the native kernel reads the tensors as loaded
+        assert w.layout == "native-cpu" and w.int4pack is None
+        assert w.weight_packed is not None and torch.equal(w.weight_packed, packed)
+        assert w.weight_scale is not None and torch.equal(w.weight_scale, scale)
+        return
     assert w.weight_packed is None and w.layout == "int4pack-cpu"
     assert w.int4pack is not None and w.scales_and_zeros is not None
     assert w.int4pack.numel() * w.int4pack.element_size() == packed.numel() * 4
