@@ -19,9 +19,14 @@ from kvq.check import vllm_rules
 from kvq.check.ct_layers import class_name, parallel_style
 from kvq.check.view import LINEAR, MOE, open_view
 from tests.check.kimi import build_kimi_int4
-from tests.test_vllm_cpu import ROOT, vllm_python
+from tests.test_vllm_cpu import ROOT, VLLM_PYTHON
 
-pytestmark = pytest.mark.vllm
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: run `make test-vllm`"
+    ),
+]
 TPS = (1, 2, 4)
 
 
@@ -88,7 +93,7 @@ def test_vllm_resolves_schemes_marlin_and_fp8_blocks_as_kvq_check_predicts(check
     names = list(checkpoints)
     pairs = [question_and_prediction(checkpoints[n]) for n in names]
     result = subprocess.run(
-        [str(vllm_python()), str(ROOT / "tests" / "vllm_schemes.py")],
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_schemes.py")],
         input=json.dumps([q for q, _ in pairs]),
         capture_output=True,
         text=True,
