@@ -16,7 +16,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.interpreter import InterpretedFunction
 
-from kvq.runtime.kernels import fused_moe_triton, kv_store_triton, paged_attention_triton, w4a16_triton
+from kvq.runtime.kernels import (
+    PagedKVCache,
+    fused_moe_triton,
+    kv_store_triton,
+    paged_attention_triton,
+    w4a16_triton,
+)
 from kvq.runtime.kernels.w4a16 import compressed_tensors_weight
 from tests.runtime.kernels.kernel_cases import random_paged_kv, random_w4a16
 
@@ -83,10 +89,11 @@ def test_every_launch_compiles_for_sm90(launches: list) -> None:
     for cache_dtype, num_splits in ((torch.float8_e4m3fn, 3), (bf16, 1)):
         kv = random_paged_kv([300, 17], 16, 2, 128, cache_dtype, True, gen)
         q = torch.randn(2, 16, 128).to(bf16)
-        pages = (kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale)
-        paged_attention_triton.paged_decode_attention_triton(q, *pages, num_splits=num_splits)
+        cache = PagedKVCache.of(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale, backend="triton")
+        tables = (kv.block_tables, kv.seq_lens)
+        paged_attention_triton.paged_decode_attention_triton(q, cache, *tables, num_splits=num_splits)
         k = torch.randn(5, 2, 128).to(bf16)
-        kv_store_triton.store_kv_triton(k, k, kv.k_cache, kv.v_cache, torch.arange(5), kv.k_scale, kv.v_scale)
+        kv_store_triton.store_kv_triton(k, k, cache, torch.arange(5))
     assert len(launches) == 9
     for kernel, args, kwargs in launches:
         compiled = compile_launch(kernel, args, dict(kwargs))
