@@ -17,7 +17,8 @@ results_dir=$(cd "$1" && pwd)
 python=$repo_root/.venv/bin/python
 [[ -x $python ]] || python=python3
 cd "$repo_root"
-unset TRITON_INTERPRET KVQ_KERNELS  # compiled kernels, auto dispatch
+unset KVQ_KERNELS  # auto dispatch
+export TRITON_INTERPRET=0  # compiled kernels (tests/conftest.py would make them interpreted)
 
 "$python" - <<'PY' || exit 2
 import sys
