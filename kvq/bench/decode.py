@@ -222,16 +222,18 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     result.memory["kvq int4"] = resident_after_load("kvq", int4)
     result.memory["transformers int4 (decompressed)"] = resident_after_load("transformers", int4)
     e = engine(int4, config, kv_memory=1 << 20)
-    layers, heads, dim = len(e.kv_pool.k_caches), e.model.num_kv_heads, e.model.head_dim
+    layers = e.kv_pool.num_layers
     for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
         result.pool_tokens[name] = (
-            config.pool_bytes // page_bytes(layers, config.page_size, heads, dim, dtype) * config.page_size
+            config.pool_bytes
+            // page_bytes(e.model.kv_layout(dtype), layers, config.page_size)
+            * config.page_size
         )
     pages_per_request = -(-(config.admission_prompt_tokens + config.admission_max_tokens) // config.page_size)
     budget = (
         config.admission_bf16_slots
         * pages_per_request
-        * page_bytes(layers, config.page_size, heads, dim, torch.bfloat16)
+        * page_bytes(e.model.kv_layout(torch.bfloat16), layers, config.page_size)
     )
     for name in ("bf16", "fp8_e4m3"):
         result.admission[name] = {"kv_bytes": budget, **admission_run(int4, config, name, budget)}

@@ -100,26 +100,22 @@ class Engine:
         )
 
     def _kv_pool(self) -> KVPool:
-        """Pages for the budget (no more than max_num_seqs full contexts), bound to every attention layer."""
+        """Pages for the budget (no more than max_num_seqs full contexts); each attention layer gets its
+        cache object over them."""
         config, layers = self.config, self.model.attention_layers()
         kv_dtype = config.kv_torch_dtype(self.ckpt.quantization_config.get("kv_cache_scheme") is not None)
         max_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
+        layout = self.model.kv_layout(kv_dtype)
         pool = KVPool.for_budget(
-            config.kv_pool_bytes(),
-            len(layers),
-            config.page_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
-            kv_dtype,
-            config.torch_device,
-            max_pages,
+            config.kv_pool_bytes(), layout, len(layers), config.page_size, config.torch_device, max_pages
         )
-        pool.bind(
-            [a.attn for a in layers],
-            [(a.k_scale, a.v_scale) for a in layers],
+        caches = pool.layer_caches(
+            [a.kv_scales for a in layers],
             require_kv_scales=config.require_kv_scales,
             where=str(self.ckpt.root),
         )
+        for layer, cache in zip(layers, caches, strict=True):
+            layer.bind_kv(cache)
         return pool
 
     @property

@@ -21,14 +21,20 @@ FP8_E4M3_MAX = 448.0
 def measure_kv_scales(path: Path, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
     """`model.layers.{i}.self_attn.{k,v}_scale` bf16 `[1]` from prefilling `prompts` in fp32."""
     engine = Engine(EngineConfig(model=str(path), dtype="float32", kv_cache_dtype="auto", kv_memory="64MiB"))
-    k_amax = [torch.zeros(()) for _ in engine.kv_pool.k_caches]
-    v_amax = [torch.zeros(()) for _ in engine.kv_pool.v_caches]
+    k_amax = [torch.zeros(()) for _ in engine.kv_pool.caches]
+    v_amax = [torch.zeros(()) for _ in engine.kv_pool.caches]
     for prompt in prompts:
         seq = engine.make_sequence(prompt, SamplingParams(max_tokens=1))
         engine.block_manager.allocate(seq)
         engine.runner.run([seq], is_prefill=True)
         pages = torch.tensor(seq.block_table)
-        for i, (k, v) in enumerate(zip(engine.kv_pool.k_caches, engine.kv_pool.v_caches, strict=True)):
+        for i, (k, v) in enumerate(
+            zip(
+                [c.k_cache for c in engine.kv_pool.caches],
+                [c.v_cache for c in engine.kv_pool.caches],
+                strict=True,
+            )
+        ):
             k_amax[i] = torch.maximum(k_amax[i], k[pages].flatten(0, 1)[: len(prompt)].abs().max())
             v_amax[i] = torch.maximum(v_amax[i], v[pages].flatten(0, 1)[: len(prompt)].abs().max())
         engine.block_manager.deallocate(seq)

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.kernels import PagedKVCache
+from kvq.runtime.kv_layout import GqaLayout
 from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.layers.linear import DenseLinear, Linear
 from kvq.runtime.layers.norm import RMSNorm
@@ -57,12 +59,13 @@ class Attention:
         if getattr(config, "use_qk_norm", False):  # GLM-4.5 option: RMSNorm per head before rotary
             self.q_norm = RMSNorm(loader.tensor(f"{prefix}.q_norm.weight", (d,)), config.rms_norm_eps)
             self.k_norm = RMSNorm(loader.tensor(f"{prefix}.k_norm.weight", (d,)), config.rms_norm_eps)
-        self.k_scale, self.v_scale = (
-            loader.optional(f"{prefix}.k_scale"),
-            loader.optional(f"{prefix}.v_scale"),
-        )
+        self.kv_scales = {name: loader.optional(f"{prefix}.{name}") for name in ("k_scale", "v_scale")}
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+
+    def bind_kv(self, kv: PagedKVCache) -> None:
+        """The layer's cache object over the engine's KV pool (`GqaLayout`)."""
+        self.attn.bind(kv)
 
     def __call__(self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch) -> torch.Tensor:
         num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
@@ -173,6 +176,10 @@ class LlamaForCausalLM:
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]
+
+    def kv_layout(self, dtype: torch.dtype) -> GqaLayout:
+        """What the KV pool holds per token and layer: K and V per KV head, in `dtype`."""
+        return GqaLayout(self.num_kv_heads, self.head_dim, dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every resident weight tensor, each once (the tied lm_head shares the embedding)."""
