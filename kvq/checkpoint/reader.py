@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvq.checkpoint.dtypes import FLOAT_CODES, FP8_CODES
 from kvq.checkpoint.header import ShardHeader, TensorInfo, read_header
+from kvq.checkpoint.model_config import quantization_config_of
 from kvq.errors import KvqError
 from kvq.formats.shapes import DEFAULT_BLOCK
 
@@ -81,7 +82,8 @@ class Checkpoint:
 
     @property
     def quantization_config(self) -> dict:
-        return self.config.get("quantization_config") or {}
+        """The checkpoint's quantization_config: top level, or inside `text_config` (Kimi K2.5 / K2.6)."""
+        return quantization_config_of(self.config)
 
     @property
     def format(self) -> str:
