@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the kvq kernels: the gpu-marked kernel tests, then the kernel benchmark, whose table is
+# GPU check of the kvq kernels: the gpu-marked kernel tests (W4A16, fused MoE, GQA and MLA latent decode
+# attention, KV store), then the kernel benchmark, whose table is
 # printed and written to RESULTS_DIR/kernel_bench.json. Needs a CUDA device, torch with CUDA and triton
 # (+ pytest); installs nothing; under 5 minutes (each step has a timeout).
 # Usage: scripts/gpu_check.sh RESULTS_DIR

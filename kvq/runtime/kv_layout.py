@@ -15,8 +15,10 @@ from typing import Protocol
 
 import torch
 
+from kvq.errors import KvqError
 from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.kernels.kv_cache_layout import per_head_scale
+from kvq.runtime.kernels.latent_cache import PagedLatentCache
 
 Scales = dict[str, torch.Tensor | None]  # a layer's checkpoint scales by name ("k_scale", "v_scale")
 
@@ -87,3 +89,55 @@ class GqaLayout:
 
 def _float(scale: torch.Tensor | None) -> torch.Tensor | None:
     return None if scale is None else scale.float()
+
+
+@dataclass(frozen=True)
+class LatentLayout:
+    """MLA (deepseek_v3, kimi_k2, glm_moe_dsa): one latent row `kv_c ++ k_pe` per token and layer, no
+    heads, FP8 with one `k_scale` per layer (vLLM reads only `k_scale` for MLA); GLM-5's DSA indexer
+    keeps its key row (`index_head_dim`, 16/32-bit) in the same slot, after the latent, so its pages are
+    the latent's pages and the checked pool's tags and sampled bytes cover both. Storage is bytes
+    `[L, 1, P + 1, page_size, row_bytes]`, viewed per layer as the two strided tensors."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: torch.dtype
+    index_head_dim: int = 0
+    index_dtype: torch.dtype = torch.bfloat16
+    scale_names: tuple[str, ...] = ("k_scale",)
+    num_parts: int = 1
+
+    @property
+    def latent_bytes(self) -> int:
+        return (self.kv_lora_rank + self.rope_dim) * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return self.latent_bytes + self.index_head_dim * self.index_dtype.itemsize
+
+    def allocate(self, num_layers: int, num_pages: int, page_size: int, device: torch.device) -> torch.Tensor:
+        sizes = (self.dtype.itemsize, self.index_dtype.itemsize if self.index_head_dim else 1)
+        if self.row_bytes % max(sizes) or self.latent_bytes % sizes[1]:
+            raise ValueError(f"{self} does not align its rows for {self.dtype} and {self.index_dtype} views")
+        shape = (num_layers, 1, num_pages, page_size, self.row_bytes)
+        return torch.empty(shape, dtype=torch.uint8, device=device)  # [L, 1, P + 1, page_size, row_bytes]
+
+    def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One layer's `storage[layer]` `[1, P + 1, page_size, row_bytes]` as latent pages `[P + 1,
+        page_size, R + rope]` and index key pages `[P + 1, page_size, Di]` (None without an indexer)."""
+        slots = storage[0]
+        latent = slots[..., : self.latent_bytes].view(self.dtype)
+        if not self.index_head_dim:
+            return latent, None
+        return latent, slots[..., self.latent_bytes :].view(self.index_dtype)
+
+    def layer_cache(self, storage: torch.Tensor, scales: Scales) -> PagedLatentCache:
+        latent, index_keys = self.views(storage)
+        k_scale = scales.get("k_scale")
+        if k_scale is not None and k_scale.numel() != 1:
+            raise KvqError(
+                f"an MLA k_scale has {k_scale.numel()} values (shape {tuple(k_scale.shape)}); the latent row "
+                "has no heads, so it takes one value per layer (kv_cache_scheme strategy tensor): "
+                "re-run `kvq calibrate` on the checkpoint"
+            )
+        return PagedLatentCache.of(latent, self.kv_lora_rank, _float(k_scale), index_keys)

@@ -1,7 +1,8 @@
-"""Every launcher's exact launch, compiled for sm_90 (H100/H200) on a CPU machine with Triton's bundled
-ptxas: `python -m tests.runtime.kernels.sm90_launches` prints one JSON line per launch (kernel name,
-whether its PTX uses tensor cores). Run by test_compile_sm90.py in its own process with
-TRITON_INTERPRET=0, since the test process interprets every kernel (tests/conftest.py).
+"""Every launcher's exact launch (W4A16, fused MoE, KV store, GQA and MLA latent decode), compiled for
+sm_90 (H100/H200) on a CPU machine with Triton's bundled ptxas: `python -m
+tests.runtime.kernels.sm90_launches` prints one JSON line per launch (kernel name, whether its PTX uses
+tensor cores). Run by test_compile_sm90.py in its own process with TRITON_INTERPRET=0, since the test
+process interprets every kernel (tests/conftest.py).
 
 A recorder stands in for the kernel, captures the launcher's arguments, and they are specialised as
 Triton's JIT does (ints == 1 become constants, 16-divisible ints and pointers get tt.divisibility).
@@ -22,11 +23,13 @@ from kvq.runtime.kernels import (
     PagedKVCache,
     fused_moe_triton,
     kv_store_triton,
+    latent_attention_triton,
     paged_attention_triton,
     w4a16_triton,
 )
+from kvq.runtime.kernels.latent_cache import PagedLatentCache
 from kvq.runtime.kernels.w4a16 import compressed_tensors_weight
-from tests.runtime.kernels.kernel_cases import random_paged_kv, random_w4a16
+from tests.runtime.kernels.kernel_cases import random_paged_kv, random_paged_latent, random_w4a16
 
 H100 = GPUTarget("cuda", 90, 32)
 _TYPES = {
@@ -68,7 +71,13 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> Any:
 def record_launches() -> list:
     """Every launcher's launches on odd shapes (bf16, fp8 and bf16 pages, decode and prefill GEMMs)."""
     launches: list = []
-    for module in (w4a16_triton, fused_moe_triton, kv_store_triton, paged_attention_triton):
+    for module in (
+        w4a16_triton,
+        fused_moe_triton,
+        kv_store_triton,
+        paged_attention_triton,
+        latent_attention_triton,
+    ):
         module.kernel_for = lambda kernel, device: Recorder(kernel, launches)  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(0)
     bf16 = torch.bfloat16
@@ -87,6 +96,16 @@ def record_launches() -> list:
         paged_attention_triton.paged_decode_attention_triton(q, cache, *tables, num_splits=num_splits)
         k = torch.randn(5, 2, 128).to(bf16)
         kv_store_triton.store_kv_triton(k, k, cache, torch.arange(5))
+        latent = random_paged_latent([300, 17], 16, 512, 64, cache_dtype, gen, index_head_dim=128)
+        q = torch.randn(2, 16, 576).to(bf16)
+        latent_cache = PagedLatentCache.of(
+            latent.cache.latent_cache, 512, latent.cache.k_scale, backend="triton"
+        )
+        tables = (latent.block_tables, latent.seq_lens)
+        indices = torch.arange(64, dtype=torch.int32).expand(2, 64).contiguous() if num_splits == 1 else None
+        latent_attention_triton.latent_decode_attention_triton(
+            q, latent_cache, *tables, 0.1, token_indices=indices, num_splits=num_splits
+        )
     return launches
 
 
