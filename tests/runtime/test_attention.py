@@ -93,7 +93,7 @@ def test_prefill_then_decode_is_causal_attention_over_the_stored_kv(
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     pool, layer = bound_layer(cache_dtype)
-    runner = ModelRunner(SimpleNamespace(num_kv_heads=HKV), PAGE, pool.zero_page, CPU)  # type: ignore[arg-type]
+    runner = ModelRunner(SimpleNamespace(), PAGE, pool.zero_page, HKV, CPU)  # type: ignore[arg-type]
     # a: 9 prompt tokens, its first page a cached prefix; b: 6 fresh ones. Pages 1, 3, 4, 6, 8, 10, 11 unused
     seqs = [Sequence(b, [3] * n, n, SamplingParams(), 32) for b, n in enumerate((9, 6))]
     seqs[0].block_table, seqs[0].num_cached_tokens, seqs[1].block_table = [7, 2, 9], PAGE, [0, 5]

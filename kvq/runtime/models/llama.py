@@ -1,12 +1,14 @@
 """Llama (SmolLM2 and other `model_type: llama` checkpoints) over paged KV and stored-form weights.
 
-Read top to bottom: attention, MLP, decoder layer, model. glm4_moe reuses all of it and swaps the MLP.
+Read top to bottom: attention, MLP, decoder layer, model. The other families reuse all of it and swap
+parts through the model's `make_*` hooks: glm4_moe the MLP, the MLA models also the rotary, the attention
+and the KV layout.
 Weights come from a `WeightLoader` by their checkpoint names. Imports torch and kvq.runtime.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,6 @@ from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.kernels import PagedKVCache
-from kvq.runtime.kv_layout import GqaLayout
 from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.layers.linear import DenseLinear, Linear
 from kvq.runtime.layers.norm import RMSNorm
@@ -28,6 +29,19 @@ class FeedForward(Protocol):
     """What a decoder layer's MLP slot holds: Llama's MLP, GLM's MoE."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+class SelfAttention(Protocol):
+    """What a decoder layer's attention slot holds: GQA `Attention`, MLA `MLAttention`. The engine reads
+    its checkpoint scales and hands it its cache object over the KV pool (`kv_layout`)."""
+
+    kv_scales: dict[str, torch.Tensor | None]
+
+    def __call__(self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def bind_kv(self, kv: Any) -> None: ...
 
     def tensors(self) -> list[torch.Tensor]: ...
 
@@ -110,12 +124,12 @@ class DecoderLayer:
         config: PretrainedConfig,
         prefix: str,
         loader: WeightLoader,
-        rotary: RotaryEmbedding,
+        attention: SelfAttention,
         mlp: FeedForward,
     ) -> None:
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(loader.tensor(f"{prefix}.input_layernorm.weight", (hidden,)), eps)
-        self.self_attn = Attention(config, f"{prefix}.self_attn", loader, rotary)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(
             loader.tensor(f"{prefix}.post_attention_layernorm.weight", (hidden,)), eps
         )
@@ -143,21 +157,26 @@ class LlamaForCausalLM:
         hidden, vocab = config.hidden_size, config.vocab_size
         self.max_positions = config.max_position_embeddings
         self.embed_tokens = loader.tensor("model.embed_tokens.weight", (vocab, hidden))  # [V, H]
-        self.rotary = rotary = RotaryEmbedding(
-            config, self.head_dim, self.max_positions, loader.dtype, loader.device
-        )
-        self.layers = [
-            DecoderLayer(
-                config, f"model.layers.{i}", loader, rotary, self.make_mlp(f"model.layers.{i}.mlp", i, loader)
+        self.rotary = self.make_rotary(loader)
+        self.layers: list[DecoderLayer] = []  # in order: a layer may refer to the ones before it
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            attention = self.make_attention(f"{prefix}.self_attn", i, loader)
+            self.layers.append(
+                DecoderLayer(config, prefix, loader, attention, self.make_mlp(f"{prefix}.mlp", i, loader))
             )
-            for i in range(config.num_hidden_layers)
-        ]
         self.norm = RMSNorm(loader.tensor("model.norm.weight", (hidden,)), config.rms_norm_eps)
         if config.tie_word_embeddings:
             loader.optional("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
             self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
         else:
             self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)])
+
+    def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
+        return RotaryEmbedding(self.config, self.head_dim, self.max_positions, loader.dtype, loader.device)
+
+    def make_attention(self, prefix: str, layer_idx: int, loader: WeightLoader) -> SelfAttention:
+        return Attention(self.config, prefix, loader, self.rotary)
 
     def make_mlp(self, prefix: str, layer_idx: int, loader: WeightLoader) -> FeedForward:
         return MLP(prefix, loader, self.config.hidden_size, self.config.intermediate_size)
@@ -174,12 +193,8 @@ class LlamaForCausalLM:
         """`[B, H]` -> fp32 logits `[B, V]`."""
         return self.lm_head(hidden).float()
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[SelfAttention]:
         return [layer.self_attn for layer in self.layers]
-
-    def kv_layout(self, dtype: torch.dtype) -> GqaLayout:
-        """What the KV pool holds per token and layer: K and V per KV head, in `dtype`."""
-        return GqaLayout(self.num_kv_heads, self.head_dim, dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every resident weight tensor, each once (the tied lm_head shares the embedding)."""
