@@ -206,6 +206,7 @@ def admission_run(path: Path, config: DecodeBenchConfig, kv_cache_dtype: str, kv
 
 
 def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchResult:
+    from kvq.runtime.kv_layout import layout_for
     from kvq.runtime.kv_pool import page_bytes
 
     torch.set_num_threads(config.threads)
@@ -226,14 +227,14 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
         result.pool_tokens[name] = (
             config.pool_bytes
-            // page_bytes(e.model.kv_layout(dtype), layers, config.page_size)
+            // page_bytes(layout_for(e.kv_spec, dtype), layers, config.page_size)
             * config.page_size
         )
     pages_per_request = -(-(config.admission_prompt_tokens + config.admission_max_tokens) // config.page_size)
     budget = (
         config.admission_bf16_slots
         * pages_per_request
-        * page_bytes(e.model.kv_layout(torch.bfloat16), layers, config.page_size)
+        * page_bytes(layout_for(e.kv_spec, torch.bfloat16), layers, config.page_size)
     )
     for name in ("bf16", "fp8_e4m3"):
         result.admission[name] = {"kv_bytes": budget, **admission_run(int4, config, name, budget)}

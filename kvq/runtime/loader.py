@@ -188,28 +188,39 @@ class WeightLoader:
             self.mismatched.append(f"{name} has shape {found}, expected {expected}")
 
     # -- the verdict ----------------------------------------------------------------------------------
-    def not_loaded(self) -> tuple[list[str], list[str]]:
-        """(Tensors kvq leaves alone by design: MTP layers stored past the last decoder layer and tensors
-        outside the language model, e.g. a vision tower; the other tensors no layer asked for)."""
-        skipped: list[str] = []
+    def not_loaded(self) -> tuple[list[str], list[str], list[str]]:
+        """(Tensors of MTP layers, stored past the last decoder layer; tensors outside the language model,
+        e.g. a vision tower; the other tensors no layer asked for, which are an error)."""
+        mtp: list[str] = []
+        foreign: list[str] = []
         unexpected: list[str] = []
         for name in sorted(set(self.ckpt.tensors) - self.used):
             layer = _LAYER.match(name[len(self.prefix) :]) if name.startswith(self.prefix) else None
-            is_mtp = layer is not None and int(layer[1]) >= self.num_layers
-            (skipped if is_mtp or not name.startswith(self.prefix) else unexpected).append(name)
-        return skipped, unexpected
+            if not name.startswith(self.prefix):
+                foreign.append(name)
+            elif layer is not None and int(layer[1]) >= self.num_layers:
+                mtp.append(name)
+            else:
+                unexpected.append(name)
+        return mtp, foreign, unexpected
 
     def finish(self) -> None:
         """Raise one `KvqError` naming every missing, unexpected and mis-shaped tensor, if there are any."""
-        skipped, unexpected = self.not_loaded()
-        if skipped:
+        mtp, foreign, unexpected = self.not_loaded()
+        if mtp:
             logger.warning(
-                "note: %s: %d tensor(s) not loaded: MTP layers past layer %d (kvq does not run multi-token "
-                "prediction) and tensors outside the language model, e.g. %s",
+                "note: %s: the %d tensors of its MTP layers (from model.layers.%d) are not loaded: kvq does "
+                "not run multi-token prediction",
                 self.ckpt.root,
-                len(skipped),
-                self.num_layers - 1,
-                skipped[0],
+                len(mtp),
+                self.num_layers,
+            )
+        if foreign:
+            logger.warning(
+                "note: %s: %d tensors outside the language model are not loaded (e.g. %s)",
+                self.ckpt.root,
+                len(foreign),
+                foreign[0],
             )
         problems = []
         for what, names in (

@@ -67,6 +67,7 @@ class ModelRunner:
             max_context_len=max_context_len,
             query_lens=query_lens,
             logits_indices=(torch.tensor(query_lens).cumsum(0) - 1).to(self.device),
+            prompt_lens=[seq.num_prompt_tokens for seq in seqs],
             decode_plan=decode_plan,
         )
 

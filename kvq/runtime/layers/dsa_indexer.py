@@ -4,10 +4,12 @@ As transformers' GlmMoeDsaIndexer: keys `k_norm(wk(x))` (one `index_head_dim` ro
 RoPE on the first `qk_rope_head_dim` channels) live in the layer's index key pages beside the latent;
 queries `wq_b(q_resid)` per index head, RoPE'd alike; a token's score for query t is
 sum_h w[t, h] * relu(q[t, h] . k * index_head_dim^-0.5) with w = weights_proj(x) (fp32) * heads^-0.5,
-over the causal context; the top `min(index_topk, context)` are the selection. Each query's scores are
-one row as long as its context, so `torch.topk` breaks exact ties (relu's zeros) as it does for
-transformers. A context within `index_topk` selects everything: attention is dense, and no scores are
-computed. `"shared"` layers reuse the previous full layer's selection (`SharedSelection`).
+over the causal context; the top `min(index_topk, context)` are the selection. Each query's scores
+form the row transformers' generate forms for it (the prompt's queries: rows as long as the prompt;
+later ones: as long as their context), whatever kvq's schedule, so `torch.topk` breaks exact ties
+(relu's zeros) as it does there and a recompute after preemption chooses what the first run chose. A
+context within `index_topk` selects everything: attention is dense, and no scores are computed.
+`"shared"` layers reuse the previous full layer's selection (`SharedSelection`).
 Imports torch and kvq.runtime.
 """
 
@@ -103,16 +105,31 @@ class Indexer:
             else:
                 _, keys = kv.read(batch.block_tables[b, : -(-seq_len // page_size)].long(), seq_len)
                 assert keys is not None, "a DSA layer's cache has index pages"
-                rows = torch.arange(query_len, device=q.device)[:, None] + (seq_len - query_len)
-                is_causal = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [Lq, L]
-                scores = self._scores(q[start:end], weights[start:end], keys).masked_fill(
-                    ~is_causal, float("-inf")
-                )
-                chosen = scores.topk(min(self.index_topk, seq_len), dim=-1).indices
-                selected = torch.zeros_like(is_causal).scatter_(1, chosen, True)
-                masks.append(selected & is_causal)
+                positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
+                scores = self._scores(q[start:end], weights[start:end], keys)  # [Lq, L]
+                masks.append(self._choose(scores, positions, batch.prompt_lens[b]))
             start = end
         return masks
+
+    def _choose(self, scores: torch.Tensor, positions: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """The causal and selected mask `[Lq, L]` of query rows at `positions`. Each row is scored as
+        transformers' generate forms it, whatever the schedule (a prefix hit, a recompute after
+        preemption): a prompt position within a row as long as the prompt, -inf past the query; a later
+        one within its own context. torch.topk breaks exact ties by the row it is given."""
+        seq_len = scores.shape[1]
+        is_causal = torch.arange(seq_len, device=scores.device)[None, :] <= positions[:, None]  # [Lq, L]
+        scores = scores.masked_fill(~is_causal, float("-inf"))
+        selected = torch.zeros_like(is_causal)
+        in_prompt = (positions < prompt_len).nonzero().flatten()
+        if in_prompt.numel():
+            rows = scores[in_prompt, :prompt_len]
+            chosen = rows.topk(min(self.index_topk, prompt_len), dim=-1).indices
+            selected[in_prompt] = selected[in_prompt].scatter(1, chosen, True)
+        for r in (positions >= prompt_len).nonzero().flatten().tolist():
+            length = int(positions[r]) + 1
+            chosen = scores[r, :length].topk(min(self.index_topk, length)).indices
+            selected[r, chosen] = True
+        return selected & is_causal
 
     def _decode_indices(
         self, q: torch.Tensor, weights: torch.Tensor, batch: ForwardBatch, kv: PagedLatentCache
