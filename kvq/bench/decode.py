@@ -1,7 +1,10 @@
 """`kvq bench decode`: the runtime's decode speed, weight memory and KV capacity on SmolLM2, in one run.
 
 1. Concurrency 1: kvq with BF16 weights, kvq with INT4 weights (kvq compress, W4A16 group 64), and
-   transformers `generate` (BF16) on the same chat prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median.
+   transformers `generate` (BF16) on the same chat prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median;
+   concurrency 32: INT4 weights, 32 prompts decoded together, 32 (N - 1) / (t(N) - t(1)).
+1b. Host time per token over one long completion (INT4, 2,048 tokens): each step's wall time minus its
+   model forward (`Engine.stats`), early tokens vs late ones: flat when no per-token host cost grows.
 2. Resident weights after load (fresh subprocesses, RSS delta) vs the checkpoint's tensor bytes, and
    transformers' load of the same compressed checkpoint (it decompresses to dense BF16).
 3. KV pool: tokens held by BF16 and FP8 pools of the same bytes.
@@ -47,12 +50,16 @@ class DecodeBenchConfig:
     admission_prompt_tokens: int = 32
     admission_max_tokens: int = 64
     page_size: int = 16
+    batch_size: int = 32  # concurrency-32 run
+    long_tokens: int = 2048  # host time per token over one completion this long
+    long_window: int = 256  # tokens at each end of it compared
 
 
 @dataclass
 class DecodeBenchResult:
     config: dict
-    tok_s: dict[str, float] = field(default_factory=dict)  # concurrency 1
+    tok_s: dict[str, float] = field(default_factory=dict)  # concurrency 1 (and "... c=32")
+    host_ms: dict[str, float] = field(default_factory=dict)  # per token, early vs late in a long completion
     memory: dict[str, dict] = field(default_factory=dict)
     pool_tokens: dict[str, int] = field(default_factory=dict)
     admission: dict[str, dict] = field(default_factory=dict)
@@ -132,12 +139,31 @@ def decode_tok_s(contenders: dict[str, Generate], config: DecodeBenchConfig) -> 
     return {name: (config.new_tokens - 1) / statistics.median(t) for name, t in decode_times.items()}
 
 
-def kvq_generate(path: Path, config: DecodeBenchConfig, kv_cache_dtype: str) -> Generate:
+def kvq_generate(path: Path, config: DecodeBenchConfig, kv_cache_dtype: str, batch_size: int = 1) -> Generate:
+    """`batch_size` copies of the chat prompt (each a little different, so no prefix page is shared)."""
     from kvq.runtime.sampling import SamplingParams
 
-    e = engine(path, config, kv_cache_dtype=kv_cache_dtype, kv_memory="64MiB", max_num_seqs=1)
-    prompt = e.encode_chat(PROMPT)
-    return lambda n: e.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+    e = engine(path, config, kv_cache_dtype=kv_cache_dtype, kv_memory="64MiB", max_num_seqs=batch_size)
+    texts = [PROMPT] if batch_size == 1 else [f"{PROMPT} ({i})" for i in range(batch_size)]
+    prompts = [e.encode_chat(text) for text in texts]
+    return lambda n: e.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+def host_ms_per_token(path: Path, config: DecodeBenchConfig) -> dict[str, float]:
+    """Median host ms per decode step (step wall time minus model forward) over the first and the last
+    `long_window` tokens of one `long_tokens`-token completion."""
+    from kvq.runtime.sampling import SamplingParams
+
+    e = engine(path, config, kv_memory="256MiB", max_num_seqs=1)
+    e.add_request(e.encode_chat(PROMPT), SamplingParams(max_tokens=config.long_tokens, ignore_eos=True))
+    host: list[float] = []
+    while e.has_unfinished_requests():
+        step, forward = e.stats.step_seconds, e.stats.forward_seconds
+        e.step()
+        host.append((e.stats.step_seconds - step) - (e.stats.forward_seconds - forward))
+    decode = host[1:]  # the first step is the prefill
+    first, last = decode[: config.long_window], decode[-config.long_window :]
+    return {"first": 1e3 * statistics.median(first), "last": 1e3 * statistics.median(last)}
 
 
 def transformers_generate(path: Path) -> Generate:
@@ -219,6 +245,14 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     }
     result.tok_s = decode_tok_s(contenders, config)
     del contenders
+    batched = {
+        f"kvq int4 weights, bf16 kv, c={config.batch_size}": kvq_generate(
+            int4, config, "bf16", config.batch_size
+        )
+    }
+    result.tok_s.update({k: v * config.batch_size for k, v in decode_tok_s(batched, config).items()})
+    del batched
+    result.host_ms = host_ms_per_token(int4, config)
     result.memory["kvq bf16"] = resident_after_load("kvq", bf16)
     result.memory["kvq int4"] = resident_after_load("kvq", int4)
     result.memory["transformers int4 (decompressed)"] = resident_after_load("transformers", int4)
@@ -255,6 +289,11 @@ def render(result: DecodeBenchResult) -> Table:
     table.add_row(
         "kvq INT4 + FP8 kv / transformers",
         f"{tok['kvq int4 weights, fp8 kv'] / tok['transformers generate, bf16']:.2f}x",
+    )
+    host, long = result.host_ms, result.config["long_tokens"]
+    table.add_row(
+        f"host ms per token, tokens 1-{result.config['long_window']} / last ones of {long}",
+        f"{host['first']:.3f} / {host['last']:.3f} ms = {host['last'] / host['first']:.2f}x",
     )
     for name, m in result.memory.items():
         table.add_row(

@@ -13,7 +13,7 @@
    and the check) as a share of step time: the integrity work itself, free of machine noise. Ratios are
    against `off`; off-2 / off shows the noise floor, which is what "off is indistinguishable from an
    engine without the tracker" can mean at run time.
-2. Catch (`--drill`, in `integrity_drill`): every fault of `kvq.runtime.integrity.drill` in the lowest
+2. Catch (`--drill`, in `integrity_drill`): every fault of `kvq.drill.workload` in the lowest
    mode that should catch it, on fresh fp32 engines (batch-invariant tokens): caught, who was stopped,
    whether a stopped request was read after the fault, whether everyone else's tokens match a fault-free
    run.

@@ -9,7 +9,8 @@ Imports torch, transformers (config, tokenizer) and kvq.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,7 @@ from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
+from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.kv_layout import layout_for
@@ -31,10 +33,12 @@ from kvq.runtime.model_runner import ModelRunner
 from kvq.runtime.models.registry import model_class
 from kvq.runtime.sampling import SamplingParams, make_generator, sample
 from kvq.runtime.scheduler import Scheduler
-from kvq.runtime.scoring import force_tokens
 from kvq.runtime.sequence import Sequence
 
 Prompt = str | list[int]
+# Called after each step's sampling with (the step's sequences, their fp32 logits [B, V], the sampled
+# token ids): a hook may read the logits and replace token ids (teacher forcing, `kvq.runtime.scoring`).
+TokenHook = Callable[[list[Sequence], torch.Tensor, list[int]], None]
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class EngineStats:
 
     integrity_aborts: int = 0  # requests stopped by a failed KV page check
     largest_batch: int = 0  # most requests one step ran
+    num_steps: int = 0  # steps that ran a batch
+    step_seconds: float = 0.0  # wall time in those steps (host work + forward)
+    forward_seconds: float = 0.0  # of which in the model forward (on CPU: its compute; CUDA: its launches)
 
 
 class Engine:
@@ -86,6 +93,8 @@ class Engine:
             config.torch_device,
         )
         self._ids = itertools.count()
+        self._texts: dict[int, CompletionText] = {}  # request id -> its text (requests with text only)
+        self.token_hooks: list[TokenHook] = []
         self.stats = EngineStats()
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
@@ -179,8 +188,13 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams) -> int:
         """Queue one request (validated first); its id names its outputs."""
         seq = self.make_sequence(prompt, params)
-        self.scheduler.add(seq)
+        self._queue(seq)
         return seq.seq_id
+
+    def _queue(self, seq: Sequence) -> None:
+        """Queue a request whose tokens become text (scored sequences are queued without)."""
+        self._texts[seq.seq_id] = CompletionText(self.tokenizer, seq.params.stop)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: int) -> bool:
         """Stop a queued or running request now (its client went away) and free its pages; False if the
@@ -188,6 +202,7 @@ class Engine:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             seq.finish_reason = "abort"
+            self._texts.pop(request_id, None)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -196,20 +211,25 @@ class Engine:
     # -- running --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; outputs of the requests it advanced (finished ones are forgotten)."""
+        start = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
-        self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
+        stats = self.stats
+        stats.largest_batch = max(stats.largest_batch, len(seqs))
+        stats.num_steps += 1
         outputs: list[RequestOutput] = []
         if self.tracker is None:
-            logits = self.runner.run(seqs, is_prefill)
+            logits = self._timed_forward(lambda: self.runner.run(seqs, is_prefill))
         else:
             seqs, checked_logits, outputs = self._run_checked(seqs, is_prefill)
             if checked_logits is None:  # every request of the step was stopped
+                stats.step_seconds += time.perf_counter() - start
                 return outputs
             logits = checked_logits
         token_ids, is_finite = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        force_tokens(seqs, logits, token_ids)
+        for hook in self.token_hooks:
+            hook(seqs, logits, token_ids)
         for seq, token_id, ok in zip(seqs, token_ids, is_finite, strict=True):
             if ok:
                 self._append(seq, token_id)
@@ -219,7 +239,14 @@ class Engine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             outputs.append(self._output(seq))
+        stats.step_seconds += time.perf_counter() - start
         return outputs
+
+    def _timed_forward(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = forward()
+        self.stats.forward_seconds += time.perf_counter() - start
+        return logits
 
     def generate(
         self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
@@ -232,7 +259,7 @@ class Engine:
             )
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
         for seq in seqs:
-            self.scheduler.add(seq)
+            self._queue(seq)
         final: dict[int, RequestOutput] = {}
         while len(final) < len(seqs):
             for out in self.step():
@@ -273,7 +300,7 @@ class Engine:
             batch = self.runner.prepare(seqs, is_prefill)
         logits = None
         if seqs:
-            logits = self.runner.forward(batch)
+            logits = self._timed_forward(lambda: self.runner.forward(batch))
             self.tracker.after_forward()
         return seqs, logits, [self._output(s) for s in stopped]
 
@@ -285,32 +312,21 @@ class Engine:
             seq.finish_reason = "stop"
         elif seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens or seq.num_tokens >= seq.max_len:
             seq.finish_reason = "length"
-        if seq.forced_token_ids is not None:  # scored, not read: no text
-            return
-        text = str(self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True))
-        cut = min(
-            (i for i in (text.find(s, max(0, len(seq.text) - len(s))) for s in params.stop) if i >= 0),
-            default=-1,
-        )
-        if cut >= 0:
-            text, seq.finish_reason = text[:cut], "stop"
-        seq.text = text
+        text = self._texts.get(seq.seq_id)
+        if text is not None and text.add(token_id, is_last=seq.finish_reason is not None):
+            seq.finish_reason = "stop"
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        end = len(seq.text)
-        if seq.finish_reason is None:  # hold back what may still become a stop string or a UTF-8 character
-            end -= max((len(s) - 1 for s in seq.params.stop), default=0)
-            while end > seq.num_text_sent and seq.text[end - 1] == "\ufffd":
-                end -= 1
-        end = max(end, seq.num_text_sent)
-        delta, seq.num_text_sent = seq.text[seq.num_text_sent : end], end
+        is_finished = seq.finish_reason is not None
+        text = self._texts.pop(seq.seq_id, None) if is_finished else self._texts.get(seq.seq_id)
+        shown, delta = ("", "") if text is None else text.take(is_finished)
         return RequestOutput(
             seq.seq_id,
             seq.token_ids[: seq.num_prompt_tokens],
             seq.completion_token_ids,
-            seq.text[:end],
+            shown,
             delta,
-            seq.finish_reason is not None,
+            is_finished,
             seq.finish_reason,
             seq.error,
         )

@@ -8,8 +8,8 @@ import pytest
 import typer
 
 from kvq.commands.generate_cmd import generate_command
+from kvq.drill.fault_injector import FaultInjector
 from kvq.runtime.engine import Engine, RequestOutput
-from kvq.runtime.integrity.fault_injector import FaultInjector
 from tests.runtime.kv_scales import measure_kv_scales, with_kv_scales
 from tests.test_cli_errors import assert_one_line_error, run_kvq
 

@@ -3,9 +3,10 @@
 Five requests (a and b share two prefix pages, a finishes after three tokens; c and d share two others;
 e stands alone; greedy and seeded sampling mixed); after `STEPS_BEFORE_FAULT` steps the fault is
 injected and a late request is queued (in every run alike, with or without a fault). Every model forward
-is recorded (the request ids in it), so a drill shows whether a hit request was read after the fault.
-`FAULTS` lists each fault of `FaultInjector` with the mode that catches it and the requests it must stop.
-Used by the tests (tiny llama) and `kvq bench integrity`. Imports torch and kvq.runtime.
+is recorded (the request ids in it, through an engine token hook), so a drill shows whether a hit request
+was read after the fault. `FAULTS` lists each fault of `FaultInjector` with the mode that catches it and
+the requests it must stop. Used by the tests (tiny llama) and `kvq bench integrity`. Imports torch and
+kvq.runtime.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvq.runtime.batch import ForwardBatch
+from kvq.drill.fault_injector import FaultInjector
 from kvq.runtime.engine import Engine, RequestOutput
-from kvq.runtime.integrity.fault_injector import FaultInjector
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.sequence import Sequence
 
@@ -72,7 +72,8 @@ def _double_free(injector: FaultInjector, ids: dict[str, int]) -> int:
 
 def _stale_prefix_hit(injector: FaultInjector, ids: dict[str, int]) -> int:
     page = _table(injector, ids, "c")[0]  # the late request's first page will be c's
-    injector.stale_prefix_hit(page)
+    page_size = injector.block_manager.page_size
+    injector.stale_prefix_hit(page, late_request(page_size)[0][:page_size])
     return page
 
 
@@ -139,19 +140,11 @@ def run_drill(engine: Engine, fault: Fault | None = None) -> DrillRun:
     run = DrillRun(ids={name: engine.add_request(*request) for name, request in workload(page_size).items()})
     names = {request_id: name for name, request_id in run.ids.items()}
     aborts_before = engine.stats.integrity_aborts
-    runner = engine.runner
-    prepare, forward = runner.prepare, runner.forward
-    in_batch: list[int] = []
 
-    def recording_prepare(seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
-        in_batch[:] = [s.seq_id for s in seqs]
-        return prepare(seqs, is_prefill)
+    def record(seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
+        run.forwards.append({s.seq_id for s in seqs})  # the requests this step's forward computed
 
-    def recording_forward(batch: ForwardBatch) -> torch.Tensor:
-        run.forwards.append(set(in_batch))
-        return forward(batch)
-
-    runner.prepare, runner.forward = recording_prepare, recording_forward  # type: ignore[method-assign]
+    engine.token_hooks.append(record)
     try:
         for step in range(MAX_STEPS):
             if step == STEPS_BEFORE_FAULT:
@@ -166,6 +159,6 @@ def run_drill(engine: Engine, fault: Fault | None = None) -> DrillRun:
                 if out.finished:
                     run.outputs[names[out.request_id]] = out
     finally:
-        runner.prepare, runner.forward = prepare, forward  # type: ignore[method-assign]
+        engine.token_hooks.remove(record)
     run.num_aborts = engine.stats.integrity_aborts - aborts_before
     return run

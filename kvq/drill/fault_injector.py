@@ -2,9 +2,10 @@
 drill of `kvq bench integrity`).
 
 Nothing here runs unless a `FaultInjector` is made and one of its methods called. Each method makes one
-slip the way a real bug would: bookkeeping slips go through the block manager's own primitives (so the
-tag hooks fire exactly as they would for a bug in the code around them); byte faults write the pool's
-memory directly. Which mode catches which, and who is hit:
+slip the way a real bug would, through the engine's public parts: bookkeeping slips go through the block
+manager's own primitives (so the tag hooks fire exactly as they would for a bug in the code around them)
+or corrupt its public tables; a wrong slot mapping is made by wrapping the runner's `prepare` for one
+call; byte faults write the pool's memory directly. Which mode catches which, and who is hit:
 - premature free + reuse, double free: `tags`; the request the page was taken from (not its new owner);
 - stale prefix-cache hit, off-by-one block-table entry: `tags`; the request with the wrong entry;
 - K/V written into another request's slot: `tags` when the slot mapping is wrong (the writer is hit
@@ -16,12 +17,13 @@ Imports torch and kvq.runtime.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Tokens
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.block_manager import Page
+from kvq.runtime.block_manager import ROOT_HASH, chain_hash
 from kvq.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -54,18 +56,14 @@ class FaultInjector:
         list, and its next taker becomes a second owner."""
         self._release_to_front(page_id)
 
-    def stale_prefix_hit(self, page_id: int) -> None:
-        """The next prefix-cache lookup returns sealed page `page_id` whatever prefix is asked for (an entry
-        left behind for a page whose content changed): the next admitted request that shares a prefix page
-        attaches a page of a different prefix."""
+    def stale_prefix_hit(self, page_id: int, first_page_token_ids: Tokens[int]) -> None:
+        """The prefix cache claims that sealed page `page_id` holds the first page `first_page_token_ids`
+        of some prompt (an entry left behind for a page whose content changed): the next admitted request
+        starting with those tokens attaches a page of a different prefix."""
         manager = self.block_manager
-        lookup = manager._lookup
-
-        def stale(page_hash: int | None, token_ids: tuple[int, ...]) -> Page | None:
-            manager._lookup = lookup  # type: ignore[method-assign]  # one shot
-            return manager.pages[page_id]
-
-        manager._lookup = stale  # type: ignore[method-assign]
+        token_ids = tuple(first_page_token_ids)
+        manager.hash_to_page_id[chain_hash(ROOT_HASH, token_ids)] = page_id
+        manager.pages[page_id].token_ids = token_ids  # what the lookup re-checks
 
     def off_by_one(self, request_id: int, logical_index: int) -> int:
         """A running request's block-table entry points one physical page further; returns that page."""
@@ -117,7 +115,7 @@ class FaultInjector:
     # -- internals ------------------------------------------------------------------------------------
     def _release_to_front(self, page_id: int) -> None:
         manager = self.block_manager
-        manager._release(page_id)
+        manager.release_page(page_id)
         if manager.pages[page_id].ref_count == 0:
             manager.free_page_ids.remove(page_id)
             manager.free_page_ids.appendleft(page_id)
