@@ -31,6 +31,7 @@ import typer
 from rich.table import Table
 
 from kvq.commands.render import console, human_bytes
+from kvq.errors import KvqError
 from kvq.paths import cache_dir
 
 
@@ -325,8 +326,11 @@ def bench_decode_command(
         int, typer.Option(help="Timed runs per contender (median).")
     ] = DecodeBenchConfig.repeats,
     new_tokens: Annotated[
-        int, typer.Option(help="Tokens generated per concurrency-1 run.")
-    ] = DecodeBenchConfig.new_tokens,
+        int | None,
+        typer.Option(
+            help="Tokens generated per timed run (default: 64; glm_moe_dsa 16).", show_default=False
+        ),
+    ] = None,
     int4: Annotated[
         Path | None,
         typer.Option(
@@ -342,15 +346,37 @@ def bench_decode_command(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            help="smollm2: the embedded SmolLM2 (every measure above); glm_moe_dsa: the MLA bench fixture, "
+            "INT4 vs FP8-block weights and FP8 vs BF16 latent at concurrency 1 and 32 (kvq.bench.decode_mla)."
+        ),
+    ] = "smollm2",
 ) -> None:
     """Decode speed (INT4 vs BF16 weights vs transformers), resident weight memory, FP8 vs BF16 KV capacity
-    and admission throughput on the embedded SmolLM2-135M-Instruct; all ratios from one run."""
+    and admission throughput on the embedded SmolLM2-135M-Instruct; all ratios from one run. With
+    `--model glm_moe_dsa`: MLA decode on a GLM-5-shaped bench fixture."""
     from kvq.testing.smollm2 import ensure_smollm2
 
+    if model == "glm_moe_dsa":
+        from kvq.bench.decode_mla import MlaBenchConfig, render_mla, run_mla_bench
+
+        mla = run_mla_bench(
+            MlaBenchConfig(
+                threads=threads, repeats=repeats, new_tokens=new_tokens or MlaBenchConfig.new_tokens
+            )
+        )
+        console.print(render_mla(mla))
+        if json_out is not None:
+            json_out.write_text(json.dumps(asdict(mla), indent=2))
+        return
+    if model != "smollm2":
+        raise KvqError(f"--model is {model!r}; pick smollm2 or glm_moe_dsa")
     config = DecodeBenchConfig(
         threads=threads,
         repeats=repeats,
-        new_tokens=new_tokens,
+        new_tokens=new_tokens or DecodeBenchConfig.new_tokens,
         admission_bf16_slots=admission_slots,
         admission_requests=admission_requests,
     )
