@@ -19,7 +19,7 @@ step "kvq inspect: the FP8-block source"
 kvq inspect "$FP8"
 
 step "kvq plan: FP8-block SmolLM2 -> INT4 (every Linear, group 64), one 24 GB GPU, FP8 KV"
-kvq plan "$FP8" --recipe w4a16-linear --group-size 64 --tp 1 --gpu-mem 24GB --kv-dtype fp8
+kvq plan "$FP8" --recipe w4a16-linear --group-size 64 --tp 1 --gpu-mem 24GB
 
 step "kvq compress: FP8-block -> compressed-tensors pack-quantized INT4 (a re-run resumes)"
 kvq compress "$FP8" "$INT4" --recipe w4a16-linear --group-size 64 --workers 2
