@@ -210,7 +210,7 @@ def test_kimi_k2_model_type_is_planned_as_deepseek_v3():
         ),
         ([], "not compressed yet; pass --recipe"),
         (["--recipe", "w4a16-linear", "--kv-dtype", "fp8"], "drop --kv-dtype / --kv-cache-dtype"),
-        (["--recipe", "w4a16-linear", "--kv-cache-dtype", "fp8_e4m3"], "side by side (bf16, fp8_e4m3"),
+        (["--recipe", "w4a16-linear", "--kv-cache-dtype", "fp8_e4m3"], "every KV cache dtype side by side"),
     ],
 )
 def test_bad_serving_flags(tiny_checkpoint, args, match):
