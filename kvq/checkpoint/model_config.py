@@ -158,6 +158,27 @@ def quantization_config_of(config: dict) -> dict:
     return (nested.get("quantization_config") or {}) if isinstance(nested, dict) else {}
 
 
+def weight_prefix_of(config: dict) -> str:
+    """The tensor-name prefix of a config.json's language model ("" unless nested). No validation:
+    `kvq compress` works on tensor names of any architecture."""
+    wrapper = WRAPPERS.get(config.get("model_type"))  # type: ignore[arg-type]
+    return wrapper.weight_prefix if wrapper else ""
+
+
+def with_quantization_config(config: dict, quant: dict) -> dict:
+    """A copy of config.json with `quant` as its quantization_config, where the checkpoint keeps it: inside
+    `text_config` for a Kimi K2.5 / K2.6 wrapper (as the release does; vLLM and compressed-tensors look
+    there after the top level), else at the top level."""
+    out = dict(config)
+    wrapper = WRAPPERS.get(config.get("model_type"))  # type: ignore[arg-type]
+    if wrapper is None or not isinstance(config.get(wrapper.text_key), dict):
+        out["quantization_config"] = quant
+        return out
+    out.pop("quantization_config", None)
+    out[wrapper.text_key] = {**config[wrapper.text_key], "quantization_config": quant}
+    return out
+
+
 def pretrained_config(model: TextModel) -> PretrainedConfig:
     """The transformers config of the language model (DeepseekV3Config for kimi_k2), without its
     quantization_config: kvq's readers hand transformers dense weights."""
