@@ -15,6 +15,7 @@ from rich.table import Table
 
 from kvq.byte_sizes import SIZE_HELP, format_bytes, parse_bytes
 from kvq.checkpoint.kv_cache_spec import kv_cache_spec
+from kvq.checkpoint.model_config import weight_prefix_of
 from kvq.commands.inspect_cmd import render as render_stored
 from kvq.commands.recipe_options import GroupSizeOption
 from kvq.commands.render import console, human_count
@@ -97,10 +98,13 @@ def plan_command(
             "or a YAML path) to plan what kvq compress would write"
         )
     the_recipe = load_recipe(recipe, group_size)
-    plan = build_plan(source.tensors, the_recipe, source.block)
+    prefix = weight_prefix_of(source.config)
+    plan = build_plan(source.tensors, the_recipe, source.block, weight_prefix=prefix)
     sizes = size_plan(plan, source.file_bytes)
     target_bytes = {  # the same plan for each --target of kvq compress (the table is vllm's)
-        target: size_plan(build_plan(source.tensors, the_recipe, source.block, target), 0).output_file_bytes
+        target: size_plan(
+            build_plan(source.tensors, the_recipe, source.block, target, prefix), 0
+        ).output_file_bytes
         for target in TARGETS
     }
     memory = before = None
