@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the kvq kernels: the gpu-marked kernel tests, then the kernel benchmark, whose table is
+# GPU check of the kvq kernels: the gpu-marked kernel tests (W4A16, fused MoE, GQA and MLA latent decode
+# attention, KV store), then the kernel benchmark, whose table is
 # printed and written to RESULTS_DIR/kernel_bench.json. Needs a CUDA device, torch with CUDA and triton
 # (+ pytest); installs nothing; under 5 minutes (each step has a timeout).
 # Usage: scripts/gpu_check.sh RESULTS_DIR
@@ -17,7 +18,8 @@ results_dir=$(cd "$1" && pwd)
 python=$repo_root/.venv/bin/python
 [[ -x $python ]] || python=python3
 cd "$repo_root"
-unset TRITON_INTERPRET KVQ_KERNELS  # compiled kernels, auto dispatch
+unset KVQ_KERNELS  # auto dispatch
+export TRITON_INTERPRET=0  # compiled kernels (tests/conftest.py would make them interpreted)
 
 "$python" - <<'PY' || exit 2
 import sys

@@ -8,13 +8,20 @@ model_free_ptq's outputs of them; `smollm2` builds the embedded model once into
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
+import os
 
-import pytest
+# Triton decides at its first import whether @triton.jit functions are interpreted; the kernel tests run
+# them on CPU tensors, so before anything imports triton (transformers and compressed-tensors do). A
+# caller's own choice stands: scripts/gpu_check.sh sets 0 for compiled kernels on the GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvq.data.embedded_model import SmolLM2Paths, ensure_smollm2
-from kvq.fixtures.checkpoint_fixtures import build_fixture
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kvq.data.embedded_model import SmolLM2Paths, ensure_smollm2  # noqa: E402
+from kvq.fixtures.checkpoint_fixtures import build_fixture  # noqa: E402
 
 TinyCheckpoint = Callable[..., Path]
 Compressed = Callable[..., Path]

@@ -34,6 +34,7 @@ from rich.table import Table
 from kvq.bench.decode_speed import decode_tok_s, kvq_generate, transformers_generate
 from kvq.byte_sizes import format_bytes
 from kvq.commands.render import console
+from kvq.errors import KvqError
 from kvq.paths import cache_dir
 
 
@@ -188,6 +189,7 @@ def host_ms_per_token(path: Path, config: DecodeBenchConfig) -> dict[str, float]
 
 def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchResult:
     from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
+    from kvq.runtime.kv_layout import layout_for
     from kvq.runtime.kv_pool import page_bytes
 
     torch.set_num_threads(config.threads)
@@ -225,16 +227,18 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     result.memory["kvq int4"] = resident_after_load("kvq", int4)
     result.memory["transformers int4 (decompressed)"] = resident_after_load("transformers", int4)
     e = engine(int4, config, kv_memory=1 << 20)
-    layers, heads, dim = len(e.kv_pool.k_caches), e.model.num_kv_heads, e.model.head_dim
+    layers = e.kv_pool.num_layers
     for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
         result.pool_tokens[name] = (
-            config.pool_bytes // page_bytes(layers, config.page_size, heads, dim, dtype) * config.page_size
+            config.pool_bytes
+            // page_bytes(layout_for(e.kv_spec, dtype), layers, config.page_size)
+            * config.page_size
         )
     pages_per_request = -(-(config.admission_prompt_tokens + config.admission_max_tokens) // config.page_size)
     budget = (
         config.admission_bf16_slots
         * pages_per_request
-        * page_bytes(layers, config.page_size, heads, dim, torch.bfloat16)
+        * page_bytes(layout_for(e.kv_spec, torch.bfloat16), layers, config.page_size)
     )
     for name in ("bf16", "fp8_e4m3"):
         result.admission[name] = {"kv_bytes": budget, **admission_run(int4, config, name, budget)}
@@ -296,8 +300,11 @@ def bench_decode_command(
         int, typer.Option(help="Timed runs per contender (median).")
     ] = DecodeBenchConfig.repeats,
     new_tokens: Annotated[
-        int, typer.Option(help="Tokens generated per concurrency-1 run.")
-    ] = DecodeBenchConfig.new_tokens,
+        int | None,
+        typer.Option(
+            help="Tokens generated per concurrency-1 run (default: 64; glm_moe_dsa 16).", show_default=False
+        ),
+    ] = None,
     int4: Annotated[
         Path | None,
         typer.Option(
@@ -319,16 +326,38 @@ def bench_decode_command(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            help="smollm2: the embedded SmolLM2 (every measure above); glm_moe_dsa: the MLA bench fixture, "
+            "INT4 vs FP8-block weights and FP8 vs BF16 latent at concurrency 1 and 32 (kvq.bench.decode_mla)."
+        ),
+    ] = "smollm2",
 ) -> None:
     """Decode speed (INT4 vs BF16 weights vs transformers, at concurrency 1 and --batch-seqs), resident
     weight memory, FP8 vs BF16 KV capacity and admission throughput on the embedded SmolLM2-135M-Instruct;
-    all ratios from one run. KVQ_CPU_ISA picks the CPU W4A16 path (printed with the results)."""
+    all ratios from one run. KVQ_CPU_ISA picks the CPU W4A16 path (printed with the results). With
+    `--model glm_moe_dsa`: MLA decode on a GLM-5-shaped bench fixture."""
     from kvq.data.embedded_model import ensure_smollm2
 
+    if model == "glm_moe_dsa":
+        from kvq.bench.decode_mla import MlaBenchConfig, render_mla, run_mla_bench
+
+        mla = run_mla_bench(
+            MlaBenchConfig(
+                threads=threads, repeats=repeats, new_tokens=new_tokens or MlaBenchConfig.new_tokens
+            )
+        )
+        console.print(render_mla(mla))
+        if json_out is not None:
+            json_out.write_text(json.dumps(asdict(mla), indent=2))
+        return
+    if model != "smollm2":
+        raise KvqError(f"--model is {model!r}; pick smollm2 or glm_moe_dsa")
     config = DecodeBenchConfig(
         threads=threads,
         repeats=repeats,
-        new_tokens=new_tokens,
+        new_tokens=new_tokens or DecodeBenchConfig.new_tokens,
         batch_seqs=batch_seqs,
         batch_new_tokens=batch_new_tokens,
         admission_bf16_slots=admission_slots,

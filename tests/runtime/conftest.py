@@ -74,3 +74,28 @@ def smollm2_int4_calibrated(smollm2_int4: Path, tmp_path_factory: pytest.TempPat
     path = Path(shutil.copytree(smollm2_int4, tmp_path_factory.mktemp("smollm2-int4-kv") / "model"))
     calibrate(path, CalibrationConfig(num_samples=8, seq_len=512))
     return path
+
+
+MlaCheckpoint = Callable[[str, str], Path]
+MLA_FORMATS = ("bf16", "int4-from-bf16", "int4-from-fp8-block", "kimi-int4")
+
+
+@pytest.fixture(scope="session")
+def mla_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> MlaCheckpoint:
+    """`mla_checkpoint(arch, fmt)`: a tiny glm_moe_dsa / deepseek_v3 fixture as BF16, kvq-compressed with
+    `w4a16-experts` (INT4 experts; FP8-block attention when the source is FP8-block) from BF16 or from
+    FP8-block, or (deepseek_v3) in Kimi K2.6's native INT4 layout; each built once per session."""
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, fmt: str) -> Path:
+        assert fmt in MLA_FORMATS, fmt
+        if (arch, fmt) not in built:
+            if fmt.startswith("int4-from-"):
+                source = tiny_checkpoint(arch, fmt.removeprefix("int4-from-"))
+                out = tmp_path_factory.mktemp(f"{arch}-{fmt}") / "model"
+                built[arch, fmt] = compress(source, out, "w4a16-experts", 128)
+            else:
+                built[arch, fmt] = tiny_checkpoint(arch, fmt)
+        return built[arch, fmt]
+
+    return get

@@ -20,7 +20,7 @@ from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.paged_attention import default_sm_scale
 
 if TYPE_CHECKING:
-    from kvq.runtime.kernels import PagedKVCache
+    from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
 
 
 def read_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, factor: torch.Tensor) -> torch.Tensor:
