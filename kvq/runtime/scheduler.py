@@ -69,6 +69,17 @@ class Scheduler:
         self.running.extend(scheduled)
         return scheduled, False
 
+    def admit_prefilled(self, seq: Sequence) -> bool:
+        """Give pages to a sequence whose prompt K/V another engine computed and run it from the next decode
+        step (no prefill here); False when the pool or the batch has no room for it yet."""
+        reserve = sum(self._decode_reserve(s) for s in self.running) + self._decode_reserve(seq)
+        if len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq, reserve):
+            return False
+        self.block_manager.allocate(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s pages and put it first in line; it is recomputed from its tokens when readmitted."""
         self.block_manager.deallocate(seq)

@@ -140,6 +140,12 @@ class TagTracker:
             pages_t = torch.tensor(pages, dtype=torch.int64).to(self.device)
             self.byte_hashes[pages_t] = self._hash(pages_t)
 
+    def after_import(self) -> None:
+        """Pages were written outside a forward (K/V transferred from another engine, `kv_transfer`):
+        their tags go to the device table and the pages sealed for them are hashed now (full mode)."""
+        self._flush()
+        self.after_forward()
+
     def tag_of(self, page_id: int) -> int:
         return int(self._host[page_id])
 

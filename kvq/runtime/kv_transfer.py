@@ -1,0 +1,182 @@
+"""KV page handoff between two engines (the prefill/decode split): what is sent, and its check on arrival.
+
+A prefill engine computes a prompt's KV pages and samples its first token; `export_handoff` copies the
+pages that hold the prompt (every layer, every part: `KVPool.page_bytes_view`, so GQA K/V pages and the
+MLA latent rows, DSA index keys included, travel alike) with, per page, its integrity tag and a digest of
+its bytes. The tag is the sealed tag of the page's prefix chain hash (`block_manager.chain_hash` over the
+page's tokens, a partial last page over the tokens it holds), so the receiver derives the tag it expects
+from the request's own prompt, as the checked pool does. `verify_handoff` recomputes both on arrival and
+raises `KvTransferError` naming the request and the page; the caller ends only that request.
+`kv_identity` is what two workers must agree on for their pages to mean the same thing: the KV cache
+spec (`kvq.checkpoint.kv_cache_spec`), the pool layout and page size, the FP8 KV scales and the
+tokenizer; `check_same_kv` refuses by field name. Imports torch and kvq.runtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvq.errors import KvqError
+from kvq.runtime.block_manager import ROOT_HASH, chain_hash
+from kvq.runtime.integrity.tags import format_tag, sealed_tag
+from kvq.runtime.kv_pool import KVPool
+
+DIGEST_BYTES = 16
+
+
+class KvTransferError(KvqError):
+    """A handoff that cannot be used: a page whose tag or bytes are not what was sent, or two workers that
+    do not agree on the KV cache. Ends only the request it names."""
+
+
+@dataclass
+class PageRecord:
+    """One prompt page in transit: its logical index in the request, tag, digest and bytes."""
+
+    logical_index: int
+    tag: int  # signed int64, `sealed_tag` of the page's prefix chain hash
+    digest: bytes  # blake2b of `data`'s bytes
+    data: torch.Tensor  # [L, C, page_size * row_bytes] uint8, on the host
+
+
+@dataclass
+class KVHandoff:
+    """A prefilled request: its prompt, first sampled token, sampler state and prompt pages."""
+
+    prompt_token_ids: list[int]
+    first_token_id: int
+    identity: dict[str, str]  # the sender's `kv_identity`
+    pages: list[PageRecord] = field(default_factory=list)
+    generator_state: torch.Tensor | None = None  # a seeded request's sampler state after its first token
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.data.numel() for p in self.pages)
+
+
+def page_digest(data: torch.Tensor) -> bytes:
+    return hashlib.blake2b(data.numpy().tobytes(), digest_size=DIGEST_BYTES).digest()
+
+
+def transfer_tags(token_ids: list[int], page_size: int) -> list[int]:
+    """The tag of each page holding `token_ids`: sealed tags of the chain hash, the last page over the
+    tokens it holds (a full page's tag is the one the checked pool gives it)."""
+    tags, previous = [], ROOT_HASH
+    for start in range(0, len(token_ids), page_size):
+        previous = chain_hash(previous, token_ids[start : start + page_size])
+        tags.append(sealed_tag(previous))
+    return tags
+
+
+def kv_identity(
+    spec: object, layout: object, page_size: int, scales: list[dict], tokenizer: object, model_type: str
+) -> dict[str, str]:
+    """The fields two workers must agree on for pages to transfer, each as a string (compared by name)."""
+    identity = {name: str(value) for name, value in asdict(spec).items()}  # type: ignore[call-overload]
+    identity.update(model_type=model_type, layout=repr(layout), page_size=str(page_size))
+    if getattr(layout, "dtype", None) == torch.float8_e4m3fn:
+        names = getattr(layout, "scale_names", ())
+        digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        for layer in scales:
+            for name in names:
+                scale = layer.get(name)
+                digest.update(b"none" if scale is None else scale.float().cpu().numpy().tobytes())
+        identity["kv_scales"] = digest.hexdigest()
+    identity["tokenizer"] = tokenizer_digest(tokenizer)
+    return identity
+
+
+def tokenizer_digest(tokenizer: object) -> str:
+    """A digest of everything that maps text to token ids (a fast tokenizer's full JSON, else its vocab)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:
+        text = json.dumps(sorted(tokenizer.get_vocab().items()))  # type: ignore[attr-defined]
+    special = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True)
+    return hashlib.blake2b((text + special).encode(), digest_size=DIGEST_BYTES).hexdigest()
+
+
+def check_same_kv(
+    sender: dict[str, str], receiver: dict[str, str], sender_name: str, receiver_name: str
+) -> None:
+    """`KvTransferError` naming every field the two workers disagree on."""
+    fields = sorted(set(sender) | set(receiver))
+    diffs = [f for f in fields if sender.get(f) != receiver.get(f)]
+    if not diffs:
+        return
+    shown = "; ".join(f"{f}: {sender.get(f, 'absent')} vs {receiver.get(f, 'absent')}" for f in diffs)
+    raise KvTransferError(
+        f"the prefill worker ({sender_name}) and the decode worker ({receiver_name}) disagree on the KV "
+        f"cache ({shown}); serve checkpoints of the same model with the same --page-size and "
+        "--kv-cache-dtype (and, for FP8 KV, the same calibrated scales)"
+    )
+
+
+def export_handoff(
+    pool: KVPool,
+    token_ids: list[int],
+    num_prompt_tokens: int,
+    block_table: list[int],
+    identity: dict[str, str],
+) -> KVHandoff:
+    """The prompt pages of a prefilled request (prompt + first token in `token_ids`), copied to the host."""
+    prompt = token_ids[:num_prompt_tokens]
+    num_pages = -(-num_prompt_tokens // pool.page_size)
+    page_ids = torch.tensor(block_table[:num_pages], dtype=torch.int64, device=pool.device)
+    data = pool.page_bytes_view().index_select(2, page_ids).cpu()  # [L, C, n, page_size * row_bytes]
+    tags = transfer_tags(prompt, pool.page_size)
+    pages = []
+    for i in range(num_pages):
+        page = data[:, :, i].contiguous()
+        pages.append(PageRecord(i, tags[i], page_digest(page), page))
+    return KVHandoff(prompt, token_ids[num_prompt_tokens], identity, pages)
+
+
+def verify_handoff(handoff: KVHandoff, identity: dict[str, str], request: str, pool: KVPool) -> None:
+    """Check a handoff on arrival: same KV cache as ours, every prompt page present, in order, with the tag
+    the prompt gives it and the bytes its digest says. `KvTransferError` names `request` and the page."""
+    check_same_kv(handoff.identity, identity, "sender", "this worker")
+    expected = transfer_tags(handoff.prompt_token_ids, pool.page_size)
+    if [p.logical_index for p in handoff.pages] != list(range(len(expected))):
+        raise KvTransferError(
+            f"{request}: the handoff holds logical pages {[p.logical_index for p in handoff.pages]} but its "
+            f"{len(handoff.prompt_token_ids)}-token prompt needs pages 0..{len(expected) - 1}; "
+            "the request was stopped"
+        )
+    shape = (pool.num_layers, pool.layout.num_parts, pool.page_size * pool.row_bytes)
+    for page, tag in zip(handoff.pages, expected, strict=True):
+        where = f"{request}: transferred KV page {page.logical_index}"
+        if page.tag != tag:
+            raise KvTransferError(
+                f"{where} carries tag {format_tag(page.tag)} but the prompt's tokens give "
+                f"{format_tag(tag)}: the page is not this request's; the request was stopped"
+            )
+        if tuple(page.data.shape) != shape or page.data.dtype != torch.uint8:
+            raise KvTransferError(
+                f"{where} is {page.data.dtype} {tuple(page.data.shape)}, expected uint8 {shape}; "
+                "the request was stopped"
+            )
+        found = page_digest(page.data)
+        if found != page.digest:
+            raise KvTransferError(
+                f"{where} bytes digest expected {page.digest.hex()}, found {found.hex()}: its bytes "
+                "changed in transit; the request was stopped"
+            )
+
+
+def write_pages(pool: KVPool, block_table: list[int], pages: list[PageRecord], first: int) -> None:
+    """Copy transferred pages `first..` into the pool pages `block_table` gives them (earlier pages were
+    prefix hits, already here)."""
+    todo = pages[first:]
+    if not todo:
+        return
+    page_ids = torch.tensor(
+        [block_table[p.logical_index] for p in todo], dtype=torch.int64, device=pool.device
+    )
+    data = torch.stack([p.data for p in todo], dim=2).to(pool.device)  # [L, C, n, page_size * row_bytes]
+    pool.page_bytes_view().index_copy_(2, page_ids, data)
