@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -19,6 +20,8 @@ from kvq.commands.engine_options import (
 )
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
+
+ROLES = ("single", "prefill", "decode", "pd")
 
 
 def serve_command(
@@ -42,6 +45,22 @@ def serve_command(
     threads: ThreadsOption = None,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
+    role: Annotated[
+        str,
+        typer.Option(
+            help="single (one engine does all); prefill (this HTTP server prefills and hands each "
+            "prompt's KV pages to the decode worker at --pd-socket); decode (no HTTP: decode the "
+            "requests whose pages a prefill worker sends, on --pd-socket); pd (both in one command: a "
+            "decode worker on --decode-model in a child process, prefill here)."
+        ),
+    ] = "single",
+    pd_socket: Annotated[
+        str | None, typer.Option(help="Unix socket of the decode worker (roles prefill and decode).")
+    ] = None,
+    decode_model: Annotated[
+        Path | None,
+        typer.Option(help="--role pd: the decode worker's checkpoint (e.g. INT4; default: MODEL)."),
+    ] = None,
 ) -> None:
     """Serve MODEL over HTTP: /v1/completions and /v1/chat/completions (OpenAI's API, `stream: true` as
     server-sent events), /v1/models, /health.
@@ -56,8 +75,16 @@ def serve_command(
             f"kvq serve needs fastapi and uvicorn ({e}); install them: pip install 'kvq[serve]'"
         ) from e
     from kvq.runtime.engine import Engine
+    from kvq.runtime.pd_engine import PDEngine
     from kvq.serve.app import make_app
     from kvq.serve.async_engine import AsyncEngine
+    from kvq.serve.pd_roles import (
+        PrefillFront,
+        engine_flags,
+        run_decode_worker,
+        start_decode_worker,
+        stop_child,
+    )
 
     config = EngineConfig(
         model=str(model),
@@ -71,10 +98,27 @@ def serve_command(
         max_num_seqs=max_num_seqs,
         kv_integrity=kv_integrity,
     )
-    engine = AsyncEngine(Engine(config))
+    if role not in ROLES:
+        raise KvqError(f"--role is {role!r}; pick one of {', '.join(ROLES)}")
+    if role in ("prefill", "decode") and pd_socket is None:
+        raise KvqError(f"--role {role} needs --pd-socket PATH (the decode worker's Unix socket)")
+    if role == "decode":
+        run_decode_worker(PDEngine(config), str(pd_socket))
+        return
+    child = None
+    if role == "pd":
+        argv = [str(decode_model or model), *engine_flags(config)]
+        child, pd_socket = start_decode_worker(argv)
+    try:
+        front = Engine(config) if role == "single" else PrefillFront(config, pd_socket)
+        engine = AsyncEngine(front)
+    except BaseException:
+        stop_child(child)
+        raise
     try:
         uvicorn.run(
             make_app(engine, served_model_name or model.resolve().name, max_tokens), host=host, port=port
         )
     finally:
         engine.stop()
+        stop_child(child)

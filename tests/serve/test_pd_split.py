@@ -1,0 +1,119 @@
+"""The prefill/decode split across two processes: a real `kvq serve --role decode` worker on a Unix socket,
+pages through shared memory. Greedy outputs equal one engine's (fp32 reference mode); a decode worker that
+is killed fails its in-flight requests with an error and the prefill side keeps serving; a decode worker
+on another model refuses the prefill worker by field name; `kvq serve --role pd` (one command) answers
+over HTTP as a single engine does."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvq.errors import KvqError
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.engine import Engine
+from kvq.runtime.sampling import SamplingParams
+from kvq.serve.pd_roles import PrefillFront, stop_child
+from tests.runtime.test_kv_transfer import prompts
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+OPTIONS = {"dtype": "float32", "kv_memory": "4MiB", "page_size": 4, "threads": 1}
+FLAGS = ["--dtype=float32", "--kv-memory=4MiB", "--page-size=4", "--threads=1"]
+
+
+def config(path: Path) -> EngineConfig:
+    return EngineConfig(model=str(path), **OPTIONS)  # type: ignore[arg-type]
+
+
+def decode_worker(path: Path, socket_path: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "kvq", "serve", str(path), *FLAGS, "--role", "decode"]
+    child = subprocess.Popen([*argv, "--pd-socket", str(socket_path)])
+    deadline = time.monotonic() + 180
+    while not socket_path.exists():
+        assert child.poll() is None, "the decode worker exited"
+        assert time.monotonic() < deadline, "the decode worker did not listen in time"
+        time.sleep(0.1)
+    return child
+
+
+@pytest.fixture
+def llama(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("llama", "bf16")
+
+
+@pytest.fixture
+def worker(llama: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    socket_path = tmp_path / "decode.sock"
+    child = decode_worker(llama, socket_path)
+    yield child, socket_path
+    stop_child(child)
+
+
+def test_split_over_shared_memory_then_a_vanished_decode_worker(llama: Path, worker) -> None:
+    child, socket_path = worker
+    expected = [o.token_ids for o in Engine(config(llama)).generate(prompts(), GREEDY)]
+    front = PrefillFront(config(llama), str(socket_path))
+    outputs = front.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    assert front.num_handoffs == len(prompts()) and front.handoff_bytes > 0
+    # in flight on the decode worker when it is killed: those requests end with an error, in bounded time
+    slow = SamplingParams(max_tokens=200, ignore_eos=True)
+    ids = [front.add_request(p, slow) for p in prompts()[:2]]
+    while front.num_handoffs < len(prompts()) + 2:
+        front.step()
+    child.kill()
+    child.wait(timeout=30)
+    finished, deadline = {}, time.monotonic() + 60
+    while len(finished) < 2 and time.monotonic() < deadline:
+        finished.update({o.request_id: o for o in front.step() if o.finished})
+    assert sorted(finished) == sorted(ids)
+    assert all(
+        o.finish_reason == "error" and "decode worker went away" in (o.error or "") for o in finished.values()
+    )
+    # and the prefill side keeps serving: new requests decode there
+    assert front.link is None
+    assert [o.token_ids for o in front.generate(prompts(), GREEDY)] == expected
+    assert front.block_manager.num_free_pages == front.kv_pool.num_pages
+
+
+def test_a_decode_worker_on_another_model_refuses_by_field(tiny_checkpoint, worker) -> None:
+    _, socket_path = worker
+    with pytest.raises(
+        KvqError, match=r"refused this prefill worker: .*disagree on the KV cache .*model_type"
+    ):
+        PrefillFront(config(tiny_checkpoint("glm4_moe", "bf16")), str(socket_path))
+
+
+def test_the_one_command_mode_answers_as_one_engine(llama: Path) -> None:
+    prompt = prompts()[3]
+    expected = Engine(config(llama)).generate([prompt], SamplingParams(max_tokens=5))[0]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [sys.executable, "-m", "kvq", "serve", str(llama), *FLAGS, "--role", "pd", "--port", str(port)]
+    proc = subprocess.Popen([*argv, "--served-model-name", "tiny"], start_new_session=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{url}/health")
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, "kvq serve --role pd exited"
+                time.sleep(0.2)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert reply["choices"][0]["text"] == expected.text
+        assert reply["usage"]["completion_tokens"] == len(expected.token_ids)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
