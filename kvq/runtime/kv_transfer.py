@@ -1,12 +1,14 @@
 """KV page handoff between two engines (the prefill/decode split): what is sent, and its check on arrival.
 
-A prefill engine computes a prompt's KV pages and samples its first token; `export_handoff` copies the
-pages that hold the prompt (every layer, every part: `KVPool.page_bytes_view`, so GQA K/V pages and the
-MLA latent rows, DSA index keys included, travel alike) with, per page, its integrity tag and a digest of
-its bytes. The tag is the sealed tag of the page's prefix chain hash (`block_manager.chain_hash` over the
-page's tokens, a partial last page over the tokens it holds), so the receiver derives the tag it expects
-from the request's own prompt, as the checked pool does. `verify_handoff` recomputes both on arrival and
-raises `KvTransferError` naming the request and the page; the caller ends only that request.
+A prefill engine computes a prompt's KV pages; `export_handoff` copies the pages that hold the K/V of all
+prompt tokens but the last: the decode engine computes the last one in its first decode step, so every
+sampled token comes from the decode side's weights and sampler (the prefill side's own next-token logits
+are not used). Pages travel whole: every layer, every part (`KVPool.page_bytes_view`), so GQA K/V pages
+and the MLA latent rows, DSA index keys included, travel alike, each with its integrity tag and a digest
+of its bytes. The tag is the sealed tag of the page's prefix chain hash (`block_manager.chain_hash` over
+the page's tokens, a partial last page over the tokens it holds), so the receiver derives the tag it
+expects from the request's own prompt, as the checked pool does. `verify_handoff` recomputes both on
+arrival and raises `KvTransferError` naming the request and the page; the caller ends only that request.
 `kv_identity` is what two workers must agree on for their pages to mean the same thing: the KV cache
 spec (`kvq.checkpoint.kv_cache_spec`), the pool layout and page size, the FP8 KV scales and the
 tokenizer; `check_same_kv` refuses by field name. Imports torch and kvq.runtime.
@@ -45,13 +47,16 @@ class PageRecord:
 
 @dataclass
 class KVHandoff:
-    """A prefilled request: its prompt, first sampled token, sampler state and prompt pages."""
+    """A prefilled request: its prompt and the pages holding the K/V of `prompt_token_ids[:-1]`."""
 
     prompt_token_ids: list[int]
-    first_token_id: int
     identity: dict[str, str]  # the sender's `kv_identity`
     pages: list[PageRecord] = field(default_factory=list)
-    generator_state: torch.Tensor | None = None  # a seeded request's sampler state after its first token
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose K/V the pages hold: all of the prompt but its last token."""
+        return len(self.prompt_token_ids) - 1
 
     @property
     def num_bytes(self) -> int:
@@ -118,30 +123,27 @@ def check_same_kv(
 
 
 def export_handoff(
-    pool: KVPool,
-    token_ids: list[int],
-    num_prompt_tokens: int,
-    block_table: list[int],
-    identity: dict[str, str],
+    pool: KVPool, prompt: list[int], block_table: list[int], identity: dict[str, str]
 ) -> KVHandoff:
-    """The prompt pages of a prefilled request (prompt + first token in `token_ids`), copied to the host."""
-    prompt = token_ids[:num_prompt_tokens]
-    num_pages = -(-num_prompt_tokens // pool.page_size)
+    """The pages holding the K/V of `prompt[:-1]` (written by the prefill forward), copied to the host."""
+    handoff = KVHandoff(list(prompt), identity)
+    num_pages = -(-handoff.num_computed_tokens // pool.page_size)
+    if not num_pages:
+        return handoff
     page_ids = torch.tensor(block_table[:num_pages], dtype=torch.int64, device=pool.device)
     data = pool.page_bytes_view().index_select(2, page_ids).cpu()  # [L, C, n, page_size * row_bytes]
-    tags = transfer_tags(prompt, pool.page_size)
-    pages = []
+    tags = transfer_tags(prompt[:-1], pool.page_size)
     for i in range(num_pages):
         page = data[:, :, i].contiguous()
-        pages.append(PageRecord(i, tags[i], page_digest(page), page))
-    return KVHandoff(prompt, token_ids[num_prompt_tokens], identity, pages)
+        handoff.pages.append(PageRecord(i, tags[i], page_digest(page), page))
+    return handoff
 
 
 def verify_handoff(handoff: KVHandoff, identity: dict[str, str], request: str, pool: KVPool) -> None:
     """Check a handoff on arrival: same KV cache as ours, every prompt page present, in order, with the tag
     the prompt gives it and the bytes its digest says. `KvTransferError` names `request` and the page."""
     check_same_kv(handoff.identity, identity, "sender", "this worker")
-    expected = transfer_tags(handoff.prompt_token_ids, pool.page_size)
+    expected = transfer_tags(handoff.prompt_token_ids[:-1], pool.page_size)
     if [p.logical_index for p in handoff.pages] != list(range(len(expected))):
         raise KvTransferError(
             f"{request}: the handoff holds logical pages {[p.logical_index for p in handoff.pages]} but its "

@@ -69,13 +69,20 @@ class Scheduler:
         self.running.extend(scheduled)
         return scheduled, False
 
-    def admit_prefilled(self, seq: Sequence) -> bool:
-        """Give pages to a sequence whose prompt K/V another engine computed and run it from the next decode
-        step (no prefill here); False when the pool or the batch has no room for it yet."""
-        reserve = sum(self._decode_reserve(s) for s in self.running) + self._decode_reserve(seq)
-        if len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq, reserve):
+    def admit_prefilled(self, seq: Sequence, num_computed: int) -> bool:
+        """Give pages to a sequence whose first `num_computed` tokens' K/V another engine computed and run
+        it from this step's decode, which computes its last token (no prefill here); False when the pool
+        or the batch has no room for it yet."""
+        if len(self.running) >= self.max_num_seqs:
             return False
-        self.block_manager.allocate(seq)
+        token_ids, seq.token_ids = seq.token_ids, seq.token_ids[:num_computed]  # pages for these only
+        try:
+            reserve = sum(self._decode_reserve(s) for s in self.running) + self._decode_reserve(seq)
+            if not self.block_manager.can_allocate(seq, reserve):
+                return False
+            self.block_manager.allocate(seq)
+        finally:
+            seq.token_ids = token_ids
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True

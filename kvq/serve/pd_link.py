@@ -14,6 +14,7 @@ Imports torch and kvq.runtime.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Client, Connection
@@ -31,30 +32,30 @@ class HandoffMeta:
     """A handoff without its page bytes (those are in the segment, page after page)."""
 
     prompt_token_ids: list[int]
-    first_token_id: int
     identity: dict[str, str]
     pages: list[tuple[int, int, bytes]]  # (logical index, tag, digest) per page
     page_shape: tuple[int, ...]
-    generator_state: torch.Tensor | None
 
 
 def send_handoff(conn: Connection, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:
     """Pages into a new shared-memory segment, the rest (and the segment's name) over `conn`."""
-    page_shape = tuple(handoff.pages[0].data.shape)
-    segment = SharedMemory(create=True, size=max(handoff.num_bytes, 1))
-    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]  # the receiver unlinks it
+    pages = handoff.pages
+    meta = HandoffMeta(
+        handoff.prompt_token_ids,
+        handoff.identity,
+        [(p.logical_index, p.tag, p.digest) for p in pages],
+        tuple(pages[0].data.shape) if pages else (),
+    )
+    if not pages:  # a one-token prompt: the decode side computes it all
+        conn.send(("handoff", request_id, meta, params, None))
+        return
+    segment = SharedMemory(create=True, size=handoff.num_bytes)
+    # the receiver unlinks it; our resource tracker would otherwise unlink it again at exit, with a warning
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     try:
         flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=handoff.num_bytes)
-        torch.cat([p.data.flatten() for p in handoff.pages], out=flat)
-        del flat
-        meta = HandoffMeta(
-            handoff.prompt_token_ids,
-            handoff.first_token_id,
-            handoff.identity,
-            [(p.logical_index, p.tag, p.digest) for p in handoff.pages],
-            page_shape,
-            handoff.generator_state,
-        )
+        torch.cat([p.data.flatten() for p in pages], out=flat)
+        del flat  # before close: the mapping cannot close while a tensor views it
         conn.send(("handoff", request_id, meta, params, segment.name))
     except BaseException:
         segment.unlink()
@@ -63,21 +64,22 @@ def send_handoff(conn: Connection, request_id: int, handoff: KVHandoff, params: 
         segment.close()
 
 
-def receive_handoff(meta: HandoffMeta, segment_name: str) -> KVHandoff:
+def receive_handoff(meta: HandoffMeta, segment_name: str | None) -> KVHandoff:
     """The handoff a "handoff" message names, its pages copied out of the segment (which is then removed)."""
+    if segment_name is None:
+        return KVHandoff(meta.prompt_token_ids, meta.identity, [])
     segment = SharedMemory(name=segment_name)
     resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     try:
-        page_bytes = 1
-        for n in meta.page_shape:
-            page_bytes *= n
-        flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=page_bytes * len(meta.pages)).clone()
+        page_bytes = math.prod(meta.page_shape)
+        count = page_bytes * len(meta.pages)
+        flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=count).clone()
     finally:
         segment.close()
         segment.unlink()
     data = flat.view(len(meta.pages), *meta.page_shape)
     pages = [PageRecord(index, tag, digest, data[i]) for i, (index, tag, digest) in enumerate(meta.pages)]
-    return KVHandoff(meta.prompt_token_ids, meta.first_token_id, meta.identity, pages, meta.generator_state)
+    return KVHandoff(meta.prompt_token_ids, meta.identity, pages)
 
 
 def connect(socket_path: str, identity: dict[str, str], name: str, timeout_s: float = 30.0) -> Connection:

@@ -24,8 +24,8 @@ from pathlib import Path
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import RequestOutput
-from kvq.runtime.kv_transfer import KvTransferError, check_same_kv
-from kvq.runtime.pd_engine import PDEngine
+from kvq.runtime.kv_transfer import KVHandoff, KvTransferError, check_same_kv
+from kvq.runtime.pd_engine import PDEngine, failed_output
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.sequence import Sequence
 from kvq.serve.pd_link import connect, receive_handoff, send_handoff
@@ -40,47 +40,45 @@ class PrefillFront(PDEngine):
         self.link: Connection | None = None
         if socket_path is not None:
             self.link = connect(socket_path, self.kv_identity, str(self.ckpt.root))
-        self._params: dict[int, SamplingParams] = {}  # local requests not yet prefilled
-        self._remote: dict[int, RequestOutput] = {}  # handed off -> its last output here
+        self._params: dict[int, SamplingParams] = {}  # queued to hand off
+        self._remote: dict[int, list[int]] = {}  # handed off: request id -> its prompt
         self.num_handoffs = 0
         self.handoff_bytes = 0
 
     def _queue(self, seq: Sequence) -> None:
         super()._queue(seq)
-        self._params[seq.seq_id] = seq.params
+        if self.link is not None:
+            self.mark_for_hand_off(seq.seq_id)
+            self._params[seq.seq_id] = seq.params
 
     def abort(self, request_id: int) -> bool:
-        self._params.pop(request_id, None)
         if self._remote.pop(request_id, None) is not None:
             self._send(("abort", request_id))
             return True
+        self._params.pop(request_id, None)
         return super().abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._remote) or super().has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs = []
-        for out in super().step():
-            params = self._params.pop(out.request_id, None)
-            if params is not None and not out.finished and self.link is not None:
-                handoff = self.hand_off(out.request_id)
-                if self._send_handoff(out.request_id, handoff, params):
-                    self._remote[out.request_id] = out
-                    self.num_handoffs += 1
-                    self.handoff_bytes += handoff.num_bytes
-                    continue
-                outputs.append(self._lost(out))  # the decode worker went away as it was sent
-                continue
-            outputs.append(out)
+        outputs = super().step()
+        for request_id, handoff in self.take_handoffs().items():
+            params = self._params.pop(request_id)
+            if self._send_handoff(request_id, handoff, params):
+                self._remote[request_id] = handoff.prompt_token_ids
+                self.num_handoffs += 1
+                self.handoff_bytes += handoff.num_bytes
+            else:
+                outputs.append(self._lost(request_id, handoff.prompt_token_ids))
         if self._remote:
-            outputs += self._remote_outputs(
-                wait_s=0.0 if outputs or super().has_unfinished_requests() else IDLE_POLL_S
-            )
+            is_idle = not outputs and not super().has_unfinished_requests()
+            outputs += self._remote_outputs(IDLE_POLL_S if is_idle else 0.0)
         return outputs
 
-    def _send_handoff(self, request_id: int, handoff, params: SamplingParams) -> bool:  # noqa: ANN001
-        assert self.link is not None
+    def _send_handoff(self, request_id: int, handoff: KVHandoff, params: SamplingParams) -> bool:
+        if self.link is None:
+            return False
         try:
             send_handoff(self.link, request_id, handoff, params)
             return True
@@ -105,10 +103,7 @@ class PrefillFront(PDEngine):
                 if request_id not in self._remote:
                     continue  # aborted here meanwhile
                 if kind == "refused":
-                    out = replace(
-                        self._remote.pop(request_id), finished=True, finish_reason="error", delta=""
-                    )
-                    outputs.append(replace(out, error=str(body)))
+                    outputs.append(failed_output(request_id, self._remote.pop(request_id), str(body)))
                     continue
                 out = replace(body, request_id=request_id)
                 outputs.append(out)
@@ -117,15 +112,16 @@ class PrefillFront(PDEngine):
         except (EOFError, OSError) as e:
             self._drop_link(e)
         if self.link is None:
-            outputs += [self._lost(out) for out in self._remote.values()]
+            outputs += [self._lost(request_id, prompt) for request_id, prompt in self._remote.items()]
             self._remote.clear()
         return outputs
 
-    def _lost(self, out: RequestOutput) -> RequestOutput:
+    def _lost(self, request_id: int, prompt: list[int]) -> RequestOutput:
         message = "the decode worker went away while this request was in flight; the request was stopped"
-        return replace(out, finished=True, finish_reason="error", error=message, delta="")
+        return failed_output(request_id, prompt, message)
 
     def _drop_link(self, error: BaseException) -> None:
+        """No decode worker any more: requests not yet prefilled decode here from now on."""
         if self.link is not None:
             log.error(
                 "the decode worker went away (%s); %d requests in flight fail, new ones decode here",
@@ -134,6 +130,8 @@ class PrefillFront(PDEngine):
             )
             self.link.close()
         self.link = None
+        self._to_hand_off.clear()
+        self._params.clear()
 
 
 def run_decode_worker(engine: PDEngine, socket_path: str) -> None:

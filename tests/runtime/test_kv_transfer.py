@@ -20,11 +20,12 @@ from kvq.runtime.sampling import SamplingParams
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def prompts(num: int = 4, seed: int = 0) -> list[list[int]]:
-    """Lengths below a page, at a page boundary and past it (page size 4); two share a 9-token prefix."""
+def prompts(seed: int = 0) -> list[list[int]]:
+    """One token (no page to send), below a page, at a page boundary and past it (page size 4); the last
+    two share a 9-token prefix."""
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(3, 2000, (9,), generator=gen).tolist()
-    lengths = [3, 8, 11, 13][:num]
+    lengths = [1, 3, 8, 11, 13]
     out = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in lengths]
     out[-1] = prefix + out[-1][: 13 - 9]
     out[-2] = prefix + out[-2][: 11 - 9]
@@ -46,7 +47,7 @@ def test_split_outputs_equal_one_engines(tiny_checkpoint, arch: str) -> None:
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finish_reason == "length" for o in outputs)
     assert decode.stats.integrity_aborts == 0
-    assert decode.stats.num_steps == GREEDY.max_tokens - 1  # no prefill ran on the decode side
+    assert decode.stats.num_steps == GREEDY.max_tokens  # no prefill ran on the decode side
     assert decode.block_manager.num_free_pages == decode.kv_pool.num_pages
     assert prefill.block_manager.num_free_pages == prefill.kv_pool.num_pages
 
@@ -58,13 +59,19 @@ def test_seeded_sampling_continues_the_prefill_sides_stream(tiny_checkpoint) -> 
     assert [o.token_ids for o in generate_split(engine(path), engine(path), prompts(), params)] == expected
 
 
+def handoff_of(prefill: PDEngine, prompt: list[int]) -> KVHandoff:
+    request_id = prefill.add_prefill_request(prompt, GREEDY)
+    assert prefill.step() == []  # its output is the decode side's to give
+    (handoff,) = prefill.take_handoffs().values()
+    assert prefill.take_handoffs() == {} and not prefill.has_unfinished_requests()
+    assert handoff.prompt_token_ids == prompt and request_id >= 0
+    return handoff
+
+
 def test_transferred_pages_carry_the_tags_the_decode_side_expects(tiny_checkpoint) -> None:
     path = tiny_checkpoint("llama", "bf16")
     prefill, decode = engine(path), engine(path, kv_integrity="tags")
-    prompt = prompts()[2]  # 11 tokens: two full pages and a partial one
-    prefill.add_request(prompt, GREEDY)
-    (out,) = prefill.step()
-    handoff = prefill.hand_off(out.request_id)
+    handoff = handoff_of(prefill, prompts()[3])  # 11 tokens: K/V of 10 in two full pages and a partial one
     assert [p.logical_index for p in handoff.pages] == [0, 1, 2]
     request_id = decode.add_prefilled(handoff, GREEDY)
     decode.step()  # admits it (pages copied in) and runs its first decode step
@@ -91,26 +98,20 @@ def test_a_page_damaged_in_transit_ends_only_its_request(tiny_checkpoint, damage
     expected = [o.token_ids for o in engine(path, Engine).generate(prompts(), GREEDY)]
 
     def in_transit(i: int, handoff: KVHandoff) -> None:
-        if i == 1:
+        if i == 2:
             damage(handoff)
 
     decode = engine(path)
     outputs = generate_split(engine(path), decode, prompts(), GREEDY, in_transit)
-    assert outputs[1].finish_reason == "error"
-    assert outputs[1].error is not None and found in outputs[1].error and "page" in outputs[1].error
-    assert [o.token_ids for i, o in enumerate(outputs) if i != 1] == expected[:1] + expected[2:]
+    assert outputs[2].finish_reason == "error" and not outputs[2].token_ids
+    assert outputs[2].error is not None and found in outputs[2].error and "page" in outputs[2].error
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 2] == expected[:2] + expected[3:]
     assert decode.block_manager.num_free_pages == decode.kv_pool.num_pages
-
-
-def handoff_of(prefill: PDEngine, prompt: list[int]) -> KVHandoff:
-    prefill.add_request(prompt, GREEDY)
-    (out,) = prefill.step()
-    return prefill.hand_off(out.request_id)
 
 
 def test_workers_that_disagree_on_the_kv_cache_are_refused_by_name(tiny_checkpoint) -> None:
     path = tiny_checkpoint("llama", "bf16")
-    handoff = handoff_of(engine(path), prompts()[0])
+    handoff = handoff_of(engine(path), prompts()[1])
     with pytest.raises(KvTransferError, match=r"disagree on the KV cache .*page_size: 4 vs 8"):
         engine(path, page_size=8).add_prefilled(handoff, GREEDY)
     with pytest.raises(KvTransferError, match=r"model_type: llama vs glm4_moe"):

@@ -67,7 +67,7 @@ def test_split_over_shared_memory_then_a_vanished_decode_worker(llama: Path, wor
     assert front.num_handoffs == len(prompts()) and front.handoff_bytes > 0
     # in flight on the decode worker when it is killed: those requests end with an error, in bounded time
     slow = SamplingParams(max_tokens=200, ignore_eos=True)
-    ids = [front.add_request(p, slow) for p in prompts()[:2]]
+    ids = [front.add_request(p, slow) for p in prompts()[2:4]]
     while front.num_handoffs < len(prompts()) + 2:
         front.step()
     child.kill()
