@@ -58,6 +58,7 @@ def send_handoff(conn: Connection, request_id: int, handoff: KVHandoff, params: 
         del flat  # before close: the mapping cannot close while a tensor views it
         conn.send(("handoff", request_id, meta, params, segment.name))
     except BaseException:
+        resource_tracker.register(segment._name, "shared_memory")  # type: ignore[attr-defined]  # unlink drops it
         segment.unlink()
         raise
     finally:
@@ -69,7 +70,6 @@ def receive_handoff(meta: HandoffMeta, segment_name: str | None) -> KVHandoff:
     if segment_name is None:
         return KVHandoff(meta.prompt_token_ids, meta.identity, [])
     segment = SharedMemory(name=segment_name)
-    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     try:
         page_bytes = math.prod(meta.page_shape)
         count = page_bytes * len(meta.pages)
