@@ -20,7 +20,10 @@ import pytest
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
+from kvq.runtime.kv_transfer import KVHandoff
 from kvq.runtime.sampling import SamplingParams
+from kvq.serve import pd_roles
+from kvq.serve.pd_link import send_handoff
 from kvq.serve.pd_roles import PrefillFront, stop_child
 from tests.runtime.test_kv_transfer import prompts
 
@@ -58,17 +61,31 @@ def worker(llama: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path
     stop_child(child)
 
 
-def test_split_over_shared_memory_then_a_vanished_decode_worker(llama: Path, worker) -> None:
+def test_split_over_shared_memory_then_a_vanished_decode_worker(
+    llama: Path, worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     child, socket_path = worker
     expected = [o.token_ids for o in Engine(config(llama)).generate(prompts(), GREEDY)]
     front = PrefillFront(config(llama), str(socket_path))
     outputs = front.generate(prompts(), GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert front.num_handoffs == len(prompts()) and front.handoff_bytes > 0
+
+    # a byte flipped on the way (after its digest was taken): the decode worker refuses that request only
+    def corrupting(conn, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:  # noqa: ANN001
+        if handoff.prompt_token_ids == prompts()[2]:
+            handoff.pages[1].data[0, 1, 7] ^= 0x01
+        send_handoff(conn, request_id, handoff, params)
+
+    monkeypatch.setattr(pd_roles, "send_handoff", corrupting)
+    outputs = front.generate(prompts(), GREEDY)
+    assert outputs[2].finish_reason == "error" and "bytes digest" in (outputs[2].error or "")
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 2] == expected[:2] + expected[3:]
+    monkeypatch.undo()
     # in flight on the decode worker when it is killed: those requests end with an error, in bounded time
     slow = SamplingParams(max_tokens=200, ignore_eos=True)
     ids = [front.add_request(p, slow) for p in prompts()[2:4]]
-    while front.num_handoffs < len(prompts()) + 2:
+    while front.num_handoffs < 2 * len(prompts()) + 2:
         front.step()
     child.kill()
     child.wait(timeout=30)
