@@ -6,8 +6,6 @@ over HTTP as a single engine does."""
 
 from __future__ import annotations
 
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from kvq.serve import pd_roles
 from kvq.serve.pd_link import send_handoff
 from kvq.serve.pd_roles import PrefillFront, stop_child
 from tests.runtime.test_kv_transfer import prompts
+from tests.serve.cli_server import kvq_serve
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -113,24 +112,8 @@ def test_a_decode_worker_on_another_model_refuses_by_field(tiny_checkpoint, work
 def test_the_one_command_mode_answers_as_one_engine(llama: Path) -> None:
     prompt = prompts()[3]
     expected = Engine(config(llama)).generate([prompt], SamplingParams(max_tokens=5))[0]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    argv = [sys.executable, "-m", "kvq", "serve", str(llama), *FLAGS, "--role", "pd", "--port", str(port)]
-    proc = subprocess.Popen([*argv, "--served-model-name", "tiny"], start_new_session=True)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{url}/health")
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None, "kvq serve --role pd exited"
-                time.sleep(0.2)
+    with kvq_serve([str(llama), *FLAGS, "--role", "pd", "--served-model-name", "tiny"]) as url:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
         assert reply["choices"][0]["text"] == expected.text
         assert reply["usage"]["completion_tokens"] == len(expected.token_ids)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
