@@ -221,13 +221,16 @@ def start_decode_worker(args: list[str], timeout_s: float = 600.0) -> tuple[subp
     command = [sys.executable, "-m", "kvq", "serve", *args, "--role", "decode", "--pd-socket", socket_path]
     child = subprocess.Popen(command)
     deadline = time.monotonic() + timeout_s
-    while not Path(socket_path).exists():
-        if child.poll() is not None:
-            raise KvqError(f"the decode worker exited with status {child.returncode} before listening")
-        if time.monotonic() > deadline:
-            child.kill()
-            raise KvqError(f"the decode worker did not listen on {socket_path} within {timeout_s:.0f} s")
-        time.sleep(0.1)
+    try:
+        while not Path(socket_path).exists():
+            if child.poll() is not None:
+                raise KvqError(f"the decode worker exited with status {child.returncode} before listening")
+            if time.monotonic() > deadline:
+                raise KvqError(f"the decode worker did not listen on {socket_path} within {timeout_s:.0f} s")
+            time.sleep(0.1)
+    except BaseException:  # Ctrl-C while it loads, too: no orphan worker
+        stop_child(child)
+        raise
     return child, socket_path
 
 

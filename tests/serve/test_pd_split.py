@@ -25,6 +25,7 @@ from kvq.serve.pd_link import send_handoff
 from kvq.serve.pd_roles import PrefillFront, stop_child
 from tests.runtime.test_kv_transfer import prompts
 from tests.serve.cli_server import kvq_serve
+from tests.test_cli_errors import assert_one_line_error
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -112,8 +113,29 @@ def test_a_decode_worker_on_another_model_refuses_by_field(tiny_checkpoint, work
 def test_the_one_command_mode_answers_as_one_engine(llama: Path) -> None:
     prompt = prompts()[3]
     expected = Engine(config(llama)).generate([prompt], SamplingParams(max_tokens=5))[0]
-    with kvq_serve([str(llama), *FLAGS, "--role", "pd", "--served-model-name", "tiny"]) as url:
+    args = [str(llama), *FLAGS, "--role", "pd", "--served-model-name", "tiny"]
+    with kvq_serve(args, timeout_s=600) as url:  # two engines load, one after the other
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
         assert reply["choices"][0]["text"] == expected.text
         assert reply["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--role", "decode"], "--role decode needs --pd-socket PATH"),
+        (["--role", "prefill"], "--role prefill needs --pd-socket PATH"),
+        (["--role", "bogus"], "--role is 'bogus'; pick one of single, prefill, decode, pd"),
+    ],
+)
+def test_bad_roles_are_one_line_errors(tmp_path: Path, args: list[str], fragment: str) -> None:
+    command = [sys.executable, "-m", "kvq", "serve", str(tmp_path), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, fragment)
+
+
+def test_a_prefill_worker_without_its_decode_worker_names_the_socket(llama: Path, tmp_path: Path) -> None:
+    socket_path = tmp_path / "none.sock"
+    with pytest.raises(KvqError, match=rf"{socket_path}: no decode worker answers there"):
+        PrefillFront(config(llama), str(socket_path))
