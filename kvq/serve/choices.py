@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
@@ -38,6 +39,7 @@ class Choices:
         return self.firsts
 
     async def finals(self) -> list[RequestOutput]:
+        """Each choice's final output, its `logprobs` those of every token (outputs carry the new ones)."""
         self.lasts = [await _last(first, it) for first, it in zip(self.firsts, self.iterators, strict=True)]
         return self.lasts
 
@@ -88,10 +90,11 @@ class Choices:
 
 
 async def _last(first: RequestOutput, it: Outputs) -> RequestOutput:
-    last = first
+    last, logprobs = first, list(first.logprobs or [])
     while not last.finished:
         last = await it.__anext__()
-    return last
+        logprobs += last.logprobs or []
+    return last if first.logprobs is None else dataclasses.replace(last, logprobs=logprobs)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
