@@ -30,7 +30,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self, config: uvicorn.Config, engine: AsyncEngine, state: ServeState, timeout: float
     ) -> None:
-        config.timeout_graceful_shutdown = int(timeout + BACKSTOP_SECONDS) + 1  # uvicorn cancels what is left then
+        config.timeout_graceful_shutdown = int(timeout + BACKSTOP_SECONDS) + 1  # then uvicorn cancels all
         super().__init__(config)
         self.engine, self.state, self.timeout = engine, state, timeout
         self._deadline: threading.Timer | None = None

@@ -8,10 +8,6 @@ engine steps; bad requests get 400/404 with the reason; a client that goes away 
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -198,26 +194,3 @@ def test_a_request_the_engine_stops_gets_its_error(server: Server) -> None:
         assert not engine.has_unfinished_requests() and engine.stats.integrity_aborts == 2
     finally:
         async_engine.call(lambda e: e.reset_kv(kv_integrity="off")).result(timeout=30)
-
-
-def test_the_kvq_serve_command(smollm2) -> None:
-    """The command line end to end: `kvq serve` answers, and stops cleanly on Ctrl-C."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    argv = [sys.executable, "-m", "kvq", "serve", str(smollm2.bf16), "--port", str(port)]
-    proc = subprocess.Popen([*argv, "--kv-memory", "16MiB", "--served-model-name", "tiny"], text=True)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{url}/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
-        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
-        assert reply["model"] == "tiny" and reply["usage"]["completion_tokens"] <= 4
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
