@@ -16,6 +16,7 @@ from kvq.inspect import InspectReport, summarize
 
 def render(report: InspectReport) -> Table:
     table = Table(title=f"{report.path}  [bold]{report.format}[/bold]  ({report.num_shards} shards)")
+    table.caption = f"model: {report.model}"
     for col in ("module kind", "tensors", "parameters", "dtypes", "bytes"):
         table.add_column(col, justify="left" if col in ("module kind", "dtypes") else "right")
     for kind, row in report.kinds.items():

@@ -48,10 +48,13 @@ class Recipe:
     ignore: tuple[str, ...]
     group_size: int
 
-    def matches(self, module: str) -> bool:
-        """True if the Linear `module` is targeted and not ignored (compressed-tensors semantics)."""
-        return any(matches_target(module, t) for t in self.targets) and not any(
-            matches_target(module, i) for i in self.ignore
+    def matches(self, *names: str) -> bool:
+        """True if the Linear known by `names` is targeted and not ignored (compressed-tensors semantics).
+
+        `names`: its stored name and, in a multimodal checkpoint, its name without the language-model
+        prefix, so `lm_head` in `ignore` also covers Kimi K2.5's `language_model.lm_head`."""
+        return any(matches_target(n, t) for n in names for t in self.targets) and not any(
+            matches_target(n, i) for n in names for i in self.ignore
         )
 
     def with_group_size(self, group_size: int | None) -> Recipe:

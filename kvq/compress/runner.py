@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvq import __version__
+from kvq.checkpoint.model_config import weight_prefix_of, with_quantization_config
 from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint, block_size
 from kvq.checkpoint.write import TMP_SUFFIX, tmp_path, write_index, write_json_atomic
 from kvq.compress.jobs import CommitJob, Committed, Outcome, PartDone, ShardJob, ShardResult
@@ -88,7 +89,7 @@ def prepare(src: str | Path, out: str | Path, recipe: Recipe) -> PreparedJob:
     ckpt = Checkpoint.open(src)
     out = Path(out)
     _check_out_outside_src(ckpt.root, out)
-    plan = build_plan(ckpt.tensors, recipe, block_size(ckpt))
+    plan = build_plan(ckpt.tensors, recipe, block_size(ckpt), weight_prefix_of(ckpt.config))
     identity = job_identity(recipe.identity(), source_fingerprint(ckpt))
     recorded = _recorded_shards(out, identity)
     jobs = [
@@ -150,10 +151,9 @@ def _finish(job: PreparedJob, weight_map: dict[str, str], shards: dict) -> None:
     out, src = job.out, job.ckpt.root
     total = sum(shards[name]["tensor_bytes"] for name in set(weight_map.values()))
     write_index(out, weight_map, total)
-    config = dict(job.ckpt.config)
     kv_cache_scheme = job.ckpt.quantization_config.get("kv_cache_scheme")
-    config["quantization_config"] = quantization_config(job.recipe, job.plan, kv_cache_scheme)
-    write_json_atomic(config, out / CONFIG_NAME)
+    quant = quantization_config(job.recipe, job.plan, kv_cache_scheme)
+    write_json_atomic(with_quantization_config(job.ckpt.config, quant), out / CONFIG_NAME)
     for path in sorted(src.iterdir()):
         if _is_side_file(path):
             tmp = tmp_path(out / path.name)

@@ -94,16 +94,25 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
     )
 
 
-def build_plan(tensors: Mapping[str, TensorInfo], recipe: Recipe, block: tuple[int, int]) -> CompressPlan:
-    """Plan the whole job; raise `KvqError` naming the tensor for anything that cannot be compressed."""
-    plan = CompressPlan(recipe.group_size, block, has_lm_head="lm_head.weight" in tensors)
+def build_plan(
+    tensors: Mapping[str, TensorInfo], recipe: Recipe, block: tuple[int, int], weight_prefix: str = ""
+) -> CompressPlan:
+    """Plan the whole job; raise `KvqError` naming the tensor for anything that cannot be compressed.
+
+    Only the language model (tensors under `weight_prefix`, e.g. Kimi K2.5's `language_model.`) is
+    quantized; a multimodal wrapper's vision tower and projector are kept at source precision.
+    """
+    plan = CompressPlan(recipe.group_size, block, has_lm_head=f"{weight_prefix}lm_head.weight" in tensors)
     consumed: set[str] = set()
     for name in sorted(tensors):
         info = tensors[name]
         if name.endswith(".weight_scale_inv") or name.rpartition(".")[2] in _COMPRESSED_SUFFIXES:
             _check_not_compressed(info)
             continue
-        task = _task(info, tensors, recipe, block, plan)
+        hf_module = (
+            name.rpartition(".")[0].removeprefix(weight_prefix) if name.startswith(weight_prefix) else None
+        )
+        task = _task(info, tensors, recipe, block, plan, hf_module)
         if task.scale_inv is not None:
             consumed.add(task.scale_inv.name)
         plan.shards.setdefault(info.file.name, []).append(task)
@@ -134,6 +143,7 @@ def _task(
     recipe: Recipe,
     block: tuple[int, int],
     plan: CompressPlan,
+    hf_module: str | None,  # the module's name without the language-model prefix; None outside it
 ) -> TensorTask:
     module = info.name.rpartition(".")[0]
     is_linear = is_linear_weight(info.name, info.shape)
@@ -154,7 +164,7 @@ def _task(
             )
         return TensorTask(COPY, info, None, (OutputTensor(info.name, info.dtype, info.shape),))
     is_float = scale_inv is not None or info.dtype in FLOAT_CODES
-    if is_float and recipe.matches(module):
+    if is_float and hf_module is not None and recipe.matches(module, hf_module):
         if info.shape[1] % recipe.group_size == 0:
             plan.int4_modules.append(module)
             return _int4_task(info, scale_inv, recipe.group_size)

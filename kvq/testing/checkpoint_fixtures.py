@@ -1,4 +1,5 @@
-"""Write test checkpoints laid out like real Hugging Face ones: BF16, or FP8-block (DeepSeek-V3 style).
+"""Write test checkpoints laid out like real Hugging Face ones: BF16, FP8-block (DeepSeek-V3 style), or
+Kimi K2.6's native INT4 (`kimi-int4`, `deepseek_v3` models only: see `kvq.testing.kimi_fixture`).
 
 `build_fixture` makes a random tiny/bench model of one architecture; `write_checkpoint` is the writer it
 and the SmolLM2 builder share: >= 3 shards through kvq's atomic writer, an index, a cross-shard
@@ -26,10 +27,11 @@ from kvq.testing.staging import staged_dir
 from kvq.testing.tiny_models import random_tensor, tiny_config
 from kvq.testing.tiny_tokenizer import tiny_tokenizer
 
-FORMATS = ("bf16", "fp8-block")
+FORMATS = ("bf16", "fp8-block", "kimi-int4")
 DEFAULT_MAX_SHARD_BYTES = 512 * 1024**2
 
 Source = Callable[[TensorSpec], torch.Tensor]  # the BF16 checkpoint's tensor for a spec
+Produce = Callable[[TensorSpec], dict[str, torch.Tensor]]  # a stored tensor, with any partner made with it
 
 
 def build_fixture(
@@ -77,21 +79,44 @@ def write_checkpoint(
     """Write `specs` (the BF16 tensors, in module order) as a `fmt` checkpoint directory, atomically."""
     if fmt not in FORMATS:
         raise KvqError(f"fixture format {fmt!r} is unknown; pick one of {', '.join(FORMATS)}")
-    stored = [s for spec in specs for s in fp8_block_specs(spec)] if fmt == "fp8-block" else list(specs)
-    shards = plan_shards(stored, max_shard_bytes)
-    out_dir = Path(out_dir)
-    with staged_dir(out_dir) as tmp:
-        weight_map = _write_shards(tmp, shards, {s.name: s for s in specs}, source)
-        write_index(tmp, weight_map, total_size=sum(spec_nbytes(s) for s in stored))
+    bf16_specs = {s.name: s for s in specs}
+    generation_config = generation_config or GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    if fmt == "kimi-int4":
+        from kvq.testing.kimi_fixture import kimi_layout
+
+        stored, produce, config_dict = kimi_layout(specs, source, config)
+    else:
+        stored = [s for spec in specs for s in fp8_block_specs(spec)] if fmt == "fp8-block" else list(specs)
         config_dict = config_json(config)
         if fmt == "fp8-block":
             config_dict["quantization_config"] = dict(FP8_BLOCK_QUANTIZATION_CONFIG)
+
+        def produce(spec: TensorSpec) -> dict[str, torch.Tensor]:
+            return _materialize(spec, bf16_specs, source)
+
+    return write_stored(out_dir, stored, produce, config_dict, tokenizer, generation_config, max_shard_bytes)
+
+
+def write_stored(
+    out_dir: Path,
+    stored: Sequence[TensorSpec],
+    produce: Produce,
+    config_dict: dict,
+    tokenizer: PreTrainedTokenizerBase,
+    generation_config: GenerationConfig,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write the `stored` tensors (made by `produce`) and the model files as a checkpoint, atomically."""
+    shards = plan_shards(stored, max_shard_bytes)
+    out_dir = Path(out_dir)
+    with staged_dir(out_dir) as tmp:
+        weight_map = _write_shards(tmp, shards, produce)
+        write_index(tmp, weight_map, total_size=sum(spec_nbytes(s) for s in stored))
         write_json_atomic(config_dict, tmp / "config.json")
-        generation_config = generation_config or GenerationConfig(
-            bos_token_id=config.bos_token_id,
-            eos_token_id=config.eos_token_id,
-            pad_token_id=config.pad_token_id,
-        )
         write_json_atomic(generation_config.to_diff_dict(), tmp / "generation_config.json")
         save_tokenizer(tokenizer, tmp)
     return out_dir
@@ -107,17 +132,16 @@ def config_json(config: PretrainedConfig) -> dict:
     return {k: v for k, v in config.to_dict().items() if k not in generic or v != generic[k]}
 
 
-def _write_shards(
-    root: Path, shards: list[list[TensorSpec]], bf16_specs: dict[str, TensorSpec], source: Source
-) -> dict[str, str]:
-    """Materialize and write each shard in turn; an FP8 pair split across shards is quantized once."""
+def _write_shards(root: Path, shards: list[list[TensorSpec]], produce: Produce) -> dict[str, str]:
+    """Materialize and write each shard in turn; tensors made together (an FP8 weight and its scale) are
+    made once, even when a shard boundary splits them."""
     pending: dict[str, torch.Tensor] = {}  # stored name -> tensor made early with its FP8 partner
     weight_map: dict[str, str] = {}
     for file_name, shard in zip(shard_file_names(len(shards)), shards, strict=True):
         tensors: dict[str, torch.Tensor] = {}
         for spec in shard:
             if spec.name not in pending:
-                pending.update(_materialize(spec, bf16_specs, source))
+                pending.update(produce(spec))
             tensor = pending.pop(spec.name)
             assert tensor.dtype == spec.dtype and tuple(tensor.shape) == spec.shape, (spec, tensor.shape)
             tensors[spec.name] = tensor

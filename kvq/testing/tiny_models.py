@@ -1,10 +1,13 @@
-"""Small random models of the three architectures kvq handles, for tests ("tiny") and benchmarks ("bench").
+"""Small random models of the architectures kvq handles, for tests ("tiny") and benchmarks ("bench").
 
 Dimensions are chosen to hit real edge cases: hidden 256 / head_dim 64 keep most attention and expert
 Linear input dims multiples of 128 (INT4 group-128 has work, vLLM CPU FP8 KV needs head_dim % 32 == 0),
-while the dense MLP (intermediate 576) and the DSA q_lora rank (192) give input dims that are not (partial
-FP8 blocks, skipped by group-128). Weights are drawn per on-disk tensor name from a seeded generator, so a
-tensor's values depend only on (seed, name, shape) and any fixture can be built shard by shard.
+while the dense MLP (intermediate 576) and the MLA q_lora ranks (DSA 192, DeepSeek-V3 160) give input dims
+that are not (partial FP8 blocks, skipped by group-128). `deepseek_v3` is shaped like Kimi K2: a grouped
+sigmoid router (`n_group` 4, `topk_group` 2, `noaux_tc`), YaRN with Kimi's mscale (factor 64 over an
+original context of 64), one dense first layer, a shared expert, v_head_dim != qk_head_dim. Weights are
+drawn per on-disk tensor name from a seeded generator, so a tensor's values depend only on (seed, name,
+shape) and any fixture can be built shard by shard.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Glm4MoeConfig,
     GlmMoeDsaConfig,
     LlamaConfig,
@@ -26,7 +30,7 @@ from kvq.checkpoint.specs import TensorSpec, checkpoint_specs, meta_model
 from kvq.errors import KvqError
 from kvq.testing.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 
-ARCHITECTURES = ("llama", "glm4_moe", "glm_moe_dsa")
+ARCHITECTURES = ("llama", "glm4_moe", "glm_moe_dsa", "deepseek_v3")
 SIZES = ("tiny", "bench")
 INIT_STD = 0.02  # transformers' initializer_range default
 
@@ -41,6 +45,40 @@ _MOE = {
     "norm_topk_prob": True,
     "routed_scaling_factor": 2.5,
 }
+# Kimi K2's router (its config.json has n_group 1 / topk_group 1; grouped here so the group
+# limit is exercised, as in DeepSeek-V3's 8 / 4), scaled down.
+_KIMI_MOE = {
+    **_MOE,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.827,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+}
+# The MLA models (glm_moe_dsa, deepseek_v3) share their attention and MoE sizes.
+_MLA_TINY = {
+    "hidden_size": 256,
+    "intermediate_size": 576,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+}
+_MLA_BENCH = {
+    **_MLA_TINY,
+    "hidden_size": 1024,
+    "intermediate_size": 2880,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 10,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 256,
+}
+_BENCH_EXPERTS = {"n_routed_experts": 64, "num_experts_per_tok": 4}
 _DIMS: dict[str, dict[str, dict]] = {
     "llama": {
         "tiny": {"hidden_size": 256, "intermediate_size": 576, "num_hidden_layers": 2, **_ATTENTION},
@@ -78,44 +116,42 @@ _DIMS: dict[str, dict[str, dict]] = {
     },
     "glm_moe_dsa": {
         "tiny": {
-            "hidden_size": 256,
-            "intermediate_size": 576,
-            "moe_intermediate_size": 128,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
+            **_MLA_TINY,
             "q_lora_rank": 192,
-            "kv_lora_rank": 128,
-            "qk_nope_head_dim": 64,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 64,
             "index_topk": 8,
             "index_head_dim": 128,
             "index_n_heads": 4,
             **_MOE,
         },
         "bench": {
-            "hidden_size": 1024,
-            "intermediate_size": 2880,
-            "moe_intermediate_size": 768,
-            "num_hidden_layers": 10,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 16,
+            **_MLA_BENCH,
             "q_lora_rank": 384,
-            "kv_lora_rank": 256,
-            "qk_nope_head_dim": 64,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 64,
             "index_topk": 64,
             "index_head_dim": 128,
             "index_n_heads": 8,
             **_MOE,
-            "n_routed_experts": 64,
-            "num_experts_per_tok": 4,
+            **_BENCH_EXPERTS,
+        },
+    },
+    "deepseek_v3": {
+        "tiny": {**_MLA_TINY, "q_lora_rank": 160, **_KIMI_MOE},
+        "bench": {
+            **_MLA_BENCH,
+            "q_lora_rank": 416,
+            **_KIMI_MOE,
+            **_BENCH_EXPERTS,
+            "n_group": 8,
+            "topk_group": 4,
         },
     },
 }
-_CONFIG_CLASSES = {"llama": LlamaConfig, "glm4_moe": Glm4MoeConfig, "glm_moe_dsa": GlmMoeDsaConfig}
+_CONFIG_CLASSES = {
+    "llama": LlamaConfig,
+    "glm4_moe": Glm4MoeConfig,
+    "glm_moe_dsa": GlmMoeDsaConfig,
+    "deepseek_v3": DeepseekV3Config,
+}
+MAX_POSITIONS = 4096
 _ARCH_EXTRAS: dict[str, dict] = {
     "llama": {"tie_word_embeddings": False},
     # GLM-4.5: q/k/v biases, half the head dim rotated. No MTP layer: transformers 5.17 only skips MTP
@@ -127,6 +163,21 @@ _ARCH_EXTRAS: dict[str, dict] = {
         "num_mtp_layers": 0,
     },
     "glm_moe_dsa": {"attention_bias": False},
+    # Kimi K2.6's rope_scaling with the same factor and mscales; no MTP layer (Kimi ships none).
+    "deepseek_v3": {
+        "attention_bias": False,
+        "num_nextn_predict_layers": 0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 50000.0,
+            "factor": 64.0,
+            "original_max_position_embeddings": MAX_POSITIONS // 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
 }
 
 
@@ -159,7 +210,7 @@ def tiny_config(
         dims["num_hidden_layers"] = num_layers
     config = _CONFIG_CLASSES[arch](
         vocab_size=vocab_size,
-        max_position_embeddings=4096,
+        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,
         initializer_range=INIT_STD,
         bos_token_id=bos_token_id,
@@ -203,8 +254,20 @@ def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
 def build_model(config: PretrainedConfig, *, seed: int = 0) -> PreTrainedModel:
     """The random model in memory (eval mode, bf16) holding exactly the fixture's BF16 tensors."""
     tensors = {spec.name: random_tensor(spec, seed) for spec in checkpoint_specs(config)}
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return load_tensors(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), tensors)
+
+
+def load_tensors(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> PreTrainedModel:
+    """`model` (eval mode) holding the per-expert on-disk `tensors` (transformers names), every one.
+
+    The fp32 router `e_score_correction_bias` stays fp32, as `from_pretrained` keeps it
+    (`_keep_in_fp32_modules_strict`); `from_config` makes DeepSeek-V3's in the model dtype.
+    """
     missing, unexpected = model.load_state_dict(fuse_experts(tensors), strict=False)
     assert not unexpected, unexpected
     assert all("inv_freq" in k for k in missing), missing
+    for name, buffer in list(model.named_buffers()):
+        if name.endswith("e_score_correction_bias") and buffer.dtype != tensors[name].dtype:
+            module, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(module), leaf, tensors[name].clone())
     return model.eval()

@@ -20,6 +20,8 @@ CASES = [
     ("glm4_moe", "bf16", "w4a16-experts", None),
     ("glm_moe_dsa", "fp8-block", "w4a16-experts", None),
     ("glm_moe_dsa", "bf16", "w4a16-experts", None),
+    ("deepseek_v3", "fp8-block", "w4a16-experts", None),
+    ("deepseek_v3", "bf16", "w4a16-experts", None),
     ("glm_moe_dsa", "fp8-block", "w4a16-linear", 64),
 ]
 

@@ -30,7 +30,12 @@ from tests.compress.conftest import compress
 # Passing dequantize= overrides only that loading attribute of the config; transformers warns anyway.
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 PROMPT = torch.tensor([[1, 40, 41, 42, 43, 44]])
-RECIPES = {"llama": "w4a16-linear", "glm4_moe": "w4a16-experts", "glm_moe_dsa": "w4a16-experts"}
+RECIPES = {
+    "llama": "w4a16-linear",
+    "glm4_moe": "w4a16-experts",
+    "glm_moe_dsa": "w4a16-experts",
+    "deepseek_v3": "w4a16-experts",
+}
 
 
 def load(path: Path, *, dequantize: bool = True):

@@ -16,7 +16,7 @@ from kvq.formats.fp8_block import FP8_E4M3_MAX, dequantize_fp8_block
 from kvq.testing.checkpoint_fixtures import build_fixture
 from kvq.testing.tiny_models import ARCHITECTURES, build_model
 
-MOE_ARCHITECTURES = ("glm4_moe", "glm_moe_dsa")
+MOE_ARCHITECTURES = ("glm4_moe", "glm_moe_dsa", "deepseek_v3")
 E4M3_HALF_STEP = 2.0**-4  # 3 mantissa bits: rounding error <= 1/16 of the value (normal range)
 E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # in units of the block scale
 # Independent of kvq's layout code: what DeepSeek-V3 / GLM FP8 checkpoints leave unquantized.

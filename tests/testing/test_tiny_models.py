@@ -9,9 +9,11 @@ import torch
 
 from kvq.checkpoint.expert_layout import fuse_experts, split_expert_shapes
 from kvq.checkpoint.fp8_block_layout import fp8_block_specs
+from kvq.checkpoint.model_config import text_model
 from kvq.checkpoint.specs import TensorSpec, checkpoint_specs
 from kvq.errors import KvqError
-from kvq.testing.tiny_models import ARCHITECTURES, random_tensor, tiny_config
+from kvq.testing.checkpoint_fixtures import config_json
+from kvq.testing.tiny_models import ARCHITECTURES, build_model, random_tensor, tiny_config
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -29,6 +31,47 @@ def test_glm_configs_carry_the_real_features():
     dsa = tiny_config("glm_moe_dsa")
     assert dsa.mlp_layer_types == ["dense", "sparse", "sparse"]
     assert dsa.index_topk == 8 and dsa.q_lora_rank % 128 != 0 and dsa.kv_lora_rank % 128 == 0
+
+
+def test_deepseek_v3_is_kimi_shaped():
+    config = tiny_config("deepseek_v3")
+    assert (config.n_group, config.topk_group, config.topk_method, config.scoring_func) == (
+        4,
+        2,
+        "noaux_tc",
+        "sigmoid",
+    )
+    rope = config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["mscale"], rope["mscale_all_dim"]) == (
+        "yarn",
+        64.0,
+        1.0,
+        1.0,
+    )
+    assert rope["original_max_position_embeddings"] * 64 == config.max_position_embeddings
+    assert (
+        config.q_lora_rank % 128 != 0
+        and config.v_head_dim != config.qk_nope_head_dim + config.qk_rope_head_dim
+    )
+    assert (config.first_k_dense_replace, config.n_shared_experts, config.routed_scaling_factor) == (
+        1,
+        1,
+        2.827,
+    )
+    model = text_model(config_json(config), "config.json")  # kvq accepts what it builds
+    assert model.is_mla and model.architecture == "deepseek_v3"
+
+
+def test_deepseek_v3_router_group_limit_changes_the_choice():
+    """With n_group 4 / topk_group 2 the grouped top-k differs from a plain top-k for some tokens."""
+    model = build_model(tiny_config("deepseek_v3"))
+    router = model.model.layers[1].mlp.gate
+    hidden = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    _, _, grouped = router(hidden)
+    with torch.no_grad():
+        scores = (hidden @ router.weight.float().T).sigmoid() + router.e_score_correction_bias
+    plain = scores.topk(2, dim=-1).indices
+    assert (grouped.sort(-1).values != plain.sort(-1).values).any(dim=-1).float().mean() > 0.02
 
 
 def test_num_layers_must_leave_a_moe_layer():
