@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -25,10 +25,14 @@ from kvq.compress.tensor_plan import build_plan
 from kvq.errors import KvqError
 from kvq.inspect import summarize_tensors
 
+if TYPE_CHECKING:
+    from kvq.commands.plan_deployment import DeploymentCheck
+
 _SHOWN_KEPT = 8
 
 
 def plan_command(
+    ctx: typer.Context,
     src: Annotated[
         Path,
         typer.Argument(
@@ -65,10 +69,24 @@ def plan_command(
         ),
     ] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="A serving config (configs/) whose deployment gives --tp, --gpu-mem, --mem-fraction and "
+            "--recipe (flags override); the plan then says whether its KV dtype fits max_model_len.",
+        ),
+    ] = None,
 ) -> None:
     """Plan a compression: per module kind, tensors, parameters and bytes before and after, the exact output
     size; for an already-compressed checkpoint, what it stores. With --tp/--gpu-mem: the weight memory per
     GPU and the KV-cache tokens that fit, BF16 vs FP8 (e4m3). Reads headers only; writes nothing."""
+    deployment = None
+    if config is not None:
+        from kvq.commands.plan_deployment import DeploymentCheck
+
+        deployment = DeploymentCheck.read(config)
+        tp, gpu_mem, mem_fraction, recipe = deployment.settings(ctx, tp, gpu_mem, mem_fraction, recipe)
     source = open_source(src)
     if tp is not None or gpu_mem is not None:
         if tp is None or gpu_mem is None:
@@ -80,7 +98,7 @@ def plan_command(
                 f"{source.path}: already compressed ({fmt}); kvq plan shows what it holds and its "
                 "serving memory: drop --recipe / --group-size"
             )
-        _plan_stored(source, tp, gpu_mem, mem_fraction, as_json)
+        _plan_stored(source, tp, gpu_mem, mem_fraction, as_json, deployment)
         return
     if recipe is None:
         raise KvqError(
@@ -97,6 +115,7 @@ def plan_command(
         before = _serving(
             source, ((i.name, i.nbytes) for i in source.tensors.values()), tp, gpu_mem, mem_fraction
         )
+    fits = None if deployment is None or memory is None else deployment.verdict(memory)
     if as_json:
         print(
             json.dumps(
@@ -107,6 +126,7 @@ def plan_command(
                     "plan": sizes.to_json(),
                     "serving": memory.to_json() if memory else None,
                     "serving_source": before.to_json() if before else None,
+                    **({"deployment": fits} if fits else {}),
                 },
                 indent=2,
             )
@@ -116,10 +136,19 @@ def plan_command(
     _print_kept(sizes)
     if memory is not None and before is not None:
         console.print(_render_memory([("source as stored", before), (f"after {the_recipe.name}", memory)]))
+    if fits is not None:
+        console.print(fits["summary"])
+        if not fits["fits"]:
+            raise typer.Exit(1)
 
 
 def _plan_stored(
-    source: PlanSource, tp: int | None, gpu_mem: str | None, mem_fraction: float, as_json: bool
+    source: PlanSource,
+    tp: int | None,
+    gpu_mem: str | None,
+    mem_fraction: float,
+    as_json: bool,
+    deployment: DeploymentCheck | None = None,
 ) -> None:
     """An already-compressed source: what it stores, and its serving memory."""
     num_shards = 1 if source.is_bare_config else len({i.file for i in source.tensors.values()})
@@ -129,11 +158,18 @@ def _plan_stored(
         memory = _serving(
             source, ((i.name, i.nbytes) for i in source.tensors.values()), tp, gpu_mem, mem_fraction
         )
+    fits = None if deployment is None or memory is None else deployment.verdict(memory)
     if as_json:
         stored = {"source": str(source.path), "is_bare_config": source.is_bare_config, "recipe": None}
+        serving = memory.to_json() if memory else None
         print(
             json.dumps(
-                {**stored, "stored": report.to_json(), "serving": memory.to_json() if memory else None},
+                {
+                    **stored,
+                    "stored": report.to_json(),
+                    "serving": serving,
+                    **({"deployment": fits} if fits else {}),
+                },
                 indent=2,
             )
         )
@@ -143,6 +179,10 @@ def _plan_stored(
         console.print("derived from config.json: language model only (a vision tower is not derived)")
     if memory is not None:
         console.print(_render_memory([("as stored", memory)]))
+    if fits is not None:
+        console.print(fits["summary"])
+        if not fits["fits"]:
+            raise typer.Exit(1)
 
 
 def _serving(
