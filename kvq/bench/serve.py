@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from kvq.bench.serve_load import LevelResult, run_level, served_model, summarize
@@ -163,7 +164,8 @@ def bench_serve_command(
     specs = parse_servers(url or [], config or [], launch or [])
     prompts = load_prompts(dataset, settings)
     results = {spec.label: bench_server(spec, prompts, settings, api_key, server_log) for spec in specs}
-    console.print(render(results))
+    wide = console if console.is_terminal else Console(highlight=False, width=170)  # a log: do not wrap
+    wide.print(render(results))
     if json_out is not None:
         data = {
             "config": asdict(settings),
