@@ -43,6 +43,7 @@ ENGINE_KEYS = (
     "device",
     "threads",
     "kv_integrity",
+    "lm_head_weights",
 )  # EngineConfig's fields but `model`, here so that reading a config needs no torch (a test checks)
 
 
@@ -142,7 +143,7 @@ def _known(path: Path, prefix: str, data: dict, keys: tuple[str, ...]) -> None:
 
 def embedded_model(name: str) -> Path:
     """The embedded SmolLM2 (BF16), or its INT4 + FP8-KV build (kvq compress + calibrate, made once)."""
-    from kvq.testing.smollm2 import ensure_smollm2
+    from kvq.data.embedded_model import ensure_smollm2
 
     bf16 = ensure_smollm2().bf16
     if name == "embedded:smollm2":

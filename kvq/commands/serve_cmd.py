@@ -20,6 +20,7 @@ from kvq.commands.engine_options import (
     KvCacheDtypeOption,
     KvIntegrityOption,
     KvMemoryOption,
+    LmHeadWeightsOption,
     MaxModelLenOption,
     MaxNumSeqsOption,
     OptionalModelArgument,
@@ -99,6 +100,7 @@ def serve_command(
     require_kv_scales: RequireKvScalesOption = False,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
 ) -> None:
     """Serve MODEL over HTTP: /v1/completions and /v1/chat/completions (OpenAI's API, `stream: true` as

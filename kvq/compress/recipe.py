@@ -19,7 +19,7 @@ import yaml
 from kvq.errors import KvqError
 from kvq.formats.shapes import GROUP_SIZES
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: installed with kvq
 _MODIFIER = "QuantizationModifier"
 _MODIFIER_KEYS = {"targets", "scheme", "config_groups", "ignore"}
 _GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
@@ -107,7 +107,7 @@ def available_recipes() -> list[str]:
 
 
 def resolve_recipe_path(recipe: str) -> Path:
-    """A recipe name from `recipes/` (e.g. `w4a16-experts`) or a path to a YAML file."""
+    """A recipe name from `kvq/recipes/` (e.g. `w4a16-experts`) or a path to a YAML file."""
     path = Path(recipe)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():

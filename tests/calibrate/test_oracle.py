@@ -23,7 +23,7 @@ from kvq.calibrate.scales import layer_scales
 from kvq.checkpoint.model_config import text_model
 from kvq.checkpoint.reader import Checkpoint
 from kvq.data.texts import load_texts
-from kvq.testing.kimi_fixture import kimi_oracle_model
+from kvq.fixtures.kimi_fixture import kimi_oracle_model
 from tests.calibrate.references import cache_amax, dense_copy, model_cache_amax, oneshot_scales
 from tests.conftest import TinyCheckpoint
 
