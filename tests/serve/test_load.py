@@ -75,7 +75,10 @@ async def one(client: httpx.AsyncClient, url: str, i: int) -> tuple[str, int, st
 
 
 async def load(url: str) -> list[tuple[int, tuple[str, int, str | None]]]:
-    limits = httpx.Limits(max_connections=NUM_CLIENTS, max_keepalive_connections=NUM_CLIENTS)
+    # one connection per request: a kept-alive connection idle past uvicorn's keep-alive timeout (5 s, as
+    # vLLM's) is closed by the server just as the client may reuse it (a ReadError that a loaded machine
+    # makes likely), a race of HTTP keep-alive, not of the server under test
+    limits = httpx.Limits(max_connections=NUM_CLIENTS, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         gate = asyncio.Semaphore(NUM_CLIENTS)
 
