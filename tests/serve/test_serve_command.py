@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,11 +14,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from kvq.bench.serve_servers import ServerSpec, free_port, wait_healthy
 
 
 def test_kvq_serve_drains_on_sigterm(smollm2, tmp_path: Path) -> None:
@@ -34,13 +29,7 @@ def test_kvq_serve_drains_on_sigterm(smollm2, tmp_path: Path) -> None:
     proc = subprocess.Popen([*argv, "--served-model-name", "tiny"], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{url}/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(url, proc, ServerSpec("kvq serve"))
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
         assert reply["model"] == "tiny" and reply["usage"]["completion_tokens"] <= 4  # flags over the file
