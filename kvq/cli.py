@@ -30,6 +30,7 @@ BENCH_COMMANDS = {
     "integrity": ("kvq.bench.integrity", "bench_integrity_command"),
     "calibrate": ("kvq.bench.calibrate", "bench_calibrate_command"),
     "handoff": ("kvq.bench.handoff", "bench_handoff_command"),
+    "serve": ("kvq.bench.serve", "bench_serve_command"),
 }
 
 

@@ -13,6 +13,23 @@ from kvq.kv_cache_dtypes import KV_CACHE_DTYPE_HELP, kv_cache_dtype_flag
 ModelArgument = Annotated[
     Path, typer.Argument(help="Checkpoint directory (BF16, FP8-block or compressed-tensors).")
 ]
+OptionalModelArgument = Annotated[
+    Path | None,
+    typer.Argument(
+        help="Checkpoint directory (BF16, FP8-block or compressed-tensors); default: --config's model."
+    ),
+]
+# the options below that set an `EngineConfig` field of the same name (what a --config file may set too)
+ENGINE_OPTION_NAMES = (
+    "dtype", "kv_cache_dtype", "page_size", "kv_memory", "require_kv_scales", "threads", "kv_integrity",
+    "max_num_seqs", "max_model_len", "lm_head_weights",
+)  # fmt: skip
+MaxNumSeqsOption = Annotated[
+    int, typer.Option(help="Most requests decoded together; the rest wait for KV pages.")
+]
+MaxModelLenOption = Annotated[
+    int | None, typer.Option(help="Context length in tokens (default: the model's max_position_embeddings).")
+]
 KvCacheDtypeOption = Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP, callback=kv_cache_dtype_flag)]
 PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page.")]
 KvMemoryOption = Annotated[

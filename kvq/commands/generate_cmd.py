@@ -1,19 +1,28 @@
-"""`kvq generate MODEL "prompt"`: stream a completion from the runtime engine to stdout."""
+"""`kvq generate [MODEL] "prompt" [--config FILE]`: stream a completion from the runtime engine to stdout."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from kvq.commands.config_options import (
+    ConfigOption,
+    model_dir,
+    read_config,
+    refuse_paper_deployment,
+    settings,
+)
 from kvq.commands.engine_options import (
+    ENGINE_OPTION_NAMES,
     DtypeOption,
     KvCacheDtypeOption,
     KvIntegrityOption,
     KvMemoryOption,
     LmHeadWeightsOption,
-    ModelArgument,
+    MaxModelLenOption,
     PageSizeOption,
     RequireKvScalesOption,
     ThreadsOption,
@@ -23,8 +32,14 @@ from kvq.runtime.sampling import SamplingParams
 
 
 def generate_command(
-    model: ModelArgument,
-    prompt: Annotated[str, typer.Argument(help="The user message (sent through the chat template if any).")],
+    ctx: typer.Context,
+    model_or_prompt: Annotated[
+        str, typer.Argument(metavar="[MODEL] PROMPT", help="Checkpoint directory (omit it with --config).")
+    ],
+    prompt: Annotated[
+        str | None, typer.Argument(help="The user message (sent through the chat template if any).")
+    ] = None,
+    config: ConfigOption = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = SamplingParams.max_tokens,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = SamplingParams.temperature,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 is off).")] = SamplingParams.top_p,
@@ -41,6 +56,7 @@ def generate_command(
     threads: ThreadsOption = None,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
+    max_model_len: MaxModelLenOption = None,
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
 ) -> None:
     """Generate a completion for one prompt, streaming the text as it is produced."""
@@ -54,19 +70,15 @@ def generate_command(
         max_tokens=max_tokens,
         stop=list(stop or []),
     )
-    config = EngineConfig(
-        model=str(model),
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        page_size=page_size,
-        kv_memory=kv_memory,
-        require_kv_scales=require_kv_scales,
-        threads=threads,
-        lm_head_weights=lm_head_weights,
-        max_num_seqs=1,
-        kv_integrity=kv_integrity,
-    )
-    engine = Engine(config)
+    file = read_config(config)
+    refuse_paper_deployment(file, "generate")
+    if prompt is None:  # one positional: the prompt, the model from --config
+        model, prompt = None, model_or_prompt
+    else:
+        model = Path(model_or_prompt)
+    path = model_dir(model, file)
+    engine_settings = settings(ctx, file.engine if file else {}, ENGINE_OPTION_NAMES)
+    engine = Engine(EngineConfig(model=str(path), **{**engine_settings, "max_num_seqs": 1}))
     token_ids = engine.encode_chat(prompt) if chat else engine.encode(prompt)
     error = None
     for out in engine.stream(token_ids, params):

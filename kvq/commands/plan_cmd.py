@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -27,10 +27,14 @@ from kvq.compress.tensor_plan import TARGETS, build_plan
 from kvq.errors import KvqError
 from kvq.inspect import summarize_tensors
 
+if TYPE_CHECKING:
+    from kvq.commands.plan_deployment import DeploymentCheck
+
 _SHOWN_KEPT = 8
 
 
 def plan_command(
+    ctx: typer.Context,
     src: Annotated[
         Path,
         typer.Argument(
@@ -67,6 +71,14 @@ def plan_command(
         ),
     ] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="A serving config (configs/) whose deployment gives --tp, --gpu-mem, --mem-fraction and "
+            "--recipe (flags override); the plan then says whether its KV dtype fits max_model_len.",
+        ),
+    ] = None,
     old_kv_dtype: Annotated[
         str | None, typer.Option("--kv-dtype", "--kv-cache-dtype", hidden=True, help="Not needed: see below.")
     ] = None,
@@ -79,6 +91,12 @@ def plan_command(
             "kvq plan shows the KV tokens of every KV cache dtype side by side "
             f"({', '.join(KV_CACHE_DTYPES)}, vLLM's names): drop --kv-dtype / --kv-cache-dtype"
         )
+    deployment = None
+    if config is not None:
+        from kvq.commands.plan_deployment import DeploymentCheck
+
+        deployment = DeploymentCheck.read(config)
+        tp, gpu_mem, mem_fraction, recipe = deployment.settings(ctx, tp, gpu_mem, mem_fraction, recipe)
     source = open_source(src)
     if tp is not None or gpu_mem is not None:
         if tp is None or gpu_mem is None:
@@ -90,7 +108,7 @@ def plan_command(
                 f"{source.path}: already compressed ({fmt}); kvq plan shows what it holds and its "
                 "serving memory: drop --recipe / --group-size"
             )
-        _plan_stored(source, tp, gpu_mem, mem_fraction, as_json)
+        _plan_stored(source, tp, gpu_mem, mem_fraction, as_json, deployment)
         return
     if recipe is None:
         raise KvqError(
@@ -114,6 +132,7 @@ def plan_command(
         before = _serving(
             source, ((i.name, i.nbytes) for i in source.tensors.values()), tp, gpu_mem, mem_fraction
         )
+    fits = None if deployment is None or memory is None else deployment.verdict(memory)
     if as_json:
         print(
             json.dumps(
@@ -125,6 +144,7 @@ def plan_command(
                     "output_file_bytes_by_target": target_bytes,
                     "serving": memory.to_json() if memory else None,
                     "serving_source": before.to_json() if before else None,
+                    **({"deployment": fits} if fits else {}),
                 },
                 indent=2,
             )
@@ -138,10 +158,19 @@ def plan_command(
     )
     if memory is not None and before is not None:
         console.print(_render_memory([("source as stored", before), (f"after {the_recipe.name}", memory)]))
+    if fits is not None:
+        console.print(fits["summary"])
+        if not fits["fits"]:
+            raise typer.Exit(1)
 
 
 def _plan_stored(
-    source: PlanSource, tp: int | None, gpu_mem: str | None, mem_fraction: float, as_json: bool
+    source: PlanSource,
+    tp: int | None,
+    gpu_mem: str | None,
+    mem_fraction: float,
+    as_json: bool,
+    deployment: DeploymentCheck | None = None,
 ) -> None:
     """An already-compressed source: what it stores, and its serving memory."""
     num_shards = 1 if source.is_bare_config else len({i.file for i in source.tensors.values()})
@@ -151,11 +180,18 @@ def _plan_stored(
         memory = _serving(
             source, ((i.name, i.nbytes) for i in source.tensors.values()), tp, gpu_mem, mem_fraction
         )
+    fits = None if deployment is None or memory is None else deployment.verdict(memory)
     if as_json:
         stored = {"source": str(source.path), "is_bare_config": source.is_bare_config, "recipe": None}
+        serving = memory.to_json() if memory else None
         print(
             json.dumps(
-                {**stored, "stored": report.to_json(), "serving": memory.to_json() if memory else None},
+                {
+                    **stored,
+                    "stored": report.to_json(),
+                    "serving": serving,
+                    **({"deployment": fits} if fits else {}),
+                },
                 indent=2,
             )
         )
@@ -165,6 +201,10 @@ def _plan_stored(
         console.print("derived from config.json: language model only (a vision tower is not derived)")
     if memory is not None:
         console.print(_render_memory([("as stored", memory)]))
+    if fits is not None:
+        console.print(fits["summary"])
+        if not fits["fits"]:
+            raise typer.Exit(1)
 
 
 def _serving(

@@ -31,8 +31,10 @@ from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
 from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.loader import WeightLoader
+from kvq.runtime.logprobs import LogprobRecorder, TokenLogprob
 from kvq.runtime.model_runner import ModelRunner
 from kvq.runtime.models.registry import model_class
+from kvq.runtime.prompt_encoding import encode_messages, encode_text
 from kvq.runtime.sampling import SamplingParams, make_generator, sample
 from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.sequence import Sequence
@@ -57,6 +59,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     error: str | None
+    logprobs: list[TokenLogprob] | None = None  # tokens new since the previous output (if asked)
 
 
 @dataclass
@@ -100,7 +103,8 @@ class Engine:
         )
         self._ids = itertools.count()
         self._texts: dict[int, CompletionText] = {}  # request id -> its text (requests with text only)
-        self.token_hooks: list[TokenHook] = []
+        self.logprobs = LogprobRecorder(self.tokenizer)
+        self.token_hooks: list[TokenHook] = [self.logprobs]
         self.stats = EngineStats()
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
@@ -151,7 +155,7 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, verbose=False)  # length is checked by make_sequence, not here
+        return encode_text(self.tokenizer, text)
 
     def encode_chat(self, prompt: str) -> list[int]:
         """`prompt` as one user turn through the tokenizer's chat template (plain encoding without one)."""
@@ -160,14 +164,8 @@ class Engine:
         return self.encode_messages([{"role": "user", "content": prompt}])
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation (`role`/`content` dicts) through the chat template, ready for the assistant's
-        turn; `KvqError` if the tokenizer has no chat template."""
-        if not self.tokenizer.chat_template:
-            raise KvqError(
-                f"{self.ckpt.root}: the tokenizer has no chat template; send a plain prompt (/v1/completions)"
-            )
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
+        """A conversation through the chat template (`kvq.runtime.prompt_encoding.encode_messages`)."""
+        return encode_messages(self.tokenizer, messages, str(self.ckpt.root))
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Validate one request (raises `KvqError`) and make its sequence, not yet queued."""
@@ -200,6 +198,8 @@ class Engine:
     def _queue(self, seq: Sequence) -> None:
         """Queue a request whose tokens become text (scored sequences are queued without)."""
         self._texts[seq.seq_id] = CompletionText(self.tokenizer, seq.params.stop)
+        if seq.params.logprobs is not None:
+            self.logprobs.watch(seq.seq_id, seq.params.logprobs)
         self.scheduler.add(seq)
 
     def abort(self, request_id: int) -> bool:
@@ -209,6 +209,7 @@ class Engine:
         if seq is not None:
             seq.finish_reason = "abort"
             self._texts.pop(request_id, None)
+            self.logprobs.forget(request_id)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -326,6 +327,9 @@ class Engine:
         is_finished = seq.finish_reason is not None
         text = self._texts.pop(seq.seq_id, None) if is_finished else self._texts.get(seq.seq_id)
         shown, delta = ("", "") if text is None else text.take(is_finished)
+        logprobs = self.logprobs.take(seq.seq_id)
+        if is_finished:
+            self.logprobs.forget(seq.seq_id)
         return RequestOutput(
             seq.seq_id,
             seq.token_ids[: seq.num_prompt_tokens],
@@ -335,6 +339,7 @@ class Engine:
             is_finished,
             seq.finish_reason,
             seq.error,
+            logprobs,
         )
 
     def _max_model_len(self, max_positions: int) -> int:

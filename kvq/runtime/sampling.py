@@ -12,6 +12,8 @@ import torch
 
 from kvq.errors import KvqError
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +27,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # log-probabilities of sampled tokens, with this many top ones (None: off)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -37,6 +40,8 @@ class SamplingParams:
             raise KvqError(f"top_k must be >= 0 (0 is off), got {self.top_k}")
         if any(not s for s in self.stop):
             raise KvqError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise KvqError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (top tokens), got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:

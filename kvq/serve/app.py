@@ -1,31 +1,58 @@
 """The HTTP app: OpenAI-compatible routes over an `AsyncEngine`.
 
-GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with `stream: true`
-as server-sent events ending in `data: [DONE]`). A bad request gets status 400 (404 for another model
-name) and an OpenAI error body naming the problem; a request the engine stopped (a failed KV page check)
-gets 500 with the engine's message, or, when streaming, an error event after the text sent so far.
+GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/completions and
+/v1/chat/completions (`stream: true` as server-sent events ending in `data: [DONE]`). A bad request gets
+400 (404 for another model name, 413 for a body too large, 429 when the queue is full, 401 without the
+key) and an OpenAI error body naming the problem; a request the engine stopped (a failed KV page check)
+gets 500 with the engine's message, or, when streaming, an error event after the text sent so far; one
+still running when the shutdown timeout passes gets 503 (or an error event). A client that goes away,
+streaming or not, aborts its request. Imports fastapi, prometheus_client and kvq.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from kvq.errors import KvqError
-from kvq.runtime.engine import Engine, RequestOutput
-from kvq.serve.async_engine import AsyncEngine
-from kvq.serve.protocol import ChatRequest, CompletionRequest, Reply, check_model, error_body
+from kvq.runtime.engine import RequestOutput
+from kvq.runtime.sampling import SamplingParams
+from kvq.serve.access import AccessMiddleware, ServeState
+from kvq.serve.api_errors import ApiError, error_body
+from kvq.serve.async_engine import AsyncEngine, ServerShuttingDown
+from kvq.serve.choices import Choices, ClientGone, until_disconnected
+from kvq.serve.encoder import PromptEncoder
+from kvq.serve.limits import check_queue, max_tokens_for
+from kvq.serve.metrics import ServeMetrics
+from kvq.serve.protocol import ChatRequest, CompletionRequest, check_model
+from kvq.serve.responses import Reply, usage
+from kvq.serve.server_config import ServerConfig
 
-Outputs = AsyncGenerator[RequestOutput, None]
+
+@dataclass
+class Served:
+    """What the routes share: the engine, the server's tokenizer, settings, metrics and drain state."""
+
+    engine: AsyncEngine
+    encoder: PromptEncoder
+    model_name: str
+    config: ServerConfig
+    metrics: ServeMetrics
+    state: ServeState
 
 
-def make_app(engine: AsyncEngine, model_name: str, default_max_tokens: int) -> FastAPI:
+def make_app(served: Served) -> AccessMiddleware:
     app = FastAPI(title="kvq serve")
+    served.metrics.bind(
+        served.engine.engine, lambda: served.engine.num_waiting, lambda: served.engine.num_running
+    )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -37,111 +64,151 @@ def make_app(engine: AsyncEngine, model_name: str, default_max_tokens: int) -> F
     @app.exception_handler(KvqError)
     async def _refused(request: Request, exc: KvqError) -> JSONResponse:
         code = 404 if "is not served here" in str(exc) else 400
-        return JSONResponse(error_body(str(exc), code=code), status_code=code)
+        return JSONResponse(error_body(str(exc), code), status_code=code)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if exc.status == 429:
+            served.metrics.admission_rejections.inc()
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(served.metrics.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
     @app.get("/v1/models")
     async def models() -> dict:
         entry = {
-            "id": model_name,
+            "id": served.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "kvq",
-            "max_model_len": engine.engine.max_model_len,
+            "max_model_len": served.engine.engine.max_model_len,
         }
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
-        check_model(body.model, model_name)
-        params = body.sampling_params(body.max_tokens)
-        prompt = body.prompt
-
-        def encode(e: Engine) -> list[int]:
-            return e.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-        reply = Reply(f"cmpl-{uuid.uuid4().hex}", model_name)
-        outputs = engine.generate(encode, params)
-        first = await _first(outputs)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model, served.model_name)
+        encoded = [await served.encoder.encode(p) for p in body.prompts]
+        max_len = served.engine.engine.max_model_len
+        echoes: list[str] = []
+        params: list[tuple[list[int], SamplingParams]] = []
+        for ids, text in encoded:
+            max_tokens = max_tokens_for(len(ids), body.max_tokens, 16, max_len, served.config, "prompt")
+            echo = (text if text is not None else await served.encoder.decode(ids)) if body.echo else ""
+            for p in body.sampling_params(max_tokens, body.logprobs):
+                params.append((ids, p))
+                echoes.append(echo)
+        reply = Reply(f"cmpl-{uuid.uuid4().hex}", served.model_name, body.include_usage)
+        prompt_lens = [len(ids) for ids, _ in encoded]
+        choices = await _start(served, request, params)
         if body.stream:
 
             async def events() -> AsyncIterator[dict]:
-                async for out in _with_first(first, outputs):
-                    yield reply.completion_chunk(out)
+                seen: set[int] = set()
+                async for index, out in choices.merged():
+                    yield reply.completion_chunk(index, out, "" if index in seen else echoes[index])
+                    seen.add(index)
                     if out.finish_reason == "error":
                         yield _stopped(out)
+                if body.include_usage:
+                    yield reply.usage_chunk("text_completion", usage(prompt_lens, choices.lasts))
 
-            return _sse(events(), outputs)
-        final = await _last(first, outputs)
-        return _final(final, reply.completion)
+            return _sse(events(), choices)
+        finals = await _answer(request, choices)
+        return _final(finals, reply.completion(finals, echoes, usage(prompt_lens, finals)))
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatRequest) -> JSONResponse | StreamingResponse:
-        check_model(body.model, model_name)
-        params = body.sampling_params(body.chat_max_tokens(default_max_tokens))
-        messages = [m.model_dump() for m in body.messages]
-        reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", model_name)
-        outputs = engine.generate(lambda e: e.encode_messages(messages), params)
-        first = await _first(outputs)
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        check_model(body.model, served.model_name)
+        ids = await served.encoder.encode_messages([m.as_template_message() for m in body.messages])
+        max_tokens = max_tokens_for(
+            len(ids),
+            body.requested_max_tokens,
+            served.config.max_tokens,
+            served.engine.engine.max_model_len,
+            served.config,
+            "messages",
+        )
+        params = [(ids, p) for p in body.sampling_params(max_tokens, body.num_logprobs)]
+        reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", served.model_name, body.include_usage)
+        choices = await _start(served, request, params)
         if body.stream:
 
             async def events() -> AsyncIterator[dict]:
-                yield reply.chat_chunk({"role": "assistant", "content": ""}, None)
-                async for out in _with_first(first, outputs):
-                    delta = {"content": out.delta} if out.delta else {}
-                    yield reply.chat_chunk(delta, out.finish_reason)
+                for index in range(len(params)):
+                    yield reply.chat_chunk(index, {"role": "assistant", "content": ""})
+                async for index, out in choices.merged():
+                    yield reply.chat_chunk(index, {"content": out.delta} if out.delta else {}, out)
                     if out.finish_reason == "error":
                         yield _stopped(out)
+                if body.include_usage:
+                    yield reply.usage_chunk("chat.completion.chunk", usage([len(ids)], choices.lasts))
 
-            return _sse(events(), outputs)
-        final = await _last(first, outputs)
-        return _final(final, reply.chat)
+            return _sse(events(), choices)
+        finals = await _answer(request, choices)
+        return _final(finals, reply.chat(finals, usage([len(ids)], finals)))
 
-    return app
-
-
-async def _first(outputs: Outputs) -> RequestOutput:
-    """The first output: by then the engine has accepted the request (or raised `KvqError`: a 400)."""
-    return await outputs.__anext__()
+    return AccessMiddleware(app, served.config, served.state)
 
 
-async def _with_first(
-    first: RequestOutput, outputs: AsyncIterator[RequestOutput]
-) -> AsyncIterator[RequestOutput]:
-    yield first
-    if not first.finished:
-        async for out in outputs:
-            yield out
+async def _start(served: Served, request: Request, params: list[tuple[list[int], SamplingParams]]) -> Choices:
+    """Queue every choice (429 if the queue is full) and wait for their first outputs."""
+    check_queue(served.engine.num_waiting, len(params), served.config)
+    choices = Choices([served.engine.generate(ids, p) for ids, p in params])
+    try:
+        await until_disconnected(request, choices.start())
+    except BaseException as e:
+        await choices.close()
+        if isinstance(e, ServerShuttingDown):
+            raise ApiError(503, f"the request was stopped: {e}") from e
+        raise
+    return choices
 
 
-async def _last(first: RequestOutput, outputs: Outputs) -> RequestOutput:
-    last = first
-    while not last.finished:
-        last = await outputs.__anext__()
-    return last
+async def _answer(request: Request, choices: Choices) -> list[RequestOutput]:
+    """The final outputs; a client that goes away first aborts every choice."""
+    try:
+        return await until_disconnected(request, choices.finals())
+    except ServerShuttingDown as e:
+        raise ApiError(503, f"the request was stopped: {e}") from e
+    finally:
+        await choices.close()
 
 
 def _stopped(out: RequestOutput) -> dict:
     """The error body of a request the engine stopped (finish reason "error": a failed KV page check)."""
-    return error_body(f"generation stopped: {out.error}", kind="server_error", code=500)
+    return error_body(f"generation stopped: {out.error}", 500)
 
 
-def _final(out: RequestOutput, body: Callable[[RequestOutput], dict]) -> JSONResponse:
-    if out.finish_reason == "error":
-        return JSONResponse(_stopped(out), status_code=500)
-    return JSONResponse(body(out))
+def _final(finals: list[RequestOutput], body: dict) -> Response:
+    stopped = [out for out in finals if out.finish_reason == "error"]
+    if stopped:
+        return JSONResponse(_stopped(stopped[0]), status_code=500)
+    return JSONResponse(body)
 
 
-def _sse(events: AsyncIterator[dict], outputs: Outputs) -> StreamingResponse:
+def _sse(events: AsyncIterator[dict], choices: Choices) -> StreamingResponse:
     async def stream() -> AsyncIterator[str]:
         try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
+            try:
+                async for event in events:
+                    yield f"data: {json.dumps(event)}\n\n"
+            except ServerShuttingDown as e:
+                yield f"data: {json.dumps(error_body(f'the request was stopped: {e}', 503))}\n\n"
+            except RuntimeError as e:  # the engine failed
+                yield f"data: {json.dumps(error_body(str(e), 500))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            await outputs.aclose()  # a client that went away aborts its request
+            await choices.close()  # a client that went away aborts its requests
 
     return StreamingResponse(stream(), media_type="text/event-stream")

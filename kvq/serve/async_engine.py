@@ -2,9 +2,11 @@
 and await their outputs.
 
 Requests arriving while others run join the next scheduler step (continuous batching across clients).
-All engine and tokenizer work happens on the engine thread; handlers only exchange messages with it
-(a locked inbox one way, `loop.call_soon_threadsafe` the other). A handler that stops listening (its
-client went away) aborts its request, which frees its KV pages.
+All engine work happens on the engine thread; handlers only exchange messages with it (a locked inbox
+one way, `loop.call_soon_threadsafe` the other). A handler that stops listening (its client went away)
+aborts its request, which frees its KV pages. `num_waiting` (submitted, no output yet) is what
+back-pressure bounds; `abort_all` ends every request with `ServerShuttingDown` (graceful shutdown).
+Imports kvq.runtime and kvq.serve.metrics.
 """
 
 from __future__ import annotations
@@ -12,28 +14,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncGenerator, Callable
+import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvq.errors import KvqError
 from kvq.runtime.engine import Engine, RequestOutput
 from kvq.runtime.sampling import SamplingParams
+from kvq.serve.metrics import RequestTimes, ServeMetrics
 
 log = logging.getLogger("kvq.serve")
 
-# What a request sends: the engine turns it into token ids on its thread (tokenizers are not shared).
-Encode = Callable[[Engine], list[int]]
+
+class ServerShuttingDown(Exception):
+    """The server stopped this request: it was still running when the shutdown timeout passed."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
-    encode: Encode
+    token_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    times: RequestTimes = field(default_factory=RequestTimes)
     request_id: int | None = None
+    is_waiting: bool = True  # submitted, no output yet
     is_abandoned: bool = False
 
     def send(self, item: RequestOutput | BaseException) -> None:
@@ -41,31 +48,41 @@ class _Request:
 
 
 class AsyncEngine:
-    """`async for out in engine.generate(encode, params)`: outputs of one request as steps produce them."""
+    """`async for out in engine.generate(token_ids, params)`: outputs of one request as steps produce them."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, metrics: ServeMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
+        self.num_waiting = 0  # requests submitted that have no output yet (queued or being prefilled)
+        self.num_running = 0  # requests with outputs, not finished
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[_Request] = []
         self._abandoned: list[_Request] = []
         self._calls: list[tuple[Callable[[Engine], Any], Future]] = []
+        self._shutdown_reason: str | None = None
         self._is_stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvq-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, encode: Encode, params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-        """Outputs of one request until it finishes; a `KvqError` if the engine refuses it (prompt too long
-        for the context or the KV pool, ...). Stopping the iteration early aborts the request."""
-        request = _Request(encode, params, asyncio.get_running_loop(), asyncio.Queue())
+    def generate(self, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queue one request now (it counts in `num_waiting` from here) and return its outputs until it
+        finishes; they raise `KvqError` if the engine refuses it (prompt too long for the KV pool, ...).
+        Closing the iterator early aborts the request. Call on the event loop."""
+        request = _Request(token_ids, params, asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
             self._inbox.append(request)
+            self.num_waiting += 1
             self._wake.notify()
+        return self._outputs(request)
+
+    async def _outputs(self, request: _Request) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
                 item = await request.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 finished = item.finished
                 yield item
@@ -84,23 +101,38 @@ class AsyncEngine:
             self._wake.notify()
         return future
 
+    def abort_all(self, reason: str) -> None:
+        """End every request, queued or running, with `ServerShuttingDown(reason)`. From any thread."""
+        with self._wake:
+            self._shutdown_reason = reason
+            self._wake.notify()
+
     def stop(self) -> None:
         with self._wake:
             self._is_stopping = True
             self._wake.notify()
         self._thread.join()
 
+    def _leave_waiting(self, request: _Request) -> None:
+        if request.is_waiting:
+            request.is_waiting = False
+            with self._lock:
+                self.num_waiting -= 1
+
     def _loop(self) -> None:
         live: dict[int, _Request] = {}
         while True:
             with self._wake:
-                while not (self._inbox or self._abandoned or self._calls or self._is_stopping or live):
+                while not (self._inbox or self._abandoned or self._calls or self._is_stopping or live) and (
+                    self._shutdown_reason is None
+                ):
                     self._wake.wait()
                 if self._is_stopping:
                     return
                 inbox, self._inbox = self._inbox, []
                 abandoned, self._abandoned = self._abandoned, []
                 calls, self._calls = self._calls, []
+                shutdown, self._shutdown_reason = self._shutdown_reason, None
             for fn, future in calls:
                 try:
                     future.set_result(fn(self.engine))
@@ -110,29 +142,62 @@ class AsyncEngine:
                 request.is_abandoned = True
                 if request.request_id is not None and live.pop(request.request_id, None) is not None:
                     self.engine.abort(request.request_id)
-            for request in inbox:
-                if request.is_abandoned:
-                    continue
-                try:
-                    request.request_id = self.engine.add_request(request.encode(self.engine), request.params)
-                    live[request.request_id] = request
-                except KvqError as e:
-                    request.send(e)
-            if not live:
+                    self._finished(request, "abort")
+                self._leave_waiting(request)
+            self._admit(inbox, live)
+            if shutdown is not None:
+                self._fail_all(live, ServerShuttingDown(shutdown))
+            if live:
+                self._step(live)
+
+    def _admit(self, inbox: list[_Request], live: dict[int, _Request]) -> None:
+        for request in inbox:
+            if request.is_abandoned:
                 continue
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug, not a bad request: fail what is running, keep serving
-                log.exception("engine step failed")
-                for request_id, request in live.items():
-                    self.engine.abort(request_id)
-                    request.send(RuntimeError(f"the engine failed: {e}"))
-                live.clear()
+                request.request_id = self.engine.add_request(request.token_ids, request.params)
+                live[request.request_id] = request
+            except KvqError as e:
+                self._leave_waiting(request)
+                request.send(e)
+
+    def _step(self, live: dict[int, _Request]) -> None:
+        start = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug, not a bad request: fail what is running, keep serving
+            log.exception("engine step failed")
+            self._fail_all(live, RuntimeError(f"the engine failed: {e}"))
+            return
+        now = time.monotonic()
+        for out in outputs:
+            owner = live.get(out.request_id)
+            if owner is None:
                 continue
-            for out in outputs:
-                owner = live.get(out.request_id)
-                if owner is None:
-                    continue
-                owner.send(out)
-                if out.finished:
-                    del live[out.request_id]
+            if self.metrics is not None:
+                self.metrics.on_output(owner.times, out, start, now)
+            if owner.is_waiting:
+                self._leave_waiting(owner)
+                self.num_running += 1
+            owner.send(out)
+            if out.finished:
+                del live[out.request_id]
+                self._finished(owner, out.finish_reason)
+        if self.metrics is not None:
+            self.metrics.on_step(self.engine)
+
+    def _finished(self, request: _Request, reason: str | None) -> None:
+        """A live request ended (or was ended): out of the running (or waiting) count, into the metrics."""
+        if request.is_waiting:
+            self._leave_waiting(request)
+        else:
+            self.num_running -= 1
+        if self.metrics is not None:
+            self.metrics.on_finished(request.times, reason or "abort", time.monotonic())
+
+    def _fail_all(self, live: dict[int, _Request], error: BaseException) -> None:
+        for request_id, request in live.items():
+            self.engine.abort(request_id)
+            self._finished(request, "abort")
+            request.send(error)
+        live.clear()

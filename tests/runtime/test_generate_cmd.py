@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import typer
+from typer.testing import CliRunner
 
-from kvq.commands.generate_cmd import generate_command
+from kvq.cli import build_app
 from kvq.drill.fault_injector import FaultInjector
 from kvq.runtime.engine import Engine, RequestOutput
 from tests.runtime.kv_scales import measure_kv_scales, with_kv_scales
@@ -92,7 +92,7 @@ def test_generate_with_kv_integrity_prints_the_same_text(tiny_checkpoint) -> Non
 
 
 def test_a_failed_page_check_ends_generation_with_the_message(
-    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A block-table slip injected after three steps: the text so far is printed, then one error line
     naming the page and the tags, exit code 1."""
@@ -106,19 +106,11 @@ def test_a_failed_page_check_ends_generation_with_the_message(
 
     monkeypatch.setattr(Engine, "step", step_with_a_slip)
     path = tiny_checkpoint("llama", "bf16")
-    with pytest.raises(typer.Exit) as exit_info:
-        generate_command(
-            path,
-            "hello world",
-            max_tokens=12,
-            temperature=0.0,
-            kv_memory="4MiB",
-            threads=1,
-            page_size=4,
-            kv_integrity="tags",
-        )
-    assert exit_info.value.exit_code == 1
-    out, err = capsys.readouterr()
+    args = ["generate", str(path), "hello world", "--max-tokens", "12", "--temperature", "0"]
+    args += ["--kv-memory", "4MiB", "--threads", "1", "--page-size", "4", "--kv-integrity", "tags"]
+    result = CliRunner().invoke(build_app(), args)  # in-process: the patched step runs
+    assert result.exit_code == 1, result.output
+    out, err = result.stdout, result.stderr
     assert out.strip()  # the three tokens generated before the slip
     last = err.strip().splitlines()[-1]
     assert last.startswith("kvq: error: generation stopped: KV integrity: page ")

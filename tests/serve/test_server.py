@@ -8,11 +8,6 @@ engine steps; bad requests get 400/404 with the reason; a client that goes away 
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,14 +15,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 
 from kvq.drill.fault_injector import FaultInjector
-from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.sampling import SamplingParams
-from kvq.serve.app import make_app
 from kvq.serve.async_engine import AsyncEngine
+from tests.serve.conftest import running_server
 
 PROMPTS = [
     "The capital of France is",
@@ -51,26 +44,13 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2) -> Iterator[Server]:
-    engine = Engine(EngineConfig(model=str(smollm2.bf16), dtype="float32", kv_memory="64MiB", threads=2))
+def server(smollm2_engine: Engine) -> Iterator[Server]:
+    engine = smollm2_engine
     greedy = SamplingParams(max_tokens=MAX_TOKENS)
     expected = {p: out.text for p, out in zip(PROMPTS, engine.generate(PROMPTS, greedy), strict=True)}
     expected_chat = engine.generate([engine.encode_messages(CHAT)], greedy)[0].text
-    async_engine = AsyncEngine(engine)
-    config = uvicorn.Config(
-        make_app(async_engine, "smollm2", 64), host="127.0.0.1", port=0, log_level="warning"
-    )
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    yield Server(f"http://127.0.0.1:{port}", engine, async_engine, expected, expected_chat)
-    uv.should_exit = True
-    thread.join(timeout=30)
-    async_engine.stop()
+    with running_server(engine, max_tokens=64) as running:
+        yield Server(running.url, engine, running.async_engine, expected, expected_chat)
 
 
 def events(response: httpx.Response) -> list[dict]:
@@ -145,10 +125,13 @@ def test_concurrent_clients_share_engine_steps(server: Server) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "status", "fragment"),
     [
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, 400, "KV pages but the pool has"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, 400, "maximum context length is 8192"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 8000}, 400, "KV pages but the pool has"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be >= 0"),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=1 only"),
+        ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "prompt's log-probabilities"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 1}, 400, "presence or frequency"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
         ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
@@ -183,6 +166,7 @@ def test_a_request_the_engine_stops_gets_its_error(server: Server) -> None:
     500 (or, streaming, an error event after the text so far)."""
     engine, async_engine = server.engine, server.async_engine
     async_engine.call(lambda e: e.reset_kv(kv_integrity="tags")).result(timeout=30)
+    aborts_before = engine.stats.integrity_aborts  # the engine is the session's: other modules' aborts
 
     def inject_when_running() -> None:
         deadline = time.monotonic() + 60
@@ -208,29 +192,6 @@ def test_a_request_the_engine_stops_gets_its_error(server: Server) -> None:
         assert data[-2]["choices"][0]["finish_reason"] == "error"
         assert "KV integrity" in data[-1]["error"]["message"]
         assert len("".join(d["choices"][0]["text"] for d in data[:-1])) > 0  # the text sent before the stop
-        assert not engine.has_unfinished_requests() and engine.stats.integrity_aborts == 2
+        assert not engine.has_unfinished_requests() and engine.stats.integrity_aborts == aborts_before + 2
     finally:
         async_engine.call(lambda e: e.reset_kv(kv_integrity="off")).result(timeout=30)
-
-
-def test_the_kvq_serve_command(smollm2) -> None:
-    """The command line end to end: `kvq serve` answers, and stops cleanly on Ctrl-C."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    argv = [sys.executable, "-m", "kvq", "serve", str(smollm2.bf16), "--port", str(port)]
-    proc = subprocess.Popen([*argv, "--kv-memory", "16MiB", "--served-model-name", "tiny"], text=True)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{url}/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
-        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
-        assert reply["model"] == "tiny" and reply["usage"]["completion_tokens"] <= 4
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
