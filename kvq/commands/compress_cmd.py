@@ -8,6 +8,19 @@ from typing import Annotated
 
 import typer
 
+from kvq.commands.gptq_options import (
+    CalibrateKvOption,
+    DatasetOption,
+    GptqOptions,
+    KvStrategyOption,
+    MethodOption,
+    MoeAllExpertsOption,
+    MoeMinTokensOption,
+    NumSamplesOption,
+    SeedOption,
+    SeqLenOption,
+    gptq_compress,
+)
 from kvq.commands.recipe_options import GroupSizeOption, RecipeOption
 from kvq.commands.render import console, human_bytes
 from kvq.compress.manifest import MANIFEST_NAME
@@ -35,6 +48,15 @@ def compress_command(
         int, typer.Option("--workers", help="Shards compressed in parallel, one process each.")
     ] = default_workers(),
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    method: MethodOption = None,
+    dataset: DatasetOption = None,
+    num_samples: NumSamplesOption = None,
+    seq_len: SeqLenOption = None,
+    seed: SeedOption = None,
+    moe_min_tokens: MoeMinTokensOption = None,
+    moe_calibrate_all_experts: MoeAllExpertsOption = False,
+    calibrate_kv: CalibrateKvOption = False,
+    kv_strategy: KvStrategyOption = None,
 ) -> None:
     """Compress SRC into OUT as compressed-tensors pack-quantized INT4 (W4A16, symmetric) per the recipe.
 
@@ -50,8 +72,27 @@ def compress_command(
     at start.
     Resume: re-run the same command on the same OUT; shards whose size and sha256 match the manifest are
     kept. SRC is never modified.
+
+    --method gptq: GPTQ (llm-compressor's arithmetic) on calibration text, one decoder layer at a time
+    (memory: one layer and the samples' hidden states, printed at start), then the same shards; a rerun
+    resumes at the first layer not finished.
     """
-    job = prepare(src, out, load_recipe(recipe, group_size))
+    options = GptqOptions(
+        method,
+        dataset,
+        num_samples,
+        seq_len,
+        seed,
+        moe_min_tokens,
+        moe_calibrate_all_experts,
+        calibrate_kv,
+        kv_strategy,
+    )
+    loaded = load_recipe(recipe, group_size)
+    if options.method_for(loaded) == "gptq":
+        gptq_compress(src, out, loaded, options, max(1, workers), quiet)
+        return
+    job = prepare(src, out, loaded)
     workers = max(1, workers)  # a few shards are cut into parts, so every worker has work
     console.print(
         f"kvq compress: {job.ckpt.root} ({job.ckpt.format}, {len(job.jobs)} shards, "
