@@ -127,7 +127,7 @@ def _check_enough_tokens(
     num_tokens = samples.input_ids.numel()
     widest = dense_in_features(targets, compress.plan)
     if widest:
-        name, columns = max(widest.items(), key=lambda kv: (kv[1], kv[0]))
+        name, columns = max(widest.items(), key=lambda kv: kv[1])  # the first of the widest
         if num_tokens < columns:
             raise KvqError(
                 f"{samples.source}: {samples.input_ids.shape[0]} samples x {samples.input_ids.shape[1]} "
@@ -250,13 +250,10 @@ def _summarize(job: GptqJob, records: dict, report: GptqReport) -> None:
             else:
                 report.rtn_fallback[name] = m["reason"]
     report.rtn_fallback |= dict.fromkeys(job.unreached, NOT_REACHED)
-    write_manifest(
-        job.compress.out,
-        {
-            MANIFEST_KEY: {
-                "layers": records,
-                "num_gptq": report.num_gptq,
-                "rtn_fallback": [{"name": n, "reason": r} for n, r in sorted(report.rtn_fallback.items())],
-            }
-        },
-    )
+    summary = {
+        "layers": records,
+        "num_gptq": report.num_gptq,
+        "rtn_fallback": [{"name": n, "reason": r} for n, r in sorted(report.rtn_fallback.items())],
+    }
+    if (read_manifest(job.compress.out) or {}).get(MANIFEST_KEY) != summary:  # a finished rerun: no write
+        write_manifest(job.compress.out, {MANIFEST_KEY: summary})
