@@ -28,6 +28,7 @@ BENCH_COMMANDS = {
     "decode": ("kvq.bench.decode", "bench_decode_command"),
     "integrity": ("kvq.bench.integrity", "bench_integrity_command"),
     "calibrate": ("kvq.bench.calibrate", "bench_calibrate_command"),
+    "gptq": ("kvq.bench.gptq_quality", "bench_gptq_command"),
 }
 
 

@@ -51,13 +51,14 @@ class Row:
     runs_s: tuple[float, ...] = ()
 
 
-def bench_fixture(arch: str) -> Path:
+def bench_fixture(arch: str, fmt: str = "fp8-block", num_layers: int | None = None) -> Path:
     from kvq.testing.checkpoint_fixtures import build_fixture
 
-    path = cache_dir() / "bench" / f"{arch}-fp8-block-bench"
+    layers = "" if num_layers is None else f"-l{num_layers}"
+    path = cache_dir() / "bench" / f"{arch}-{fmt}-bench{layers}"
     if not path.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
-        build_fixture(arch, "fp8-block", path, size="bench")
+        build_fixture(arch, fmt, path, num_layers=num_layers, size="bench")
     return path
 
 
@@ -253,10 +254,21 @@ def bench_compress_command(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
+    method: Annotated[
+        str,
+        typer.Option(
+            "--method",
+            help="rtn: vs model_free_ptq and the I/O floor; gptq: vs llm-compressor oneshot GPTQModifier on "
+            "the 8-layer glm4_moe bench fixture (BF16).",
+        ),
+    ] = "rtn",
 ) -> None:
     """Time and peak RSS of kvq compress vs llm-compressor model_free_ptq vs the I/O floor (1.4 GB FP8).
 
     Every run starts after `sync` with the input in the page cache."""
+    if method == "gptq":
+        _bench_gptq(json_out, workers)
+        return
     config = CompressBenchConfig(recipe=recipe, workers=workers, repeats=repeats)
     work = cache_dir() / "bench" / "compress-work"
     rows, machine = run_bench(config, work)
@@ -267,4 +279,14 @@ def bench_compress_command(
             {"config": asdict(config), "machine": machine, "rows": [asdict(r) for r in rows]}, indent=2
         )
     )
+    console.print(f"results: {path}")
+
+
+def _bench_gptq(json_out: Path | None, workers: int) -> None:
+    from kvq.bench.compress_gptq import GptqBenchConfig, render, run_gptq_bench
+
+    report = run_gptq_bench(GptqBenchConfig(workers=workers), cache_dir() / "bench" / "compress-gptq-work")
+    console.print(render(report))
+    path = json_out or cache_dir() / "bench" / "compress-gptq.json"
+    path.write_text(json.dumps(report, indent=2))
     console.print(f"results: {path}")
