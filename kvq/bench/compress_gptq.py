@@ -87,18 +87,10 @@ def calibration_ids(src: Path, num_samples: int, seq_len: int, path: Path) -> st
     """kvq's default calibration windows (seed 0), saved for `oneshot`; returns their sha256."""
     import torch
 
-    from kvq.calibrate.run import load_tokenizer
-    from kvq.calibrate.samples import build_samples
-    from kvq.data.texts import DEFAULT_SOURCE, load_texts
+    from kvq.calibrate.config import CalibrationConfig
+    from kvq.calibrate.run import calibration_samples
 
-    samples = build_samples(
-        load_texts(None, "calibration"),
-        load_tokenizer(src),
-        num_samples=num_samples,
-        seq_len=seq_len,
-        seed=0,
-        source=DEFAULT_SOURCE,
-    )
+    samples = calibration_samples(src, CalibrationConfig(num_samples=num_samples, seq_len=seq_len))
     torch.save(samples.input_ids, path)
     return samples.fingerprint
 

@@ -24,14 +24,13 @@ from kvq.calibrate.layer_stream import embed, hf_config, layer_inputs, meta_mode
 from kvq.calibrate.layer_weights import load_layer_weights
 from kvq.calibrate.memory import limit_primitive_cache, release_freed
 from kvq.calibrate.observers import KvRecorder
-from kvq.calibrate.run import DTYPES, check_run, load_tokenizer
-from kvq.calibrate.samples import CalibrationSamples, build_samples
+from kvq.calibrate.run import DTYPES, calibration_samples, check_run
+from kvq.calibrate.samples import CalibrationSamples
 from kvq.checkpoint.header import ShardHeader, read_header
 from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint
 from kvq.compress.manifest import read_manifest, write_manifest
 from kvq.compress.recipe import Recipe
 from kvq.compress.runner import CompressReport, PreparedJob, manifest_header, prepare, run
-from kvq.data.texts import load_texts, source_name
 from kvq.errors import KvqError
 from kvq.gptq import staging
 from kvq.gptq.config import GptqConfig
@@ -82,14 +81,7 @@ def prepare_gptq(src: str | Path, out: str | Path, recipe: Recipe, config: GptqC
     layout = kv_layout(ckpt.config, where)
     calibration = config.calibration
     check_run(layout, calibration, where)
-    samples = build_samples(
-        load_texts(calibration.dataset, calibration.split),
-        load_tokenizer(ckpt.root),
-        num_samples=calibration.num_samples,
-        seq_len=calibration.seq_len,
-        seed=calibration.seed,
-        source=source_name(calibration.dataset),
-    )
+    samples = calibration_samples(ckpt.root, calibration)
     settings = recipe.gptq or GptqSettings()
     compress = prepare(src, out, recipe, method=method_record(settings, config, samples))
     ckpt = compress.ckpt

@@ -8,13 +8,13 @@ must stay under the bound it prints.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvq.bench.compress_gptq import printed_bound
 from kvq.bench.measure import run_measured
 from kvq.calibrate.config import CalibrationConfig
 from kvq.checkpoint.reader import INDEX_NAME, Checkpoint, read_json
@@ -32,7 +32,6 @@ from tests.gptq.test_oracle import oneshot_gptq
 from tests.runtime.reference import engine_greedy, hf_greedy, hf_reference
 
 SAMPLES = ["--num-samples", "10", "--seq-len", "64"]
-_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 
 
 def test_route_orders_tokens_as_transformers_does() -> None:
@@ -42,11 +41,6 @@ def test_route_orders_tokens_as_transformers_does() -> None:
     for e in range(8):
         _slot, tokens = torch.where(mask[e])  # what Glm4MoeExperts.forward and llm-compressor visit
         assert torch.equal(routed.order[routed.offsets[e] : routed.offsets[e + 1]], tokens)
-
-
-def printed_bound(output: str) -> int:
-    number, unit = re.search(r"peak memory <= ~([\d.]+) (\w+)", output).groups()  # type: ignore[union-attr]
-    return int(float(number) * _UNITS[unit])
 
 
 @pytest.mark.slow
