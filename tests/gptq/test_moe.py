@@ -126,3 +126,21 @@ def gptq_recipe_text(recipe) -> str:  # noqa: ANN001
     }
     modifier = {"config_groups": {"group_0": group}, "ignore": list(recipe.ignore)}
     return json.dumps({"quant_stage": {"quant_modifiers": {"GPTQModifier": modifier}}})
+
+
+@pytest.mark.slow
+def test_mla_moe_fixture(tiny_checkpoint: TinyCheckpoint, tmp_path: Path) -> None:
+    """glm_moe_dsa (MLA attention, DSA indexer, routed experts), every Linear the group divides: every INT4
+    module GPTQ'd or listed, the MLA latent's KV scales written, transformers loads kvq's weights (it cannot
+    run a glm_moe_dsa checkpoint with a kv_cache_scheme: compressed-tensors' QuantizedKVCache has no
+    `update_indexer`, DESIGN.md)."""
+    src, out = tiny_checkpoint("glm_moe_dsa", "bf16"), tmp_path / "gptq"
+    config = GptqConfig(CalibrationConfig(num_samples=10, seq_len=64), moe_min_tokens=60, calibrate_kv=True)
+    job = prepare_gptq(src, out, load_recipe("w4a16-linear", 64), config)
+    report = run_gptq(job, workers=2)
+    assert report.num_gptq + len(report.rtn_fallback) == len(job.compress.plan.int4_modules)
+    assert report.num_gptq and report.rtn_fallback and report.kv_scales_written
+    assert all(".mlp.experts." in name for name in report.rtn_fallback)
+    record = read_json(out / "kvq_manifest.json", "manifest")["kv_calibration"]
+    assert record["kv_layout"]["kind"] == "mla" and set(record["layers"][0]["amax"]) == {"kv_c", "k_pe"}
+    assert_holds_kvqs_weights(load(out), out)
