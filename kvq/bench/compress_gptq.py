@@ -22,9 +22,7 @@ from pathlib import Path
 from rich.table import Table
 
 from kvq.bench.measure import Measurement, run_measured
-from kvq.commands.render import human_bytes
-
-_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+from kvq.byte_sizes import format_bytes, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,7 @@ def printed_bound(output: str) -> int:
     found = re.search(r"peak memory <= ~([\d.]+) (\w+)", output)
     if found is None:
         raise ValueError(f"no memory bound in the output: {output[-500:]}")
-    return int(float(found[1]) * _UNITS[found[2]])
+    return parse_bytes(found[1] + found[2], "the printed bound")
 
 
 def oneshot_gptq(src: str, out: str, recipe: str, ids_path: str, group_size: int | None = None) -> None:
@@ -117,7 +115,7 @@ def _measured(argv: list[str], threads: int) -> Measurement:
 
 
 def run_gptq_bench(config: GptqBenchConfig, work: Path) -> dict:
-    from kvq.bench.compress import bench_fixture
+    from kvq.bench.calibrate import bench_fixture
 
     src = bench_fixture(config.arch, "bf16", config.num_layers)
     shutil.rmtree(work, ignore_errors=True)
@@ -181,9 +179,9 @@ def render(report: dict) -> Table:
     for col in ("contender", "wall s", "peak RSS", "vs llm-compressor RSS", "kvq's printed bound"):
         table.add_column(col, justify="left" if col == "contender" else "right")
     for row in rows:
-        bound = "-" if row.printed_bound_bytes is None else human_bytes(row.printed_bound_bytes)
+        bound = "-" if row.printed_bound_bytes is None else format_bytes(row.printed_bound_bytes)
         ratio = f"{row.peak_rss_bytes / reference.peak_rss_bytes:.3f}"
-        table.add_row(row.name, f"{row.wall_s:.1f}", human_bytes(row.peak_rss_bytes), ratio, bound)
+        table.add_row(row.name, f"{row.wall_s:.1f}", format_bytes(row.peak_rss_bytes), ratio, bound)
     table.caption = (
         f"target: peak RSS <= 1/3 of llm-compressor's; weight_packed nibbles kvq (all experts) shares with "
         f"llm-compressor: {report['nibbles_shared_with_llm_compressor']:.4f}"

@@ -87,31 +87,30 @@ def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str,
     return {name: {"path": str(out), "wall_s": walls[name]} for name, out in outs.items()}
 
 
-def evaluate(config: GptqQualityConfig, model: Path, baseline: Path, text: Path | None, out: Path) -> dict:
-    argv = [sys.executable, "-m", "kvq", "eval", str(model), "--baseline", str(baseline), "--json", str(out)]
+def perplexity(config: GptqQualityConfig, model: Path, text: Path | None, out: Path) -> float:
+    """`kvq eval MODEL` (BF16 KV pages: the weights alone) on `text` (None: held-out Wikipedia)."""
+    argv = [sys.executable, "-m", "kvq", "eval", str(model), "--json", str(out)]
     argv += ["--kv-cache-dtype", "bf16", "--threads", str(config.threads)]
     argv += ["--num-windows", str(config.eval_windows), "--seq-len", str(config.eval_seq_len)]
     _run(argv + ([] if text is None else ["--text", str(text)]), config.threads)
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["rows"][0]["perplexity"]
 
 
 def run_quality_bench(config: GptqQualityConfig, work: Path) -> dict:
-    from kvq.testing.smollm2 import ensure_smollm2
+    from kvq.data.embedded_model import ensure_smollm2
 
     src = ensure_smollm2().bf16
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     outputs = build_outputs(config, src, work)
     texts = {"wikipedia (held out)": None, "news (Lee corpus)": news_jsonl(work / "news.jsonl")}
+    models = {"bf16": src} | {name: Path(output["path"]) for name, output in outputs.items()}
     results: dict[str, dict] = {}
-    for text_name, text in texts.items():
-        for name, output in outputs.items():
-            report = evaluate(
-                config, Path(output["path"]), src, text, work / f"eval-{name}-{len(results)}.json"
-            )
-            results.setdefault(text_name, {"bf16": report["rows"][1]["perplexity"]})[name] = report["rows"][
-                0
-            ]["perplexity"]
+    for t, (text_name, text) in enumerate(texts.items()):  # the same windows for every model of one text
+        results[text_name] = {
+            name: perplexity(config, model, text, work / f"eval-{name}-{t}.json")
+            for name, model in models.items()
+        }
     return {
         "config": asdict(config),
         "cpus": os.cpu_count(),

@@ -12,9 +12,11 @@ from typing import Annotated
 
 import typer
 
+from kvq.byte_sizes import format_bytes
 from kvq.calibrate.config import STRATEGIES, CalibrationConfig
-from kvq.commands.render import console, human_bytes
+from kvq.commands.render import console
 from kvq.compress.recipe import Recipe
+from kvq.compress.runner import CompressReport
 from kvq.errors import KvqError
 from kvq.gptq.config import GptqConfig
 
@@ -138,16 +140,18 @@ def _given(value: object, default: object):  # noqa: ANN202
 
 
 def gptq_compress(
-    src: Path, out: Path, recipe: Recipe, options: GptqOptions, workers: int, quiet: bool
-) -> None:
-    """Validate, print what will run (with the memory bound), run with progress bars, print the report."""
+    src: Path, out: Path, recipe: Recipe, target: str, options: GptqOptions, workers: int, quiet: bool
+) -> CompressReport:
+    """Validate, print what will run (with the memory bound), run with progress bars, print the GPTQ
+    report; return the shards' report (what was kept or dequantized is listed by the caller)."""
     from kvq.gptq.memory import gptq_peak_bound
     from kvq.gptq.run import prepare_gptq
 
-    job = prepare_gptq(src, out, recipe, options.config())
+    job = prepare_gptq(src, out, recipe, options.config(), target)
     c, s = job.config.calibration, job.settings
     bound = gptq_peak_bound(
-        job.compress.ckpt,
+        job.lm,
+        job.text.fields,
         job.compress.plan,
         job.targets,
         job.layer_names,
@@ -157,11 +161,11 @@ def gptq_compress(
     )
     console.print(
         f"kvq compress --method gptq: {job.compress.ckpt.root} ({job.compress.ckpt.format}, "
-        f"{job.num_layers} layers, {human_bytes(job.compress.input_bytes)}) -> {job.compress.out}, recipe "
-        f"{recipe.name} (group {recipe.group_size}), block_size {s.block_size}, dampening_frac "
-        f"{s.dampening_frac}, actorder {s.actorder}; calibration {c.num_samples} x {c.seq_len} tokens of "
-        f"{job.samples.source} (token ids sha256 {job.samples.fingerprint[:12]}); {workers} workers, peak "
-        f"memory <= ~{human_bytes(bound)}"
+        f"{job.num_layers} layers, {format_bytes(job.compress.input_bytes)}) -> {job.compress.out}, recipe "
+        f"{recipe.name} (group {recipe.group_size}), target {target}, block_size {s.block_size}, "
+        f"dampening_frac {s.dampening_frac}, actorder {s.actorder}; calibration {c.num_samples} x "
+        f"{c.seq_len} tokens of {job.samples.source} (token ids sha256 {job.samples.fingerprint[:12]}); "
+        f"{workers} workers, peak memory <= ~{format_bytes(bound)}"
     )
     try:
         report = _run(job, workers, quiet)
@@ -172,6 +176,7 @@ def gptq_compress(
         )
         raise typer.Exit(130) from None
     _print_report(report, job.compress.input_bytes)
+    return report.compress
 
 
 def _run(job, workers: int, quiet: bool):  # noqa: ANN001, ANN202 (GptqJob, GptqReport: torch-side types)
@@ -200,7 +205,7 @@ def _print_report(report, input_bytes: int) -> None:  # noqa: ANN001 (a GptqRepo
         f"GPTQ: {report.num_gptq} module(s) quantized, {len(report.layers_done)} layer(s) run"
         f"{f', {report.layers_resumed} resumed' if report.layers_resumed else ''}; wrote "
         f"{len(compress.shards_written)} shard(s) ({len(compress.shards_resumed)} kept): "
-        f"{human_bytes(input_bytes)} -> {compress.out}"
+        f"{format_bytes(input_bytes)} -> {compress.out}"
         f"{'; KV scales written' if report.kv_scales_written else ''}"
     )
     if report.rtn_fallback:
@@ -211,5 +216,3 @@ def _print_report(report, input_bytes: int) -> None:  # noqa: ANN001 (a GptqRepo
             console.print(
                 f"  ... and {len(report.rtn_fallback) - _SHOWN_FALLBACKS} more (in kvq_manifest.json)"
             )
-    for kept in compress.kept[:_SHOWN_FALLBACKS]:
-        console.print(f"kept at source precision: {kept.name} {list(kept.shape)}: {kept.reason}")

@@ -31,8 +31,13 @@ def source_fingerprint(ckpt: Checkpoint) -> str:
     return digest.hexdigest()
 
 
-def job_identity(recipe_identity: dict, fingerprint: str) -> dict:
-    return {"recipe": recipe_identity, "source_fingerprint": fingerprint, "kvq_version": __version__}
+def job_identity(recipe_identity: dict, fingerprint: str, target: str) -> dict:
+    return {
+        "recipe": recipe_identity,
+        "source_fingerprint": fingerprint,
+        "target": target,
+        "kvq_version": __version__,
+    }
 
 
 def read_manifest(out: Path) -> dict | None:
@@ -54,8 +59,9 @@ def describe_identity(identity: dict) -> str:
     tokens = (method.get("calibration") or {}).get("token_ids_sha256")
     described = method["name"] + (f" (calibration tokens {tokens[:12]})" if tokens else "")
     return (
-        f"recipe {recipe.get('name')!r} (group {recipe.get('group_size')}), method {described}, source "
-        f"fingerprint {str(identity.get('source_fingerprint'))[:12]}, kvq {identity.get('kvq_version')}"
+        f"recipe {recipe.get('name')!r} (group {recipe.get('group_size')}), method {described}, target "
+        f"{identity.get('target')}, source fingerprint "
+        f"{str(identity.get('source_fingerprint'))[:12]}, kvq {identity.get('kvq_version')}"
     )
 
 

@@ -51,6 +51,7 @@ def write_kv_scales(job: GptqJob, recorder: KvRecorder) -> bool:
         scales |= layer_scales(job.layout, strategy, i, recorder.amax[i])
     record = run_record(job.layout, job.config.calibration, job.samples, recorder, scales)
     record["observed_on"] = OBSERVED_ON
+    scales = {job.text.checkpoint_name(name): scale for name, scale in scales.items()}
     out = job.compress.out
     if (read_manifest(out) or {}).get(MANIFEST_KEY) == json.loads(json.dumps(record)):
         return False

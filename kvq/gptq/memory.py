@@ -21,7 +21,8 @@ ACTIVATION_BYTES = {"bfloat16": 2, "float32": 4}
 
 
 def gptq_peak_bound(
-    ckpt: Checkpoint,
+    lm: Checkpoint,
+    fields: dict,
     plan: CompressPlan,
     targets: list[LayerTargets],
     layer_names: list[list[str]],
@@ -29,9 +30,10 @@ def gptq_peak_bound(
     dtype: str,
     workers: int,
 ) -> int:
-    """Upper estimate of the process tree's peak RSS over both phases of a GPTQ run."""
+    """Upper estimate of the process tree's peak RSS over both phases of a GPTQ run. `lm`: the language
+    model's tensors in transformers' names (those of `layer_names`); `fields`: its config.json fields."""
     num_samples, seq_len = num_tokens
-    config = ckpt.config
+    config = fields
     act = ACTIVATION_BYTES[dtype]
     hidden = int(config["hidden_size"])
     heads = int(config.get("num_attention_heads") or 1)
@@ -41,8 +43,8 @@ def gptq_peak_bound(
     shapes = {t.module: t.source.shape for t in plan.tasks}
     largest_layer = 0
     for names, layer in zip(layer_names, targets, strict=True):
-        weights = sum(ckpt.tensors[n].numel * act for n in names if not n.endswith("_scale_inv"))
-        read = max((ckpt.tensors[n].numel * (4 + 4) for n in names), default=0)
+        weights = sum(lm.tensors[n].numel * act for n in names if not n.endswith("_scale_inv"))
+        read = max((lm.tensors[n].numel * (4 + 4) for n in names), default=0)
         dense = sum(shapes[t.name][1] ** 2 * 4 for t in layer.linears)
         expert = max((shapes[t.name][1] ** 2 * 4 for t in layer.experts), default=0) * 2
         names = [t.name for t in layer.linears] + [t.name for t in layer.experts]

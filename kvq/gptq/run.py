@@ -20,17 +20,19 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from kvq.calibrate.kv_layout import KvLayout, kv_layout, layer_tensor_names
-from kvq.calibrate.layer_stream import embed, hf_config, layer_inputs, meta_model
+from kvq.calibrate.layer_stream import embed, layer_inputs, meta_model
 from kvq.calibrate.layer_weights import load_layer_weights
 from kvq.calibrate.memory import limit_primitive_cache, release_freed
 from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.run import DTYPES, calibration_samples, check_run
 from kvq.calibrate.samples import CalibrationSamples
 from kvq.checkpoint.header import ShardHeader, read_header
+from kvq.checkpoint.model_config import TextModel, pretrained_config, text_model
 from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint
 from kvq.compress.manifest import read_manifest, write_manifest
 from kvq.compress.recipe import Recipe
 from kvq.compress.runner import CompressReport, PreparedJob, manifest_header, prepare, run
+from kvq.compress.tensor_plan import VLLM
 from kvq.errors import KvqError
 from kvq.gptq import staging
 from kvq.gptq.config import GptqConfig
@@ -54,6 +56,8 @@ class GptqJob:
     config: GptqConfig
     samples: CalibrationSamples
     layout: KvLayout
+    text: TextModel  # config.json's language model (its fields, the prefix of its tensor names)
+    lm: Checkpoint  # the source's language-model tensors, in transformers' names
     model: PreTrainedModel  # on the meta device
     targets: list[LayerTargets]
     unreached: list[str]
@@ -74,24 +78,32 @@ class GptqReport:
     kv_scales_written: bool = False
 
 
-def prepare_gptq(src: str | Path, out: str | Path, recipe: Recipe, config: GptqConfig) -> GptqJob:
-    """Validate the whole GPTQ job; raise `KvqError` on anything that would fail later."""
+def prepare_gptq(
+    src: str | Path, out: str | Path, recipe: Recipe, config: GptqConfig, target: str = VLLM
+) -> GptqJob:
+    """Validate the whole GPTQ job for the serving `target`; raise `KvqError` on anything that would fail
+    later."""
     ckpt = Checkpoint.open(src)
     where = str(ckpt.root / CONFIG_NAME)
-    layout = kv_layout(ckpt.config, where)
+    text = text_model(ckpt.config, where)
+    layout = kv_layout(text.fields, text.at)
     calibration = config.calibration
     check_run(layout, calibration, where)
     samples = calibration_samples(ckpt.root, calibration)
     settings = recipe.gptq or GptqSettings()
-    compress = prepare(src, out, recipe, method=method_record(settings, config, samples))
-    ckpt = compress.ckpt
-    model_config = hf_config(ckpt)
+    compress = prepare(src, out, recipe, target, method=method_record(settings, config, samples))
+    lm = compress.ckpt.under(text.weight_prefix)
+    model_config = pretrained_config(text)
     model_config._attn_implementation = EAGER_ATTENTION
     model = meta_model(model_config, DTYPES[calibration.dtype])
-    targets, unreached = find_targets(compress.plan, model.model.layers, type(model).__name__)
+    targets, unreached = find_targets(
+        compress.plan, model.model.layers, type(model).__name__, text.weight_prefix
+    )
     _check_enough_tokens(compress, targets, samples)
-    layer_names = layer_tensor_names(ckpt, layout.num_layers)
-    return GptqJob(compress, settings, config, samples, layout, model, targets, unreached, layer_names)
+    layer_names = layer_tensor_names(lm, layout.num_layers)
+    return GptqJob(
+        compress, settings, config, samples, layout, text, lm, model, targets, unreached, layer_names
+    )
 
 
 def method_record(settings: GptqSettings, config: GptqConfig, samples: CalibrationSamples) -> dict:
@@ -197,17 +209,17 @@ def _stream_layers(
     report: GptqReport,
     on_layer_done: LayerDone | None,
 ) -> None:
-    out, ckpt, model = job.compress.out, job.compress.ckpt, job.model
+    out, ckpt, lm, model = job.compress.out, job.compress.ckpt, job.lm, job.model
     if start >= job.num_layers:
         return
     limit_primitive_cache()
     recorder = KvRecorder(job.layout)  # this run's layers; earlier ones are in `records`
     input_ids = job.samples.input_ids
     if start == 0:
-        state = embed(model, ckpt, input_ids)
+        state = embed(model, lm, input_ids)
     else:
         state = staging.load_state(out, start - 1, input_ids.shape[0])
-    inputs = layer_inputs(model, ckpt, state.hidden[0])
+    inputs = layer_inputs(model, lm, state.hidden[0])
     options = LayerOptions(
         job.compress.recipe.group_size,
         job.settings,
@@ -216,7 +228,7 @@ def _stream_layers(
     )
     for i in range(start, job.num_layers):
         layer = model.model.layers[i]
-        load_layer_weights(layer, ckpt, i, job.layer_names[i])
+        load_layer_weights(layer, lm, i, job.layer_names[i])
         outcome = quantize_layer(layer.eval(), i, job.targets[i], state, inputs, recorder, options, ckpt)
         layer.to_empty(device="meta")
         release_freed()

@@ -46,15 +46,16 @@ class LayerTargets:
 
 
 def find_targets(
-    plan: CompressPlan, layers: nn.ModuleList, root: str
+    plan: CompressPlan, layers: nn.ModuleList, root: str, prefix: str = ""
 ) -> tuple[list[LayerTargets], list[str]]:
-    """Per decoder layer its GPTQ targets, and the INT4 modules no forward reaches (kept RTN)."""
+    """Per decoder layer its GPTQ targets, and the INT4 modules no forward reaches (kept RTN). `prefix`:
+    what the checkpoint's names put before transformers' (`language_model.` in a multimodal one)."""
     targets = [LayerTargets() for _ in layers]
     unreached: list[str] = []
     for task in plan.tasks:
         if task.action != INT4:
             continue
-        match = _LAYER.match(task.module)
+        match = _LAYER.match(task.module.removeprefix(prefix)) if task.module.startswith(prefix) else None
         if match is None or int(match[1]) >= len(layers):
             unreached.append(task.module)
             continue

@@ -6,8 +6,8 @@ happens here, in paired verbs: `can_allocate`/`allocate`/`deallocate` for admiss
 `page_hashes(seq.token_ids)` is the identity each page of `seq.block_table` should have; a prefix hit is
 re-checked against the stored token ids before it is shared. A sequence chains its own pages' hashes
 (`seq.last_page_hash`), never reading them back from the shared pages. With `--kv-integrity` on, a
-`TagTracker` is told of every take, seal and free, and keeps each page's tag and each sequence's
-expected tags (`kvq.runtime.integrity`); with it off, `tracker` is None and nothing else runs.
+`TagTracker` is told of every take, attach, seal, free and deallocation, and keeps each page's tag and
+each sequence's expected tags (`kvq.runtime.integrity`); with it off, `tracker` is None and nothing else runs.
 Imports kvq.runtime.sequence (and kvq.runtime.integrity for types).
 """
 
@@ -125,9 +125,10 @@ class BlockManager:
         """
         for i in reversed(range(len(seq.block_table))):
             if i not in lost:
-                self._release(seq.block_table[i])
+                self.release_page(seq.block_table[i])
         seq.block_table.clear()
-        seq.expected_tags.clear()
+        if self.tracker is not None:
+            self.tracker.on_deallocate(seq)
         seq.num_cached_tokens, seq.last_page_hash = 0, ROOT_HASH
 
     # -- decode ---------------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ class BlockManager:
             self.tracker.on_take(seq, page.page_id)
         return page
 
-    def _release(self, page_id: int) -> None:
+    def release_page(self, page_id: int) -> None:
         """Drop one reference; the last one returns the page to the free list."""
         page = self.pages[page_id]
         if page.ref_count == 0 and self.tracker is not None:

@@ -9,29 +9,39 @@ Imports torch, transformers (config, tokenizer) and kvq.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 
+from kvq.checkpoint.kv_cache_spec import kv_cache_spec
+from kvq.checkpoint.model_config import pretrained_config, read_text_model
 from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
+from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
+from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
+from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.loader import WeightLoader
 from kvq.runtime.model_runner import ModelRunner
 from kvq.runtime.models.registry import model_class
 from kvq.runtime.sampling import SamplingParams, make_generator, sample
 from kvq.runtime.scheduler import Scheduler
-from kvq.runtime.scoring import force_tokens
 from kvq.runtime.sequence import Sequence
 
 Prompt = str | list[int]
+# Called after each step's sampling with (the step's sequences, their fp32 logits [B, V], the sampled
+# token ids): a hook may read the logits and replace token ids (teacher forcing, `kvq.runtime.scoring`).
+TokenHook = Callable[[list[Sequence], torch.Tensor, list[int]], None]
+logger = logging.getLogger("kvq")
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,9 @@ class EngineStats:
 
     integrity_aborts: int = 0  # requests stopped by a failed KV page check
     largest_batch: int = 0  # most requests one step ran
+    num_steps: int = 0  # steps that ran a batch
+    step_seconds: float = 0.0  # wall time in those steps (host work + forward)
+    forward_seconds: float = 0.0  # of which in the model forward (on CPU: its compute; CUDA: its launches)
 
 
 class Engine:
@@ -62,19 +75,32 @@ class Engine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        cpu_path = describe_cpu_path(resolve_cpu_isa()) if config.torch_device.type == "cpu" else None
         self.ckpt = Checkpoint.open(config.model)
-        cls = model_class(self.ckpt.config, str(self.ckpt.root / "config.json"))
-        hf_config = AutoConfig.from_pretrained(self.ckpt.root)
+        self.text_model = read_text_model(self.ckpt.root)  # the language model (Kimi: under text_config)
+        cls = model_class(self.text_model)
+        hf_config = pretrained_config(self.text_model)
+        self.kv_spec = kv_cache_spec(self.text_model.fields, self.text_model.at)  # as `kvq plan` sizes it
         self.tokenizer = AutoTokenizer.from_pretrained(self.ckpt.root)
-        with WeightLoader(self.ckpt, config) as loader:
+        with WeightLoader(self.ckpt, config, self.text_model) as loader:
             self.model = cls(hf_config, loader)
             loader.finish()
+        if cpu_path is not None:
+            logger.info(cpu_path)
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids()
         self.kv_pool = self._kv_pool()
         self._new_kv_bookkeeping()
-        self.runner = ModelRunner(self.model, config.page_size, self.kv_pool.zero_page, config.torch_device)
+        self.runner = ModelRunner(
+            self.model,
+            config.page_size,
+            self.kv_pool.zero_page,
+            self.kv_spec.num_kv_heads,
+            config.torch_device,
+        )
         self._ids = itertools.count()
+        self._texts: dict[int, CompletionText] = {}  # request id -> its text (requests with text only)
+        self.token_hooks: list[TokenHook] = []
         self.stats = EngineStats()
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
@@ -100,26 +126,22 @@ class Engine:
         )
 
     def _kv_pool(self) -> KVPool:
-        """Pages for the budget (no more than max_num_seqs full contexts), bound to every attention layer."""
+        """Pages for the budget (no more than max_num_seqs full contexts); each attention layer gets its
+        cache object over them."""
         config, layers = self.config, self.model.attention_layers()
         kv_dtype = config.kv_torch_dtype(self.ckpt.quantization_config.get("kv_cache_scheme") is not None)
         max_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
+        layout = layout_for(self.kv_spec, kv_dtype)
         pool = KVPool.for_budget(
-            config.kv_pool_bytes(),
-            len(layers),
-            config.page_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
-            kv_dtype,
-            config.torch_device,
-            max_pages,
+            config.kv_pool_bytes(), layout, len(layers), config.page_size, config.torch_device, max_pages
         )
-        pool.bind(
-            [a.attn for a in layers],
-            [(a.k_scale, a.v_scale) for a in layers],
+        caches = pool.layer_caches(
+            [a.kv_scales for a in layers],
             require_kv_scales=config.require_kv_scales,
             where=str(self.ckpt.root),
         )
+        for layer, cache in zip(layers, caches, strict=True):
+            layer.bind_kv(cache)
         return pool
 
     @property
@@ -172,8 +194,13 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams) -> int:
         """Queue one request (validated first); its id names its outputs."""
         seq = self.make_sequence(prompt, params)
-        self.scheduler.add(seq)
+        self._queue(seq)
         return seq.seq_id
+
+    def _queue(self, seq: Sequence) -> None:
+        """Queue a request whose tokens become text (scored sequences are queued without)."""
+        self._texts[seq.seq_id] = CompletionText(self.tokenizer, seq.params.stop)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: int) -> bool:
         """Stop a queued or running request now (its client went away) and free its pages; False if the
@@ -181,6 +208,7 @@ class Engine:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             seq.finish_reason = "abort"
+            self._texts.pop(request_id, None)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -189,20 +217,25 @@ class Engine:
     # -- running --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; outputs of the requests it advanced (finished ones are forgotten)."""
+        start = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
-        self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
+        stats = self.stats
+        stats.largest_batch = max(stats.largest_batch, len(seqs))
+        stats.num_steps += 1
         outputs: list[RequestOutput] = []
         if self.tracker is None:
-            logits = self.runner.run(seqs, is_prefill)
+            logits = self._timed_forward(lambda: self.runner.run(seqs, is_prefill))
         else:
             seqs, checked_logits, outputs = self._run_checked(seqs, is_prefill)
             if checked_logits is None:  # every request of the step was stopped
+                stats.step_seconds += time.perf_counter() - start
                 return outputs
             logits = checked_logits
         token_ids, is_finite = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        force_tokens(seqs, logits, token_ids)
+        for hook in self.token_hooks:
+            hook(seqs, logits, token_ids)
         for seq, token_id, ok in zip(seqs, token_ids, is_finite, strict=True):
             if ok:
                 self._append(seq, token_id)
@@ -212,7 +245,14 @@ class Engine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             outputs.append(self._output(seq))
+        stats.step_seconds += time.perf_counter() - start
         return outputs
+
+    def _timed_forward(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = forward()
+        self.stats.forward_seconds += time.perf_counter() - start
+        return logits
 
     def generate(
         self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
@@ -225,7 +265,7 @@ class Engine:
             )
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
         for seq in seqs:
-            self.scheduler.add(seq)
+            self._queue(seq)
         final: dict[int, RequestOutput] = {}
         while len(final) < len(seqs):
             for out in self.step():
@@ -266,7 +306,7 @@ class Engine:
             batch = self.runner.prepare(seqs, is_prefill)
         logits = None
         if seqs:
-            logits = self.runner.forward(batch)
+            logits = self._timed_forward(lambda: self.runner.forward(batch))
             self.tracker.after_forward()
         return seqs, logits, [self._output(s) for s in stopped]
 
@@ -278,32 +318,21 @@ class Engine:
             seq.finish_reason = "stop"
         elif seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens or seq.num_tokens >= seq.max_len:
             seq.finish_reason = "length"
-        if seq.forced_token_ids is not None:  # scored, not read: no text
-            return
-        text = str(self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True))
-        cut = min(
-            (i for i in (text.find(s, max(0, len(seq.text) - len(s))) for s in params.stop) if i >= 0),
-            default=-1,
-        )
-        if cut >= 0:
-            text, seq.finish_reason = text[:cut], "stop"
-        seq.text = text
+        text = self._texts.get(seq.seq_id)
+        if text is not None and text.add(token_id, is_last=seq.finish_reason is not None):
+            seq.finish_reason = "stop"
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        end = len(seq.text)
-        if seq.finish_reason is None:  # hold back what may still become a stop string or a UTF-8 character
-            end -= max((len(s) - 1 for s in seq.params.stop), default=0)
-            while end > seq.num_text_sent and seq.text[end - 1] == "\ufffd":
-                end -= 1
-        end = max(end, seq.num_text_sent)
-        delta, seq.num_text_sent = seq.text[seq.num_text_sent : end], end
+        is_finished = seq.finish_reason is not None
+        text = self._texts.pop(seq.seq_id, None) if is_finished else self._texts.get(seq.seq_id)
+        shown, delta = ("", "") if text is None else text.take(is_finished)
         return RequestOutput(
             seq.seq_id,
             seq.token_ids[: seq.num_prompt_tokens],
             seq.completion_token_ids,
-            seq.text[:end],
+            shown,
             delta,
-            seq.finish_reason is not None,
+            is_finished,
             seq.finish_reason,
             seq.error,
         )
@@ -322,7 +351,7 @@ class Engine:
         try:
             eos = GenerationConfig.from_pretrained(self.ckpt.root).eos_token_id
         except OSError:  # no generation_config.json
-            eos = self.ckpt.config.get("eos_token_id")
+            eos = self.text_model.fields.get("eos_token_id")
         for value in (eos, self.tokenizer.eos_token_id):
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids

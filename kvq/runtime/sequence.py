@@ -1,5 +1,7 @@
-"""One request as the engine tracks it: its tokens, its pages and its sampling state.
+"""One request as the scheduler and the block manager track it: its tokens, its pages, its sampling state.
 
+What other subsystems keep about a request lives with them, by `seq_id`: the integrity tracker's expected
+tags, teacher forcing's given tokens (`kvq.runtime.scoring`), the engine's text (`kvq.runtime.detokenizer`).
 Imports torch and kvq.runtime.sampling.
 """
 
@@ -23,8 +25,7 @@ class Status(Enum):
 class Sequence:
     """Prompt + completion tokens. `block_table[i]` is the page holding tokens [i*P, (i+1)*P); the first
     `num_cached_tokens` tokens were found in shared prefix pages when it was last admitted.
-    `last_page_hash` chains its own full pages (0: none yet); `expected_tags[i]` is the tag page i must
-    carry, derived from this request's own tokens and allocations (only with --kv-integrity on)."""
+    `last_page_hash` chains its own full pages (0: none yet)."""
 
     seq_id: int
     token_ids: list[int]
@@ -36,14 +37,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     last_page_hash: int = 0  # block_manager.ROOT_HASH
-    expected_tags: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
-    forced_token_ids: list[int] | None = None  # teacher forcing: the completion to append, not sample
-    nll: float = 0.0  # with forced tokens: the sum of -log p(forced token) over the steps so far
-    text: str = ""  # completion text so far (stop strings cut off)
-    num_text_sent: int = 0  # characters of `text` already streamed
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,9 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from kvq.errors import KvqError
 from kvq.runtime.engine import Engine, RequestOutput
@@ -47,6 +49,7 @@ class AsyncEngine:
         self._wake = threading.Condition(self._lock)
         self._inbox: list[_Request] = []
         self._abandoned: list[_Request] = []
+        self._calls: list[tuple[Callable[[Engine], Any], Future]] = []
         self._is_stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvq-engine", daemon=True)
         self._thread.start()
@@ -72,6 +75,15 @@ class AsyncEngine:
                     self._abandoned.append(request)
                     self._wake.notify()
 
+    def call(self, fn: Callable[[Engine], Any]) -> Future:
+        """Run `fn(engine)` on the engine thread between two steps (the only thread that may touch the
+        engine's state); its result or exception comes in the returned future. From any thread."""
+        future: Future = Future()
+        with self._wake:
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
     def stop(self) -> None:
         with self._wake:
             self._is_stopping = True
@@ -82,12 +94,18 @@ class AsyncEngine:
         live: dict[int, _Request] = {}
         while True:
             with self._wake:
-                while not (self._inbox or self._abandoned or self._is_stopping or live):
+                while not (self._inbox or self._abandoned or self._calls or self._is_stopping or live):
                     self._wake.wait()
                 if self._is_stopping:
                     return
                 inbox, self._inbox = self._inbox, []
                 abandoned, self._abandoned = self._abandoned, []
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:
+                    future.set_exception(e)
             for request in abandoned:
                 request.is_abandoned = True
                 if request.request_id is not None and live.pop(request.request_id, None) is not None:

@@ -7,7 +7,6 @@ engine steps; bad requests get 400/404 with the reason; a client that goes away 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import socket
@@ -23,6 +22,7 @@ import httpx
 import pytest
 import uvicorn
 
+from kvq.drill.fault_injector import FaultInjector
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.sampling import SamplingParams
@@ -45,6 +45,7 @@ MAX_TOKENS = 12
 class Server:
     url: str
     engine: Engine
+    async_engine: AsyncEngine
     expected: dict[str, str]  # prompt -> greedy completion of MAX_TOKENS
     expected_chat: str
 
@@ -66,7 +67,7 @@ def server(smollm2) -> Iterator[Server]:
     while not uv.started and time.monotonic() < deadline:
         time.sleep(0.01)
     port = uv.servers[0].sockets[0].getsockname()[1]
-    yield Server(f"http://127.0.0.1:{port}", engine, expected, expected_chat)
+    yield Server(f"http://127.0.0.1:{port}", engine, async_engine, expected, expected_chat)
     uv.should_exit = True
     thread.join(timeout=30)
     async_engine.stop()
@@ -176,29 +177,40 @@ def test_a_client_that_goes_away_frees_its_pages(server: Server) -> None:
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
-def test_a_request_the_engine_stops_gets_its_error(server: Server, monkeypatch) -> None:
-    """As when a KV page check fails: the engine ends the request with finish reason "error"."""
-    engine, real_step = server.engine, server.engine.step
+def test_a_request_the_engine_stops_gets_its_error(server: Server) -> None:
+    """A real failed KV page check: with --kv-integrity tags, a block-table slip injected into the running
+    request (`FaultInjector.off_by_one`) ends it with finish reason "error", which the client gets as a
+    500 (or, streaming, an error event after the text so far)."""
+    engine, async_engine = server.engine, server.async_engine
+    async_engine.call(lambda e: e.reset_kv(kv_integrity="tags")).result(timeout=30)
 
-    def step_then_stop() -> list:
-        outputs = real_step()
-        for i, out in enumerate(outputs):
-            if len(out.token_ids) == 3 and not out.finished:
-                engine.abort(out.request_id)
-                outputs[i] = dataclasses.replace(
-                    out, finished=True, finish_reason="error", error="page 7 holds tag 0x1 (expected 0x2)"
-                )
-        return outputs
+    def inject_when_running() -> None:
+        deadline = time.monotonic() + 60
+        while not engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        running = async_engine.call(lambda e: [s.seq_id for s in e.scheduler.running]).result(timeout=30)
+        async_engine.call(lambda e: FaultInjector(e).off_by_one(running[0], 0)).result(timeout=30)
 
-    monkeypatch.setattr(engine, "step", step_then_stop)
-    body = {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0}
-    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-    assert reply.status_code == 500 and "page 7 holds tag" in reply.json()["error"]["message"]
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as response:
-        data = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    assert data[-2]["choices"][0]["finish_reason"] == "error"
-    assert "page 7 holds tag" in data[-1]["error"]["message"]
-    assert not engine.has_unfinished_requests()
+    body = {"prompt": PROMPTS[3], "max_tokens": 400, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            injected = pool.submit(inject_when_running)
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            injected.result()
+        assert reply.status_code == 500
+        message = reply.json()["error"]["message"]
+        assert "KV integrity" in message and "(logical page 0)" in message
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            async_engine.call(lambda e: FaultInjector(e).off_by_one(e.scheduler.running[0].seq_id, 0))
+            data = [json.loads(first[6:])] + [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert data[-2]["choices"][0]["finish_reason"] == "error"
+        assert "KV integrity" in data[-1]["error"]["message"]
+        assert len("".join(d["choices"][0]["text"] for d in data[:-1])) > 0  # the text sent before the stop
+        assert not engine.has_unfinished_requests() and engine.stats.integrity_aborts == 2
+    finally:
+        async_engine.call(lambda e: e.reset_kv(kv_integrity="off")).result(timeout=30)
 
 
 def test_the_kvq_serve_command(smollm2) -> None:

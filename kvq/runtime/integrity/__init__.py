@@ -1,11 +1,11 @@
-"""The checked KV pool (`--kv-integrity {off,tags,full}`): page tags, the per-step check, the abort path
-and a fault injector for tests and `kvq bench integrity`.
+"""The checked KV pool (`--kv-integrity {off,tags,full}`): page tags, the per-step check and the abort path
+(the fault injector and drill that test it live in `kvq.drill`).
 
 `off` builds nothing (`make_tracker` returns None and the engine and block manager skip every hook);
 `tags` checks every page a step reads or writes against tags derived from each request's own state;
 `full` also re-hashes sampled bytes of every sealed page a step reads. Files: `tags.py` (pure tag
 functions), `page_sample.py` (which bytes `full` hashes), `tracker.py` (state and check), `mismatch.py`,
-`abort.py` (ending only the hit request), `fault_injector.py` and `drill.py` (a workload with one fault).
+`abort.py` (ending only the hit request).
 Limits, by design: `tags` binds pages to owners and content identity, not to bytes (a byte changed in
 place passes; `full` catches it in a sampled byte of a full page, not in the page being filled); a page a
 failed check names keeps the hit request's reference (it may be another's now), so such a slip can
@@ -29,5 +29,8 @@ def make_tracker(mode: str, kv_pool: KVPool) -> TagTracker | None:
         return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device)
     assert mode == "full", mode
     pool_bytes = kv_pool.page_bytes_view()
-    sample = make_page_sample(pool_bytes.shape[0], kv_pool.page_size, kv_pool.row_bytes, kv_pool.device)
+    num_layers, num_parts = pool_bytes.shape[:2]
+    sample = make_page_sample(
+        num_layers, kv_pool.page_size, kv_pool.row_bytes, kv_pool.device, num_parts=num_parts
+    )
     return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, pool_bytes, sample)

@@ -3,12 +3,12 @@
 The block manager calls the `on_*` hooks at every take, attach, seal, free and unhash (and at a release
 of a page that was already free: a double free, which it then ignores). They stamp the page's tag in a
 host mirror of the tag table (flushed to the device table `page_tags [num_pages]` int64 once per step,
-before the check) and append or update the request's `expected_tags`, which come only from the
-request's own tokens and allocations, never from the shared table. `check(seqs, batch)` then gathers
-and compares in one batch, before the model reads any page: every page the step's block tables name, and
-the page every new token's K/V goes to (the slot mapping), against the writer's expectation. In `full`
-mode it also re-hashes sampled bytes of each sealed page in the step and compares with the hash taken
-after the forward that wrote it (`after_forward`). Imports torch and kvq.runtime.
+before the check) and append or update the request's expected tags (kept here by request id), which
+come only from the request's own tokens and allocations, never from the shared table. `check(seqs, batch)`
+then gathers and compares in one batch, before the model reads any page: every page the step's block
+tables name, and the page every new token's K/V goes to (the slot mapping), against the writer's
+expectation. In `full` mode it also re-hashes sampled bytes of each sealed page in the step and compares
+with the hash taken after the forward that wrote it (`after_forward`). Imports torch and kvq.runtime.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ class TagTracker:
         )
         self._is_dirty = False
         self.generation = 0  # pages taken from the free list so far
-        self.pool_bytes, self.sample = pool_bytes, sample  # pool_bytes [L, 2, P + 1, R] uint8
+        self.pool_bytes, self.sample = pool_bytes, sample  # pool_bytes [L, C, P + 1, R] uint8
         self.is_full = sample is not None
         self.byte_hashes = torch.full((num_pages,), NO_BYTE_HASH, dtype=torch.int64, device=device)
         self._voided: list[int] = []  # pages taken since their byte hash was recorded
         self._pending: dict[int, int] = {}  # page -> tag: sealed this step, hashed once the forward wrote it
         self.num_free_page_releases = 0  # double frees seen (see `on_release_of_free_page`)
+        self._expected_tags: dict[int, list[int]] = {}  # request id -> the tag each logical page must carry
 
     # -- hooks (block manager) ------------------------------------------------------------------------
     def on_take(self, seq: Sequence, page_id: int) -> None:
@@ -62,22 +63,26 @@ class TagTracker:
         tag = fill_tag(seq.seq_id, len(seq.block_table), self.generation)
         self._host[page_id] = tag
         self._is_dirty = True
-        seq.expected_tags.append(tag)
+        self._expected_tags.setdefault(seq.seq_id, []).append(tag)
         if self.is_full:
             self._voided.append(page_id)
 
     def on_attach(self, seq: Sequence, page_hash: int) -> None:
         """`seq` shares a sealed page whose chain hash, computed from `seq`'s own tokens, is `page_hash`."""
-        seq.expected_tags.append(sealed_tag(page_hash))
+        self._expected_tags.setdefault(seq.seq_id, []).append(sealed_tag(page_hash))
 
     def on_seal(self, seq: Sequence, index: int, page_id: int, page_hash: int) -> None:
         """`seq`'s logical page `index` is full: page and expectation both become the chain hash."""
         tag = sealed_tag(page_hash)
         self._host[page_id] = tag
         self._is_dirty = True
-        seq.expected_tags[index] = tag
+        self._expected_tags[seq.seq_id][index] = tag
         if self.is_full:
             self._pending[page_id] = tag
+
+    def on_deallocate(self, seq: Sequence) -> None:
+        """`seq` holds no pages any more (finished, stopped or preempted): its expectations go."""
+        self._expected_tags.pop(seq.seq_id, None)
 
     def on_free(self, page_id: int, is_sealed: bool) -> None:
         """The last reference is gone. A sealed page keeps its tag (a prefix hit may revive it)."""
@@ -138,6 +143,10 @@ class TagTracker:
     def tag_of(self, page_id: int) -> int:
         return int(self._host[page_id])
 
+    def expected_tags(self, seq: Sequence) -> list[int]:
+        """The tag each of `seq`'s logical pages must carry, from its own tokens and allocations."""
+        return self._expected_tags.get(seq.seq_id, [])
+
     # -- internals --------------------------------------------------------------------------------------
     def _flush(self) -> None:
         """The step's tag changes to the device table in one copy; taken pages' byte hashes voided."""
@@ -151,15 +160,15 @@ class TagTracker:
     def _expected(self, seqs: list[Sequence], batch: ForwardBatch, width: int) -> list[int]:
         """Flat expectations `[B * width + T]`: each row's pages (0-padded), then each new token's page."""
         expected: list[int] = []
-        for seq in seqs:
-            expected += seq.expected_tags
-            expected += [FREE_TAG] * (width - len(seq.expected_tags))
+        rows = [self.expected_tags(seq) for seq in seqs]
+        for tags in rows:
+            expected += tags
+            expected += [FREE_TAG] * (width - len(tags))
         size = self.page_size
         if not batch.is_prefill:  # one new token each, the last: the hot path, kept to one comprehension
-            expected += [s.expected_tags[(len(s.token_ids) - 1) // size] for s in seqs]
+            expected += [tags[(len(s.token_ids) - 1) // size] for s, tags in zip(seqs, rows, strict=True)]
             return expected
-        for seq, query_len in zip(seqs, batch.query_lens, strict=True):
-            tags = seq.expected_tags
+        for seq, tags, query_len in zip(seqs, rows, batch.query_lens, strict=True):
             expected += [tags[p // size] for p in range(seq.num_tokens - query_len, seq.num_tokens)]
         return expected
 

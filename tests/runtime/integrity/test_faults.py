@@ -1,6 +1,6 @@
 """Each injected fault is caught before the bad page is read by attention, stops only the requests it hit
 (finish reason "error", a message naming the page and both tags), and every other request's tokens are
-those of a fault-free run with the same seeds (the drill of `kvq.runtime.integrity.drill`, tiny llama in
+those of a fault-free run with the same seeds (the drill of `kvq.drill.workload`, tiny llama in
 fp32 reference mode, pages of 4 tokens). `tags` mode does not see pure byte faults: that is `full`'s job."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kvq.drill.workload import FAULTS, DrillRun, Fault, late_request, run_drill, workload
 from kvq.runtime.block_manager import page_hashes
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.integrity.drill import FAULTS, DrillRun, Fault, late_request, run_drill, workload
 from kvq.runtime.integrity.tags import format_tag, sealed_tag
 
 PAGE_SIZE = 4

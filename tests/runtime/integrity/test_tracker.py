@@ -34,13 +34,13 @@ def manager(num_pages: int = 8) -> tuple[BlockManager, TagTracker]:
 
 def prepare(seqs: list[Sequence], is_prefill: bool, num_pages: int = 8) -> ForwardBatch:
     """The batch the engine would check (a runner without a model: only `prepare` is used)."""
-    return ModelRunner(SimpleNamespace(num_kv_heads=1), P, num_pages, CPU).prepare(seqs, is_prefill)  # type: ignore[arg-type]
+    return ModelRunner(SimpleNamespace(), P, num_pages, 1, CPU).prepare(seqs, is_prefill)  # type: ignore[arg-type]
 
 
 def assert_consistent(tracker: TagTracker, *seqs: Sequence) -> None:
     for s in seqs:
-        assert len(s.expected_tags) == len(s.block_table)
-        assert [tracker.tag_of(p) for p in s.block_table] == s.expected_tags
+        assert len(tracker.expected_tags(s)) == len(s.block_table)
+        assert [tracker.tag_of(p) for p in s.block_table] == tracker.expected_tags(s)
 
 
 def test_off_builds_no_tracker(tiny_checkpoint) -> None:
@@ -64,8 +64,10 @@ def test_tags_follow_take_seal_share_and_free() -> None:
     m.allocate(a)
     m.allocate(b)
     hashes = page_hashes(a.token_ids, P)
-    assert a.expected_tags[:2] == b.expected_tags[:2] == [sealed_tag(h) for h in hashes]
-    assert a.expected_tags[2] != b.expected_tags[2]  # fill tags: owner, logical page, generation
+    assert tracker.expected_tags(a)[:2] == tracker.expected_tags(b)[:2] == [sealed_tag(h) for h in hashes]
+    assert (
+        tracker.expected_tags(a)[2] != tracker.expected_tags(b)[2]
+    )  # fill tags: owner, logical page, generation
     assert_consistent(tracker, a, b)
     assert a.last_page_hash == hashes[-1]
     own = a.block_table[2]
@@ -90,15 +92,16 @@ def test_decode_seals_with_the_requests_own_chain() -> None:
         m.may_append(s)
         assert_consistent(tracker, s)
     assert s.last_page_hash == page_hashes(s.token_ids, P)[-1]
-    assert s.expected_tags[:2] == [sealed_tag(h) for h in page_hashes(s.token_ids, P)]
+    assert tracker.expected_tags(s)[:2] == [sealed_tag(h) for h in page_hashes(s.token_ids, P)]
 
 
 def test_a_reused_sealed_page_gets_a_new_tag() -> None:
     m, tracker = manager(num_pages=3)
     a = seq([1, 2, 3, 4, 5], 0)
     m.allocate(a)
-    sealed_page, old = a.block_table[0], a.expected_tags[0]
+    sealed_page, old = a.block_table[0], tracker.expected_tags(a)[0]
     m.deallocate(a)
+    assert tracker.expected_tags(a) == []  # a holds no pages: nothing is expected of it
     b = seq([20, 21, 22, 23, 24, 25, 26, 27, 28], 1)  # needs all three pages: takes the sealed one
     m.allocate(b)
     assert sealed_page in b.block_table and tracker.tag_of(sealed_page) not in (old, FREE_TAG)
@@ -110,7 +113,7 @@ def test_a_release_of_a_free_page_leaves_it_free_once() -> None:
     a = seq([1, 2, 3, 4, 5], 0)
     m.allocate(a)
     page = a.block_table[0]
-    m._release(page)  # a double free: the page goes free under a
+    m.release_page(page)  # a double free: the page goes free under a
     m.deallocate(a)  # a's own release finds it free
     assert tracker.num_free_page_releases == 1
     assert m.num_free_pages == 8 and sorted(m.free_page_ids) == list(range(8))
@@ -125,7 +128,9 @@ def test_unhash_drops_the_cache_entry_and_frees_the_tag_of_an_unused_page() -> N
     assert m.pages[a.block_table[0]].hash is None and not any(
         p == a.block_table[0] for p in m.hash_to_page_id.values()
     )
-    assert tracker.tag_of(a.block_table[0]) == a.expected_tags[0]  # still held: its holder still checks
+    assert (
+        tracker.tag_of(a.block_table[0]) == tracker.expected_tags(a)[0]
+    )  # still held: its holder still checks
     page = b.block_table[0]
     m.deallocate(b)
     m.unhash(page)
@@ -144,7 +149,7 @@ def test_the_check_names_every_failing_read_and_write() -> None:
         (0, "read", 0, b.block_table[0])
     } | {(0, "write", 0, b.block_table[0])}
     for x in mismatches:
-        assert x.expected == a.expected_tags[0] and x.found == b.expected_tags[0]
+        assert x.expected == tracker.expected_tags(a)[0] and x.found == tracker.expected_tags(b)[0]
     assert sorted(x.position for x in mismatches if x.kind == "write") == [0, 1, 2, 3]
     a.block_table[0] = 8  # not a page of the pool
     read = next(x for x in tracker.check([a], prepare([a], True)) if x.kind == "read")
