@@ -125,18 +125,8 @@ def run_gptq_bench(config: GptqBenchConfig, work: Path) -> dict:
     py = sys.executable
 
     def kvq(out: Path, *extra: str) -> list[str]:
-        argv = [
-            py,
-            "-m",
-            "kvq",
-            "compress",
-            str(src),
-            str(out),
-            "--recipe",
-            config.recipe,
-            "--method",
-            "gptq",
-        ]
+        argv = [py, "-m", "kvq", "compress", str(src), str(out), "--recipe", config.recipe]
+        argv += ["--method", "gptq"]
         argv += ["--num-samples", str(config.num_samples), "--seq-len", str(config.seq_len)]
         return [*argv, "--workers", str(config.workers), "--quiet", *extra]
 
