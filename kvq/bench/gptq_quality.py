@@ -53,9 +53,10 @@ def news_jsonl(path: Path) -> Path:
 
 
 def _run(argv: list[str], threads: int) -> float:
-    m = run_measured(argv, env={"OMP_NUM_THREADS": str(threads)})
+    m = run_measured(argv, env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
     if m.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:5])} failed ({m.returncode}):\n{m.output[-3000:]}")
+    console.print(f"{' '.join(argv[3:6])}: {m.wall_s:.0f} s")
     return m.wall_s
 
 
@@ -93,7 +94,9 @@ def perplexity(config: GptqQualityConfig, model: Path, text: Path | None, out: P
     argv += ["--kv-cache-dtype", "bf16", "--threads", str(config.threads)]
     argv += ["--num-windows", str(config.eval_windows), "--seq-len", str(config.eval_seq_len)]
     _run(argv + ([] if text is None else ["--text", str(text)]), config.threads)
-    return json.loads(out.read_text())["rows"][0]["perplexity"]
+    value = json.loads(out.read_text())["rows"][0]["perplexity"]
+    console.print(f"kvq eval {model} ({'held-out Wikipedia' if text is None else text.name}): {value:.4f}")
+    return value
 
 
 def run_quality_bench(config: GptqQualityConfig, work: Path) -> dict:
@@ -142,12 +145,16 @@ def render(report: dict) -> Table:
 def bench_gptq_command(
     num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = GptqQualityConfig.num_samples,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = GptqQualityConfig.seq_len,
+    eval_windows: Annotated[
+        int, typer.Option(help="Windows (of 256 tokens) kvq eval scores per text.")
+    ] = GptqQualityConfig.eval_windows,
+    threads: Annotated[int, typer.Option(help="Torch threads of every step.")] = GptqQualityConfig.threads,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
 ) -> None:
     """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ, on two kinds of text."""
-    config = GptqQualityConfig(num_samples=num_samples, seq_len=seq_len)
+    config = GptqQualityConfig(num_samples, seq_len, eval_windows=eval_windows, threads=threads)
     report = run_quality_bench(config, cache_dir() / "bench" / "gptq-quality-work")
     console.print(render(report))
     path = json_out or cache_dir() / "bench" / "gptq-quality.json"
