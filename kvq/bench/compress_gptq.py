@@ -46,7 +46,7 @@ class GptqRow:
 
 def printed_bound(output: str) -> int:
     """The `peak memory <= ~X` that `kvq compress` prints, in bytes."""
-    found = re.search(r"peak memory <= ~([\d.]+) (\w+)", output)
+    found = re.search(r"peak\s+memory\s+<=\s+~([\d.]+)\s+(\w+)", output)
     if found is None:
         raise ValueError(f"no memory bound in the output: {output[-500:]}")
     return parse_bytes(found[1] + found[2], "the printed bound")
