@@ -31,6 +31,7 @@ BENCH_COMMANDS = {
     "calibrate": ("kvq.bench.calibrate", "bench_calibrate_command"),
     "handoff": ("kvq.bench.handoff", "bench_handoff_command"),
     "serve": ("kvq.bench.serve", "bench_serve_command"),
+    "gptq": ("kvq.bench.gptq_quality", "bench_gptq_command"),
 }
 
 

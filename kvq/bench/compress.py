@@ -254,10 +254,21 @@ def bench_compress_command(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
+    method: Annotated[
+        str,
+        typer.Option(
+            "--method",
+            help="rtn: vs model_free_ptq and the I/O floor; gptq: vs llm-compressor oneshot GPTQModifier on "
+            "the 8-layer glm4_moe bench fixture (BF16).",
+        ),
+    ] = "rtn",
 ) -> None:
     """Time and peak RSS of kvq compress vs llm-compressor model_free_ptq vs the I/O floor (1.4 GB FP8).
 
     Every run starts after `sync` with the input in the page cache."""
+    if method == "gptq":
+        _bench_gptq(json_out, workers)
+        return
     config = CompressBenchConfig(recipe=recipe, workers=workers, repeats=repeats)
     work = cache_dir() / "bench" / "compress-work"
     rows, machine = run_bench(config, work)
@@ -268,4 +279,14 @@ def bench_compress_command(
             {"config": asdict(config), "machine": machine, "rows": [asdict(r) for r in rows]}, indent=2
         )
     )
+    console.print(f"results: {path}")
+
+
+def _bench_gptq(json_out: Path | None, workers: int) -> None:
+    from kvq.bench.compress_gptq import GptqBenchConfig, render, run_gptq_bench
+
+    report = run_gptq_bench(GptqBenchConfig(workers=workers), cache_dir() / "bench" / "compress-gptq-work")
+    console.print(render(report))
+    path = json_out or cache_dir() / "bench" / "compress-gptq.json"
+    path.write_text(json.dumps(report, indent=2))
     console.print(f"results: {path}")

@@ -113,15 +113,24 @@ def layer_inputs(model: PreTrainedModel, ckpt: Checkpoint, hidden: torch.Tensor)
 
 
 def run_layer(
-    layer: nn.Module, layer_idx: int, state: StreamState, recorder: KvRecorder, inputs: dict
+    layer: nn.Module,
+    layer_idx: int,
+    state: StreamState,
+    recorder: KvRecorder,
+    inputs: dict,
+    *,
+    keep_outputs: bool = True,
 ) -> None:
-    """Every sample through one loaded decoder layer, its cache being `recorder`; hidden states replaced."""
+    """Every sample through one loaded decoder layer, its cache being `recorder`; hidden states replaced
+    (with `keep_outputs=False` the outputs are dropped: a pass run only for what hooks see)."""
     takes_topk = "prev_topk_indices" in inspect.signature(layer.forward).parameters
     attention = layer.get_submodule("self_attn")
     with torch.no_grad(), recorder.latent_hook(attention, layer_idx):
         for s, hidden in enumerate(state.hidden):
             extra = {"prev_topk_indices": state.topk[s]} if takes_topk else {}
             out = layer(hidden, past_key_values=recorder, use_cache=True, **inputs, **extra)
+            if not keep_outputs:
+                continue
             if isinstance(out, tuple):  # glm_moe_dsa: (hidden, top-k indices for the next shared layer)
                 out, state.topk[s] = out[0], out[1]
             state.hidden[s] = out

@@ -58,14 +58,7 @@ def calibrate(
     layout = kv_layout(model.fields, model.at)
     check_run(layout, config, str(ckpt.root / CONFIG_NAME))
     layer_names = layer_tensor_names(lm, layout.num_layers)
-    samples = build_samples(
-        load_texts(config.dataset, config.split),
-        load_tokenizer(ckpt.root),
-        num_samples=config.num_samples,
-        seq_len=config.seq_len,
-        seed=config.seed,
-        source=source_name(config.dataset),
-    )
+    samples = calibration_samples(ckpt.root, config)
     # Fail now, not after the forward, on anything writing would reject (foreign scales, bad JSON).
     plan_update(ckpt, {}, config.strategy, {})
     if on_start is not None:
@@ -94,6 +87,18 @@ def check_run(layout: KvLayout, config: CalibrationConfig, where: str) -> None:
             f"{where}: an MLA model caches one latent per token (kv_c + k_pe), not per-head K/V, "
             "and servers quantize it with one scale; use --strategy tensor"
         )
+
+
+def calibration_samples(root: Path, config: CalibrationConfig) -> CalibrationSamples:
+    """The token windows `config` names, tokenized with the checkpoint's own tokenizer (at `root`)."""
+    return build_samples(
+        load_texts(config.dataset, config.split),
+        load_tokenizer(root),
+        num_samples=config.num_samples,
+        seq_len=config.seq_len,
+        seed=config.seed,
+        source=source_name(config.dataset),
+    )
 
 
 def load_tokenizer(root: Path) -> PreTrainedTokenizerBase:

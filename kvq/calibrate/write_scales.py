@@ -106,7 +106,9 @@ def plan_update(
 
 def apply_update(ckpt: Checkpoint, scales: dict[str, torch.Tensor], update: CheckpointUpdate) -> None:
     """Write the scales shard, then the index, config.json and the manifest (each atomically)."""
-    save_safetensors_atomic(scales, ckpt.root / SCALES_FILE, metadata={"producer": "kvq calibrate"})
+    # One metadata key ("format"): safetensors writes several in a random order (a Rust HashMap), which made
+    # two writes of the same scales differ in bytes. Who wrote the file is in the manifest.
+    save_safetensors_atomic(scales, ckpt.root / SCALES_FILE)
     write_index(ckpt.root, update.weight_map, update.total_size)
     write_json_atomic(update.config, ckpt.root / CONFIG_NAME)
     write_json_atomic(update.manifest, ckpt.root / MANIFEST_NAME)

@@ -9,6 +9,19 @@ from typing import Annotated
 import typer
 
 from kvq.byte_sizes import format_bytes
+from kvq.commands.gptq_options import (
+    CalibrateKvOption,
+    DatasetOption,
+    GptqOptions,
+    KvStrategyOption,
+    MethodOption,
+    MoeAllExpertsOption,
+    MoeMinTokensOption,
+    NumSamplesOption,
+    SeedOption,
+    SeqLenOption,
+    gptq_compress,
+)
 from kvq.commands.recipe_options import GroupSizeOption, RecipeOption, TargetOption
 from kvq.commands.render import console
 from kvq.compress.manifest import MANIFEST_NAME
@@ -38,6 +51,15 @@ def compress_command(
         int, typer.Option("--workers", help="Shards compressed in parallel, one process each.")
     ] = default_workers(),
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    method: MethodOption = None,
+    dataset: DatasetOption = None,
+    num_samples: NumSamplesOption = None,
+    seq_len: SeqLenOption = None,
+    seed: SeedOption = None,
+    moe_min_tokens: MoeMinTokensOption = None,
+    moe_calibrate_all_experts: MoeAllExpertsOption = False,
+    calibrate_kv: CalibrateKvOption = False,
+    kv_strategy: KvStrategyOption = None,
 ) -> None:
     """Compress SRC into OUT as compressed-tensors pack-quantized INT4 (W4A16, symmetric) per the recipe.
 
@@ -57,8 +79,30 @@ def compress_command(
     engine loads it.
     Resume: re-run the same command on the same OUT; shards whose size and sha256 match the manifest are
     kept. SRC is never modified.
+
+    --method gptq: GPTQ (llm-compressor's arithmetic) on calibration text, one decoder layer at a time
+    (memory: one layer and the samples' hidden states, printed at start), then the same shards; a rerun
+    resumes at the first layer not finished.
     """
-    job = prepare(src, out, load_recipe(recipe, group_size), target)
+    options = GptqOptions(
+        method,
+        dataset,
+        num_samples,
+        seq_len,
+        seed,
+        moe_min_tokens,
+        moe_calibrate_all_experts,
+        calibrate_kv,
+        kv_strategy,
+    )
+    loaded = load_recipe(recipe, group_size)
+    if options.method_for(loaded) == "gptq":
+        written = gptq_compress(src, out, loaded, target, options, max(1, workers), quiet)
+        _print_tensors("kept at source precision", written.kept)
+        _print_tensors("FP8-block written as BF16", written.dequantized)
+        _print_check(written.out)
+        return
+    job = prepare(src, out, loaded, target)
     workers = max(1, workers)  # a few shards are cut into parts, so every worker has work
     console.print(
         f"kvq compress: {job.ckpt.root} ({job.ckpt.format}, {len(job.jobs)} shards, "
@@ -75,10 +119,14 @@ def compress_command(
         )
         raise typer.Exit(130) from None
     _print_report(report, job.input_bytes)
+    _print_check(job.out)
+
+
+def _print_check(out: Path) -> None:
     from kvq.check import check_checkpoint
     from kvq.commands.check_cmd import print_report
 
-    print_report(check_checkpoint(job.out))
+    print_report(check_checkpoint(out))
 
 
 def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:

@@ -55,8 +55,11 @@ def write_manifest(out: Path, updates: dict) -> dict:
 
 def describe_identity(identity: dict) -> str:
     recipe = identity.get("recipe", {})
+    method = identity.get("method") or {"name": "rtn"}
+    tokens = (method.get("calibration") or {}).get("token_ids_sha256")
+    described = method["name"] + (f" (calibration tokens {tokens[:12]})" if tokens else "")
     return (
-        f"recipe {recipe.get('name')!r} (group {recipe.get('group_size')}), target "
+        f"recipe {recipe.get('name')!r} (group {recipe.get('group_size')}), method {described}, target "
         f"{identity.get('target')}, source fingerprint "
         f"{str(identity.get('source_fingerprint'))[:12]}, kvq {identity.get('kvq_version')}"
     )

@@ -2,6 +2,8 @@
 
 kvq reads the data-free subset of that schema, strictly: one stage, one `QuantizationModifier` with
 `targets` + `scheme: W4A16`, or one `config_groups` group of symmetric INT4 group weights; `ignore`.
+A `GPTQModifier` takes the same keys plus GPTQ's `block_size`, `dampening_frac` and `actorder`
+(`kvq compress --method gptq`).
 Matching is compressed-tensors': a target is `Linear` (every Linear weight), an exact module name, or
 `re:<regex>` applied with `re.match` to the module name. The same file drives llm-compressor unchanged.
 """
@@ -18,9 +20,11 @@ import yaml
 
 from kvq.errors import KvqError
 from kvq.formats.shapes import GROUP_SIZES
+from kvq.gptq.settings import RECIPE_KEYS, GptqSettings
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: installed with kvq
 _MODIFIER = "QuantizationModifier"
+_GPTQ_MODIFIER = "GPTQModifier"
 _MODIFIER_KEYS = {"targets", "scheme", "config_groups", "ignore"}
 _GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 # Data-free round-to-nearest: any min/max observer sees the whole weight once, so they agree.
@@ -47,6 +51,7 @@ class Recipe:
     targets: tuple[str, ...]
     ignore: tuple[str, ...]
     group_size: int
+    gptq: GptqSettings | None = None  # set by a GPTQModifier recipe
 
     def matches(self, *names: str) -> bool:
         """True if the Linear known by `names` is targeted and not ignored (compressed-tensors semantics).
@@ -133,10 +138,10 @@ def load_recipe(recipe: str, group_size: int | None = None) -> Recipe:
         data = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise KvqError(f"{path}: not valid YAML ({e}); fix the recipe file") from e
-    targets, ignore, size = _parse(path, data)
-    return Recipe(path.stem, path, hashlib.sha256(raw).hexdigest(), targets, ignore, size).with_group_size(
-        group_size
-    )
+    targets, ignore, size, gptq = _parse(path, data)
+    return Recipe(
+        path.stem, path, hashlib.sha256(raw).hexdigest(), targets, ignore, size, gptq
+    ).with_group_size(group_size)
 
 
 def _fail(path: Path, where: str, problem: str) -> KvqError:
@@ -156,21 +161,25 @@ def _unknown_keys(path: Path, where: str, mapping: dict, allowed: set[str]) -> N
         raise _fail(
             path,
             where,
-            f"unknown recipe key(s) {', '.join(unknown)}; kvq compress (data-free "
-            f"INT4) accepts only {', '.join(sorted(allowed))}: remove them",
+            f"unknown recipe key(s) {', '.join(unknown)}; kvq compress (INT4 weights) "
+            f"accepts only {', '.join(sorted(allowed))} here: remove them",
         )
 
 
-def _parse(path: Path, data: object) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+def _parse(path: Path, data: object) -> tuple[tuple[str, ...], tuple[str, ...], int, GptqSettings | None]:
     stage_name, stage = _one(path, "top level", data, "stage (e.g. `quant_stage:`)")
     group_name, modifiers = _one(path, stage_name, stage, "modifier group (e.g. `quant_modifiers:`)")
     modifier_name, modifier = _one(path, f"{stage_name}.{group_name}", modifiers, f"modifier ({_MODIFIER})")
     where = f"{stage_name}.{group_name}.{modifier_name}"
-    if modifier_name != _MODIFIER:
-        raise _fail(path, where, f"kvq compress is data-free and runs only {_MODIFIER}, not {modifier_name}")
+    if modifier_name not in (_MODIFIER, _GPTQ_MODIFIER):
+        raise _fail(
+            path, where, f"kvq compress runs only {_MODIFIER} or {_GPTQ_MODIFIER}, not {modifier_name}"
+        )
     if not isinstance(modifier, dict):
-        raise _fail(path, where, "expected a mapping of QuantizationModifier fields")
-    _unknown_keys(path, where, modifier, _MODIFIER_KEYS)
+        raise _fail(path, where, f"expected a mapping of {modifier_name} fields")
+    is_gptq = modifier_name == _GPTQ_MODIFIER
+    _unknown_keys(path, where, modifier, _MODIFIER_KEYS | (set(RECIPE_KEYS) if is_gptq else set()))
+    gptq = GptqSettings.from_recipe(modifier, f"{path}: {where}") if is_gptq else None
     ignore = tuple(_string_list(path, f"{where}.ignore", modifier.get("ignore", [])))
     if ("scheme" in modifier) == ("config_groups" in modifier):
         raise _fail(path, where, "set exactly one of `scheme` (with `targets`) and `config_groups`")
@@ -182,11 +191,12 @@ def _parse(path: Path, data: object) -> tuple[tuple[str, ...], tuple[str, ...], 
                 f"{modifier['scheme']!r} is not supported; use W4A16 "
                 "or a config_groups entry with 4-bit symmetric group weights",
             )
-        return tuple(_string_list(path, f"{where}.targets", modifier.get("targets", ["Linear"]))), ignore, 128
+        targets = tuple(_string_list(path, f"{where}.targets", modifier.get("targets", ["Linear"])))
+        return targets, ignore, 128, gptq
     if "targets" in modifier:
         raise _fail(path, f"{where}.targets", "with config_groups, put targets inside the group")
     group_key, group = _one(path, f"{where}.config_groups", modifier["config_groups"], "config group")
-    return _parse_group(path, f"{where}.config_groups.{group_key}", group, ignore)
+    return (*_parse_group(path, f"{where}.config_groups.{group_key}", group, ignore), gptq)
 
 
 def _parse_group(

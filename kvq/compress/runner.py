@@ -85,14 +85,21 @@ class CompressReport:
     wall_s: float = 0.0
 
 
-def prepare(src: str | Path, out: str | Path, recipe: Recipe, target: str = VLLM) -> PreparedJob:
+def prepare(
+    src: str | Path, out: str | Path, recipe: Recipe, target: str = VLLM, method: dict | None = None
+) -> PreparedJob:
     """Open SRC (all headers), plan and validate every tensor for the serving `target`, check OUT; raise
-    `KvqError` on any problem."""
+    `KvqError` on any problem.
+
+    `method`: how the INT4 weights are made when not round-to-nearest (GPTQ's settings and calibration
+    fingerprint), part of the job's identity."""
     ckpt = Checkpoint.open(src)
     out = Path(out)
     _check_out_outside_src(ckpt.root, out)
     plan = build_plan(ckpt.tensors, recipe, block_size(ckpt), target, weight_prefix_of(ckpt.config))
     identity = job_identity(recipe.identity(), source_fingerprint(ckpt), target)
+    if method is not None:
+        identity["method"] = method
     recorded = _recorded_shards(out, identity)
     jobs = [
         ShardJob(shard, out / shard, tuple(tasks), recipe.group_size, plan.block, recorded.get(shard))
@@ -111,7 +118,7 @@ def run(job: PreparedJob, workers: int, progress: Callable[[int], None] | None =
     previous = read_manifest(out)
     shards = dict((previous or {}).get("shards", {}))
     if previous is None:
-        write_manifest(out, _manifest_header(job, shards, is_complete=False))
+        write_manifest(out, manifest_header(job, shards, is_complete=False))
     report = CompressReport(out, kept=list(job.plan.kept), dequantized=list(job.plan.dequantized))
     weight_map: dict[str, str] = {}
 
@@ -161,7 +168,7 @@ def _finish(job: PreparedJob, weight_map: dict[str, str], shards: dict) -> None:
             tmp = tmp_path(out / path.name)
             shutil.copyfile(path, tmp)
             tmp.replace(out / path.name)
-    write_manifest(out, _manifest_header(job, shards, is_complete=True))
+    write_manifest(out, manifest_header(job, shards, is_complete=True))
 
 
 def _is_side_file(path: Path) -> bool:
@@ -174,7 +181,7 @@ def _is_side_file(path: Path) -> bool:
     )
 
 
-def _manifest_header(job: PreparedJob, shards: dict, *, is_complete: bool) -> dict:
+def manifest_header(job: PreparedJob, shards: dict, *, is_complete: bool) -> dict:
     recipe = job.recipe
     return {
         "kvq_version": __version__,

@@ -20,7 +20,7 @@ NEVER_QUANTIZED = [
 
 
 def test_shipped_recipes():
-    assert {"w4a16-experts", "w4a16-linear"} <= set(available_recipes())
+    assert {"w4a16-experts", "w4a16-linear", "w4a16-linear-gptq"} <= set(available_recipes())
 
 
 def test_experts_recipe_targets_routed_and_shared_experts_only():
@@ -81,15 +81,24 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 BASE = (RECIPES_DIR / "w4a16-linear.yaml").read_text()
+GPTQ = (RECIPES_DIR / "w4a16-linear-gptq.yaml").read_text()
 
 
 @pytest.mark.parametrize(
     ("text", "match"),
     [
         (
-            BASE.replace("QuantizationModifier:", "GPTQModifier:"),
-            "runs only QuantizationModifier, not GPTQModifier",
+            BASE.replace("QuantizationModifier:", "AWQModifier:"),
+            "runs only QuantizationModifier or GPTQModifier, not AWQModifier",
         ),
+        (
+            BASE.replace("QuantizationModifier:", "GPTQModifier:\n      offload_hessians: true"),
+            "offload_hessians",
+        ),
+        (GPTQ.replace("actorder: static", "actorder: group"), r"actorder: 'group' is not supported"),
+        (GPTQ.replace("dampening_frac: 0.01", "dampening_frac: -1"), "dampening_frac must be a number in"),
+        (GPTQ.replace("block_size: 128", "block_size: 0"), "block_size must be a positive integer"),
+        (BASE.replace("      ignore:", "      block_size: 64\n      ignore:"), r"key\(s\) block_size"),
         (
             BASE.replace("      ignore:", "      kv_cache_scheme: {num_bits: 8}\n      ignore:"),
             r"unknown recipe key\(s\) kv_cache_scheme",
@@ -109,6 +118,35 @@ BASE = (RECIPES_DIR / "w4a16-linear.yaml").read_text()
 def test_bad_recipes_name_the_file_and_key(tmp_path, text, match):
     with pytest.raises(KvqError, match=match):
         load_recipe(write(tmp_path, text))
+
+
+def test_gptq_modifier_recipe(tmp_path):
+    recipe = load_recipe("w4a16-linear-gptq")
+    assert recipe.gptq is not None and recipe.gptq.record() == {
+        "block_size": 128,
+        "dampening_frac": 0.01,
+        "actorder": "static",
+    }
+    assert recipe.targets == load_recipe("w4a16-linear").targets and recipe.group_size == 128
+    assert load_recipe("w4a16-linear").gptq is None
+    defaults = GPTQ.replace("      block_size: 128\n      dampening_frac: 0.01\n      actorder: static\n", "")
+    assert load_recipe(write(tmp_path, defaults)).gptq == recipe.gptq  # llm-compressor's defaults
+    none = load_recipe(write(tmp_path, GPTQ.replace("actorder: static", "actorder: null")))
+    assert none.gptq is not None and none.gptq.actorder is None
+
+
+@pytest.mark.slow
+def test_llm_compressor_reads_the_gptq_recipe():
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.recipe import Recipe
+
+    recipe = load_recipe("w4a16-linear-gptq")
+    (modifier,) = Recipe.create_instance(str(recipe.path)).modifiers
+    assert isinstance(modifier, GPTQModifier)
+    assert (modifier.block_size, modifier.dampening_frac, modifier.actorder) == (128, 0.01, "static")
+    config = modifier.resolve_quantization_config()
+    assert config.config_groups["group_0"].weights.group_size == recipe.group_size
+    assert list(config.ignore) == list(recipe.ignore)
 
 
 def test_scheme_form_is_accepted(tmp_path):

@@ -1,0 +1,162 @@
+"""`kvq bench gptq`: what GPTQ buys on SmolLM2, measured with `kvq eval`, and kvq's GPTQ vs llm-compressor's.
+
+SmolLM2-135M-Instruct (the embedded BF16 model), every Linear but lm_head to INT4 group 64, three ways:
+round-to-nearest (`kvq compress --recipe w4a16-linear`), kvq's GPTQ (`--recipe w4a16-linear-gptq`:
+llm-compressor's GPTQ defaults) and llm-compressor `oneshot` + `GPTQModifier` on exactly kvq's calibration
+token ids. Each is scored by `kvq eval` against the BF16 model (BF16 KV pages: the weights alone) on two
+texts: the held-out split of the bundled Wikipedia articles (never calibrated on) and news (the Lee corpus
+of Australian news articles in gensim, `lee_background.cor`). Also recorded: the share of `weight_packed`
+nibbles kvq's and llm-compressor's GPTQ outputs have in common, per tensor and overall.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from kvq.bench.compress_gptq import calibration_ids, shared_nibbles
+from kvq.bench.measure import run_measured
+from kvq.commands.render import console
+from kvq.paths import cache_dir
+
+NEWS_CORPUS = "lee_background.cor"
+
+
+@dataclass(frozen=True)
+class GptqQualityConfig:
+    num_samples: int = 64
+    seq_len: int = 512
+    group_size: int = 64
+    eval_windows: int = 16
+    eval_seq_len: int = 256
+    threads: int = 2
+
+
+def news_jsonl(path: Path) -> Path:
+    """gensim's Lee news corpus (one article per line) as the .jsonl `kvq eval --text` reads."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gensim")
+    assert spec is not None and spec.submodule_search_locations
+    corpus = Path(spec.submodule_search_locations[0]) / "test" / "test_data" / NEWS_CORPUS
+    lines = [line.strip() for line in corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    return path
+
+
+def _run(argv: list[str], threads: int) -> float:
+    m = run_measured(argv, env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+    if m.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[:5])} failed ({m.returncode}):\n{m.output[-3000:]}")
+    console.print(f"{' '.join(argv[3:6])}: {m.wall_s:.0f} s")
+    return m.wall_s
+
+
+def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str, dict]:
+    """The three INT4 checkpoints of `src`, with the wall time each took."""
+    py = sys.executable
+    kvq = [py, "-m", "kvq", "compress", str(src)]
+    common = ["--group-size", str(config.group_size), "--workers", "2", "--quiet"]
+    gptq = ["--num-samples", str(config.num_samples), "--seq-len", str(config.seq_len)]
+    outs = {name: work / name for name in ("rtn", "kvq-gptq", "llm-compressor-gptq")}
+    walls = {
+        "rtn": _run([*kvq, str(outs["rtn"]), "--recipe", "w4a16-linear", *common], config.threads),
+        "kvq-gptq": _run(
+            [*kvq, str(outs["kvq-gptq"]), "--recipe", "w4a16-linear-gptq", *common, *gptq], config.threads
+        ),
+    }
+    ids_path = work / "ids.pt"
+    fingerprint = calibration_ids(src, config.num_samples, config.seq_len, ids_path)
+    manifest = json.loads((outs["kvq-gptq"] / "kvq_manifest.json").read_text())
+    assert manifest["job"]["method"]["calibration"]["token_ids_sha256"] == fingerprint
+    out = str(outs["llm-compressor-gptq"])
+    call = f"oneshot_gptq({str(src)!r}, {out!r}, 'w4a16-linear-gptq', {str(ids_path)!r}, {config.group_size})"
+    walls["llm-compressor-gptq"] = _run(
+        [py, "-c", f"from kvq.bench.compress_gptq import oneshot_gptq; {call}"], config.threads
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy2(src / name, outs["llm-compressor-gptq"] / name)
+    return {name: {"path": str(out), "wall_s": walls[name]} for name, out in outs.items()}
+
+
+def perplexity(config: GptqQualityConfig, model: Path, text: Path | None, out: Path) -> float:
+    """`kvq eval MODEL` (BF16 KV pages: the weights alone) on `text` (None: held-out Wikipedia)."""
+    argv = [sys.executable, "-m", "kvq", "eval", str(model), "--json", str(out)]
+    argv += ["--kv-cache-dtype", "bf16", "--threads", str(config.threads)]
+    argv += ["--num-windows", str(config.eval_windows), "--seq-len", str(config.eval_seq_len)]
+    _run(argv + ([] if text is None else ["--text", str(text)]), config.threads)
+    value = json.loads(out.read_text())["rows"][0]["perplexity"]
+    console.print(f"kvq eval {model} ({'held-out Wikipedia' if text is None else text.name}): {value:.4f}")
+    return value
+
+
+def run_quality_bench(config: GptqQualityConfig, work: Path) -> dict:
+    from kvq.data.embedded_model import ensure_smollm2
+
+    src = ensure_smollm2().bf16
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    outputs = build_outputs(config, src, work)
+    texts = {"wikipedia (held out)": None, "news (Lee corpus)": news_jsonl(work / "news.jsonl")}
+    models = {"bf16": src} | {name: Path(output["path"]) for name, output in outputs.items()}
+    results: dict[str, dict] = {}
+    for t, (text_name, text) in enumerate(texts.items()):  # the same windows for every model of one text
+        results[text_name] = {
+            name: perplexity(config, model, text, work / f"eval-{name}-{t}.json")
+            for name, model in models.items()
+        }
+    return {
+        "config": asdict(config),
+        "cpus": os.cpu_count(),
+        "outputs": outputs,
+        "perplexity": results,
+        "nibbles_shared_kvq_vs_llm_compressor": shared_nibbles(
+            Path(outputs["kvq-gptq"]["path"]), Path(outputs["llm-compressor-gptq"]["path"])
+        ),
+    }
+
+
+def render(report: dict) -> Table:
+    table = Table(title="kvq bench gptq: SmolLM2 W4A16 group 64, every Linear, perplexity by kvq eval")
+    for column in ("text", "weights", "perplexity", "vs BF16", "share of RTN's increase"):
+        table.add_column(column, justify="left" if column in ("text", "weights") else "right")
+    for text, ppl in report["perplexity"].items():
+        rtn_increase = ppl["rtn"] / ppl["bf16"] - 1
+        for name, value in ppl.items():
+            increase = value / ppl["bf16"] - 1
+            share = f"{increase / rtn_increase:.2f}" if name != "bf16" else ""
+            table.add_row(text, name, f"{value:.4f}", f"{increase:+.2%}" if name != "bf16" else "", share)
+    table.caption = (
+        f"weight_packed nibbles shared by kvq's and llm-compressor's GPTQ: "
+        f"{report['nibbles_shared_kvq_vs_llm_compressor']:.4f}"
+    )
+    return table
+
+
+def bench_gptq_command(
+    num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = GptqQualityConfig.num_samples,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = GptqQualityConfig.seq_len,
+    eval_windows: Annotated[
+        int, typer.Option(help="Windows (of 256 tokens) kvq eval scores per text.")
+    ] = GptqQualityConfig.eval_windows,
+    threads: Annotated[int, typer.Option(help="Torch threads of every step.")] = GptqQualityConfig.threads,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
+    ] = None,
+) -> None:
+    """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ, on two kinds of text."""
+    config = GptqQualityConfig(num_samples, seq_len, eval_windows=eval_windows, threads=threads)
+    report = run_quality_bench(config, cache_dir() / "bench" / "gptq-quality-work")
+    console.print(render(report))
+    path = json_out or cache_dir() / "bench" / "gptq-quality.json"
+    path.write_text(json.dumps(report, indent=2))
+    console.print(f"results: {path}")

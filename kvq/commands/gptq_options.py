@@ -1,0 +1,218 @@
+"""`kvq compress --method gptq`: its options (calibration text as `kvq calibrate` takes it, MoE, KV scales)
+and the run, with a progress bar per decoder layer and one for writing the shards.
+
+Imports no torch until a GPTQ run starts, so `kvq compress --help` and RTN runs stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvq.byte_sizes import format_bytes
+from kvq.calibrate.config import STRATEGIES, CalibrationConfig
+from kvq.commands.render import console
+from kvq.compress.recipe import Recipe
+from kvq.compress.runner import CompressReport
+from kvq.errors import KvqError
+from kvq.gptq.config import GptqConfig
+
+METHODS = ("rtn", "gptq")
+_DEFAULTS = GptqConfig()
+_CALIBRATION = _DEFAULTS.calibration
+_SHOWN_FALLBACKS = 8
+
+MethodOption = Annotated[
+    str | None,
+    typer.Option(
+        "--method",
+        help="How INT4 weights are chosen: rtn (round-to-nearest, data-free; the default) or gptq "
+        "(calibrated on text, one decoder layer at a time). A GPTQModifier recipe means gptq.",
+    ),
+]
+DatasetOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--dataset",
+        help="GPTQ calibration text: .txt (documents separated by blank lines) or .jsonl (a 'text' field "
+        "per line). Default: the Wikipedia articles bundled in gensim (calibration split).",
+    ),
+]
+NumSamplesOption = Annotated[
+    int | None,
+    typer.Option(
+        "--num-samples", help=f"GPTQ: token windows to calibrate on (default: {_CALIBRATION.num_samples})."
+    ),
+]
+SeqLenOption = Annotated[
+    int | None, typer.Option("--seq-len", help=f"GPTQ: tokens per window (default: {_CALIBRATION.seq_len}).")
+]
+SeedOption = Annotated[
+    int | None,
+    typer.Option("--seed", help=f"GPTQ: seed of the window selection (default: {_CALIBRATION.seed})."),
+]
+MoeMinTokensOption = Annotated[
+    int | None,
+    typer.Option(
+        "--moe-min-tokens",
+        help="GPTQ: an expert routed fewer calibration tokens than this keeps round-to-nearest (listed "
+        f"in the report and the manifest) (default: {_DEFAULTS.moe_min_tokens}).",
+    ),
+]
+MoeAllExpertsOption = Annotated[
+    bool,
+    typer.Option(
+        "--moe-calibrate-all-experts",
+        help="GPTQ: every token feeds every expert's Hessians (the output still follows the real routing).",
+    ),
+]
+CalibrateKvOption = Annotated[
+    bool,
+    typer.Option(
+        "--calibrate-kv",
+        help="GPTQ: also write FP8 KV-cache scales measured in the same pass on the quantized model.",
+    ),
+]
+KvStrategyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-strategy",
+        help=f"With --calibrate-kv: {' | '.join(STRATEGIES)} (default: {_CALIBRATION.strategy}).",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class GptqOptions:
+    """The GPTQ options as given on the command line (None: not given)."""
+
+    method: str | None = None
+    dataset: Path | None = None
+    num_samples: int | None = None
+    seq_len: int | None = None
+    seed: int | None = None
+    moe_min_tokens: int | None = None
+    moe_calibrate_all_experts: bool = False
+    calibrate_kv: bool = False
+    kv_strategy: str | None = None
+
+    def method_for(self, recipe: Recipe) -> str:
+        """rtn or gptq; `KvqError` for a contradiction or GPTQ options without GPTQ."""
+        if self.method is not None and self.method not in METHODS:
+            raise KvqError(f"--method {self.method!r} is unknown; use one of {', '.join(METHODS)}")
+        method = self.method or ("gptq" if recipe.gptq is not None else "rtn")
+        if method == "rtn" and recipe.gptq is not None:
+            raise KvqError(
+                f"{recipe.path}: the recipe is a GPTQModifier, which asks for GPTQ; drop --method rtn, or "
+                "use a QuantizationModifier recipe for round-to-nearest"
+            )
+        given = [
+            f"--{k.replace('_', '-')}"
+            for k, v in vars(self).items()
+            if k != "method" and v not in (None, False)
+        ]
+        if method == "rtn" and given:
+            raise KvqError(f"{', '.join(given)} only apply to --method gptq; add --method gptq or drop them")
+        return method
+
+    def config(self) -> GptqConfig:
+        calibration = CalibrationConfig(
+            dataset=self.dataset,
+            num_samples=_given(self.num_samples, _CALIBRATION.num_samples),
+            seq_len=_given(self.seq_len, _CALIBRATION.seq_len),
+            seed=_given(self.seed, _CALIBRATION.seed),
+            strategy=_given(self.kv_strategy, _CALIBRATION.strategy),
+        )
+        return replace(
+            _DEFAULTS,
+            calibration=calibration,
+            moe_min_tokens=_given(self.moe_min_tokens, _DEFAULTS.moe_min_tokens),
+            moe_calibrate_all_experts=self.moe_calibrate_all_experts,
+            calibrate_kv=self.calibrate_kv,
+        )
+
+
+def _given(value: object, default: object):  # noqa: ANN202
+    return default if value is None else value
+
+
+def gptq_compress(
+    src: Path, out: Path, recipe: Recipe, target: str, options: GptqOptions, workers: int, quiet: bool
+) -> CompressReport:
+    """Validate, print what will run (with the memory bound), run with progress bars, print the GPTQ
+    report; return the shards' report (what was kept or dequantized is listed by the caller)."""
+    from kvq.gptq.memory import gptq_peak_bound
+    from kvq.gptq.run import prepare_gptq
+
+    job = prepare_gptq(src, out, recipe, options.config(), target)
+    c, s = job.config.calibration, job.settings
+    bound = gptq_peak_bound(
+        job.lm,
+        job.text.fields,
+        job.compress.plan,
+        job.targets,
+        job.layer_names,
+        (c.num_samples, c.seq_len),
+        c.dtype,
+        workers,
+    )
+    console.print(
+        f"kvq compress --method gptq: {job.compress.ckpt.root} ({job.compress.ckpt.format}, "
+        f"{job.num_layers} layers, {format_bytes(job.compress.input_bytes)}) -> {job.compress.out}, recipe "
+        f"{recipe.name} (group {recipe.group_size}), target {target}, block_size {s.block_size}, "
+        f"dampening_frac {s.dampening_frac}, actorder {s.actorder}; calibration {c.num_samples} x "
+        f"{c.seq_len} tokens of {job.samples.source} (token ids sha256 {job.samples.fingerprint[:12]}); "
+        f"{workers} workers, peak memory <= ~{format_bytes(bound)}"
+    )
+    try:
+        report = _run(job, workers, quiet)
+    except KeyboardInterrupt:
+        console.print(
+            f"interrupted: finished layers and shards are recorded in {job.compress.out}/kvq_manifest.json; "
+            "re-run the same command to resume"
+        )
+        raise typer.Exit(130) from None
+    _print_report(report, job.compress.input_bytes)
+    return report.compress
+
+
+def _run(job, workers: int, quiet: bool):  # noqa: ANN001, ANN202 (GptqJob, GptqReport: torch-side types)
+    from kvq.gptq.run import run_gptq
+
+    if quiet:
+        return run_gptq(job, workers)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        layers = bar.add_task("GPTQ layers", total=job.num_layers)
+        shards = bar.add_task("writing shards (bytes)", total=None)
+        return run_gptq(
+            job,
+            workers,
+            lambda _i: bar.advance(layers),
+            lambda n: bar.advance(shards, n),
+            lambda total: bar.update(shards, total=total),
+        )
+
+
+def _print_report(report, input_bytes: int) -> None:  # noqa: ANN001 (a GptqReport)
+    compress = report.compress
+    console.print(
+        f"GPTQ: {report.num_gptq} module(s) quantized, {len(report.layers_done)} layer(s) run"
+        f"{f', {report.layers_resumed} resumed' if report.layers_resumed else ''}; wrote "
+        f"{len(compress.shards_written)} shard(s) ({len(compress.shards_resumed)} kept): "
+        f"{format_bytes(input_bytes)} -> {compress.out}"
+        f"{'; KV scales written' if report.kv_scales_written else ''}"
+    )
+    if report.rtn_fallback:
+        console.print(f"round-to-nearest instead of GPTQ ({len(report.rtn_fallback)}):")
+        for name, reason in list(sorted(report.rtn_fallback.items()))[:_SHOWN_FALLBACKS]:
+            console.print(f"  {name}: {reason}")
+        if len(report.rtn_fallback) > _SHOWN_FALLBACKS:
+            console.print(
+                f"  ... and {len(report.rtn_fallback) - _SHOWN_FALLBACKS} more (in kvq_manifest.json)"
+            )

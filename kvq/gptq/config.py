@@ -1,0 +1,39 @@
+"""The settings of one `kvq compress --method gptq` run besides the recipe's: the single source of the
+defaults its CLI options show. Imports the standard library and kvq (calibrate config, errors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvq.calibrate.config import CalibrationConfig
+from kvq.errors import KvqError
+
+
+@dataclass(frozen=True)
+class GptqConfig:
+    """Calibration text (as `kvq calibrate`), the MoE options and whether KV scales are measured too.
+
+    An expert routed fewer than `moe_min_tokens` calibration tokens keeps round-to-nearest: a Hessian
+    from a handful of tokens fits those tokens, not the expert's inputs. `moe_calibrate_all_experts`
+    feeds every token to every expert's Hessians (the output still follows the real routing).
+    """
+
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    moe_min_tokens: int = 128
+    moe_calibrate_all_experts: bool = False
+    calibrate_kv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.moe_min_tokens < 0:
+            raise KvqError(f"--moe-min-tokens must be 0 or more, got {self.moe_min_tokens}")
+
+    def record(self) -> dict:
+        """What of this config decides the output bytes (recorded in the job identity)."""
+        c = self.calibration
+        return {
+            "moe_min_tokens": self.moe_min_tokens,
+            "moe_calibrate_all_experts": self.moe_calibrate_all_experts,
+            "calibrate_kv": c.strategy if self.calibrate_kv else None,
+            "dtype": c.dtype,
+        }

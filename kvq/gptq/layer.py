@@ -1,0 +1,172 @@
+"""One decoder layer through GPTQ, as llm-compressor's sequential pipeline does it.
+
+1. Calibration pass: every sample through the layer with its original weights; hooks accumulate each
+   targeted Linear's input Hessian and record the routed experts' inputs (outputs are dropped).
+2. Every target quantized: GPTQ from its Hessian (experts one at a time, from the tokens routed to
+   them; an expert with fewer than `moe_min_tokens` falls back to round-to-nearest), and its
+   dequantized INT4 weight written back into the layer.
+3. Propagation pass: every sample through the quantized layer; these outputs (and the K/V the
+   recorder sees) are what the next layer gets.
+Returns the `weight_packed` / `weight_scale` / `weight_shape` of every GPTQ'd module, in the dtypes
+round-to-nearest would write. Imports torch, transformers (through kvq.calibrate) and kvq.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvq.calibrate.layer_stream import StreamState, run_layer
+from kvq.calibrate.observers import KvRecorder
+from kvq.checkpoint.dense import read_dense
+from kvq.checkpoint.reader import Checkpoint
+from kvq.checkpoint.torch_dtypes import SAFETENSORS_DTYPES
+from kvq.errors import KvqError
+from kvq.formats.pack_quantized import dequantize_pack_quantized, pack_int4, quantize_int4_group
+from kvq.gptq.algorithm import GptqResult, HessianNotPositiveDefinite, gptq_quantize
+from kvq.gptq.experts import DOWN, GATE_UP, ExpertInputs, expert_hessians
+from kvq.gptq.hessian import HessianSum, LinearHessians
+from kvq.gptq.settings import GptqSettings
+from kvq.gptq.targets import ExpertTarget, LayerTargets, LinearTarget
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    group_size: int
+    settings: GptqSettings
+    moe_min_tokens: int
+    moe_calibrate_all_experts: bool
+
+
+@dataclass
+class LayerOutcome:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # staged outputs of GPTQ'd modules
+    modules: dict[str, dict] = field(default_factory=dict)  # module -> how it was quantized
+
+
+def quantize_layer(
+    layer: nn.Module,
+    layer_idx: int,
+    targets: LayerTargets,
+    state: StreamState,
+    inputs: dict,
+    recorder: KvRecorder,
+    options: LayerOptions,
+    ckpt: Checkpoint,
+) -> LayerOutcome:
+    """GPTQ every target of the loaded `layer`, then carry `state` through the quantized layer."""
+    hessians = LinearHessians(layer, [t.local for t in targets.linears])
+    experts = layer.get_submodule("mlp.experts") if targets.experts else None
+    captured = ExpertInputs(experts, getattr(experts, GATE_UP).shape[0]) if experts is not None else None
+    with hessians.hooked(), captured.hooked() if captured is not None else nullcontext():
+        run_layer(layer, layer_idx, state, KvRecorder(recorder.layout), inputs, keep_outputs=False)
+    outcome = LayerOutcome()
+    with torch.no_grad():
+        for t in targets.linears:
+            live = layer.get_submodule(t.local).weight
+            assert isinstance(live, torch.Tensor)
+            _gptq(outcome, t.name, live, hessians.hessian(t.local), options, _source(ckpt, t.name, live, t))
+        del hessians
+        if captured is not None and experts is not None:
+            _quantize_experts(outcome, experts, captured, targets.experts, options, ckpt)
+            del captured
+    run_layer(layer, layer_idx, state, recorder, inputs)
+    return outcome
+
+
+def _source(
+    ckpt: Checkpoint, name: str, live: torch.Tensor, target: LinearTarget | ExpertTarget
+) -> torch.Tensor:
+    """The weight as round-to-nearest quantizes it: the layer's own copy when its dtype is that dtype."""
+    dtype = SAFETENSORS_DTYPES[target.scale_dtype]
+    if live.dtype == dtype:
+        return live
+    prefix = f"{name}."
+    view = dataclasses.replace(ckpt, tensors={n: i for n, i in ckpt.tensors.items() if n.startswith(prefix)})
+    return read_dense(view, prefix, torch.float32)[f"{name}.weight"].to(dtype)
+
+
+def _gptq(
+    outcome: LayerOutcome,
+    name: str,
+    live: torch.Tensor,
+    hessian: HessianSum,
+    options: LayerOptions,
+    weight: torch.Tensor,
+    record: dict | None = None,
+) -> None:
+    settings = options.settings
+    try:
+        result = gptq_quantize(
+            weight,
+            hessian.normalized(),
+            group_size=options.group_size,
+            block_size=settings.block_size,
+            dampening_frac=settings.dampening_frac,
+            actorder=settings.actorder is not None,
+        )
+    except HessianNotPositiveDefinite as e:
+        raise KvqError(
+            f"{name}: its input Hessian ({hessian.num_tokens} calibration tokens) is not positive "
+            f"definite after dampening with dampening_frac {settings.dampening_frac} ({e}); raise "
+            "dampening_frac in the recipe's GPTQModifier (e.g. 0.05), or give more varied calibration "
+            "text (--dataset, --num-samples, --seq-len)"
+        ) from e
+    outcome.tensors |= _stored(name, result)
+    live.copy_(dequantize_pack_quantized(outcome.tensors[f"{name}.weight_packed"], result.weight_scale))
+    outcome.modules[name] = {"method": "gptq", "loss": result.loss, "num_tokens": hessian.num_tokens}
+    outcome.modules[name] |= record or {}
+
+
+def _stored(name: str, result: GptqResult) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.weight_packed": pack_int4(result.codes),  # [out, in / 8] int32
+        f"{name}.weight_scale": result.weight_scale,  # [out, in / g]
+        f"{name}.weight_shape": torch.tensor(list(result.codes.shape), dtype=torch.int64),
+    }
+
+
+def _expert_weight(experts: nn.Module, target: ExpertTarget) -> torch.Tensor:
+    """The live slice of the fused tensors holding one expert projection."""
+    if target.proj == "down":
+        return getattr(experts, DOWN)[target.expert]  # [H, I]
+    gate_up = getattr(experts, GATE_UP)[target.expert]  # [2I, H], gate rows first
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if target.proj == "gate" else gate_up[half:]
+
+
+def _quantize_experts(
+    outcome: LayerOutcome,
+    experts: nn.Module,
+    captured: ExpertInputs,
+    targets: list[ExpertTarget],
+    options: LayerOptions,
+    ckpt: Checkpoint,
+) -> None:
+    """Each expert: Hessians from its tokens (all of them first, from the unquantized weights), then GPTQ;
+    below `moe_min_tokens` routed tokens (and not calibrating all experts), round-to-nearest."""
+    by_expert: dict[int, list[ExpertTarget]] = {}
+    for t in targets:
+        by_expert.setdefault(t.expert, []).append(t)
+    for expert, group in sorted(by_expert.items()):
+        routed = captured.num_tokens(expert)
+        record = {"routed_tokens": routed}
+        if routed < options.moe_min_tokens and not options.moe_calibrate_all_experts:
+            reason = f"{routed} routed tokens, fewer than --moe-min-tokens {options.moe_min_tokens}"
+            for t in group:
+                live = _expert_weight(experts, t)
+                codes, scale = quantize_int4_group(_source(ckpt, t.name, live, t), options.group_size)
+                live.copy_(dequantize_pack_quantized(pack_int4(codes), scale))
+                outcome.modules[t.name] = {"method": "rtn", "reason": reason, **record}
+            continue
+        h_in, h_down = expert_hessians(
+            experts, captured, expert, all_tokens=options.moe_calibrate_all_experts
+        )
+        for t in group:
+            live = _expert_weight(experts, t)
+            hessian = h_down if t.proj == "down" else h_in
+            _gptq(outcome, t.name, live, hessian, options, _source(ckpt, t.name, live, t), record)
