@@ -15,11 +15,14 @@ if TYPE_CHECKING:
 
 
 TRACKER_METHODS = (
+    "screen",
     "check",
-    "after_forward",
+    "guard",
+    "after_step",
     "on_take",
     "on_attach",
     "on_seal",
+    "on_deallocate",
     "on_free",
     "on_release_of_free_page",
     "on_unhash",
