@@ -1,4 +1,4 @@
-"""The fault drill of `kvq bench integrity`: every fault of `kvq.drill.workload`, each in the
+"""The fault drill of `kvq bench integrity`: every fault of `kvq.drill.faults`, each in the
 lowest mode that should catch it, against one fault-free run, and its table.
 
 Imports rich and kvq.runtime.
@@ -20,7 +20,8 @@ def drill_rows(make_engine: Callable[[str], Engine]) -> list[dict]:
     """One row per fault: caught, who was stopped, whether a stopped request was read after the fault,
     whether everyone else's tokens match the fault-free run. `make_engine(mode)` gives a fresh engine
     (fp32, so tokens do not depend on the batch; the tests also run `full` on the tags faults)."""
-    from kvq.drill.workload import FAULTS, run_drill
+    from kvq.drill.faults import FAULTS
+    from kvq.drill.workload import run_drill
 
     clean = run_drill(make_engine("off"))
     rows = []

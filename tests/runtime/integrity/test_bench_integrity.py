@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvq.drill.workload import FAULTS
+from kvq.drill.faults import FAULTS
 from tests.test_cli_errors import run_kvq
 
 
