@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -176,6 +177,14 @@ class BlockManager:
         page.hash, page.token_ids, page.serial = None, (), 0
         if self.tracker is not None:
             self.tracker.on_unhash(page_id, page.ref_count)
+
+    def drop_entry(self, page_id: int, is_stale: Callable[[int], bool]) -> None:
+        """Drop the prefix-cache entries naming `page_id` under a hash `is_stale` rejects (an entry that led a
+        request to a page whose tag is not that hash's); the page's own entry is kept."""
+        own = self.pages[page_id].hash
+        stale = [h for h, p in self.hash_to_page_id.items() if p == page_id and h != own and is_stale(h)]
+        for page_hash in stale:
+            del self.hash_to_page_id[page_hash]
 
     # -- pages ----------------------------------------------------------------------------------------
     def hash_page(self, previous: int, token_ids: Tokens[int]) -> int:

@@ -5,7 +5,9 @@ the tracker recorded it was given (not what its block table names), so a wrong e
 another request's page. Pages that will never hold what their hash says leave the prefix cache: those
 the stopped request sealed this step (their K/V was to be written by the forward it is not in; found
 from the tracker's record, not its block table) and pages whose sampled bytes changed. A request that
-attached such a page in the same prefill is requeued (recomputed later), not failed.
+attached such a page in the same prefill is requeued (recomputed later), not failed. A prefix-cache entry
+that led a request to a page not carrying the entry's hash (a stale entry) is dropped, so the next request
+with that prefix computes it instead of being stopped in turn.
 Imports kvq.runtime (scheduler, sequence) and kvq.runtime.integrity.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from kvq.runtime.integrity.mismatch import PageMismatch
+from kvq.runtime.integrity.tags import sealed_tag
 from kvq.runtime.integrity.tracker import TagTracker
 from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.sequence import Sequence
@@ -43,6 +46,10 @@ def remove_hit(
             unwritten |= tracker.sealed_this_step(seq)
             scheduler.requeue(seq)
         kept = [s for s in kept if s not in orphans]
+    manager = scheduler.block_manager
     for page_id in sorted(unwritten | untrusted):
-        scheduler.block_manager.unhash(page_id)
+        manager.unhash(page_id)
+    for m in mismatches:  # a read of a page attached through a cache entry that names the wrong page
+        if m.kind == "read" and m.page_id is not None and 0 <= m.page_id < manager.num_pages:
+            manager.drop_entry(m.page_id, lambda h, expected=m.expected: sealed_tag(h) == expected)
     return kept, list(by_seq)

@@ -165,3 +165,20 @@ def test_the_write_guard_is_what_stops_a_late_write(llama: Path, monkeypatch: py
     replay = run_drill(make_engine(llama, "off"), departures=run.departures)
     others = request_names(PAGE_SIZE) - set(fault.aborted)
     assert any(run.logits[name] != replay.logits[name] for name in others)
+
+
+def test_a_stale_prefix_entry_is_dropped_with_the_request_it_misled(llama: Path) -> None:
+    """After f is stopped for attaching the page a stale entry named, the next request with f's prompt
+    computes its first page (no hit through that entry) and runs to its length."""
+    from kvq.drill.workload import waves
+
+    engine = make_engine(llama, "tags")
+    fault = next(f for f in FAULTS if f.name == "stale_prefix_hit")
+    run = run_drill(engine, fault)
+    assert run.errored == {"f"}
+    prompt, params = waves(PAGE_SIZE)[1]["f"]
+    hits = engine.block_manager.num_prefix_hits
+    (out,) = engine.generate([prompt], params)
+    assert out.finish_reason == "length" and out.error is None
+    assert out.token_ids == run_drill(make_engine(llama, "off")).outputs["f"].token_ids
+    assert engine.block_manager.num_prefix_hits == hits  # its first page computed, not attached
