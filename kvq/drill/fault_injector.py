@@ -202,14 +202,15 @@ class FaultInjector:
 
         self.change_next_batch(writer_id, change)
 
-    def context_one_too_long(self, request_id: int) -> None:
-        """In the next decode step with the request, attention reads one slot past its last token (the
-        context length one too long, in every form the kernels take it: tensor, list, bound, plan)."""
+    def context_one_too_long(self, request_id: int, delta: int = 1) -> None:
+        """In the next decode step with the request, attention reads `delta` slots past its last token (the
+        context length one too long, in every form the kernels take it: tensor, list, bound, plan; a
+        negative `delta`: too short)."""
         runner = self.engine.runner
 
         def change(batch: ForwardBatch, row: int, token: int) -> ForwardBatch:
             lens = list(batch.context_lens_list)
-            lens[row] += 1
+            lens[row] = max(lens[row] + delta, 1)
             lens_t = torch.tensor(lens, dtype=batch.context_lens.dtype).to(batch.context_lens.device)
             plan = runner.plan_decode(batch.block_tables, lens_t, lens)
             return replace(
