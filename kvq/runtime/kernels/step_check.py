@@ -92,17 +92,17 @@ def check_step_reference(
     num_rows, width = block_tables.shape
     pages = block_tables.flatten().long()  # [B * M]
     tags = expected_tags.flatten()
-    is_in_range = (pages >= 0) & (pages < page_tags.shape[0])
-    found = page_tags[torch.where(is_in_range, pages, 0)]
-    bad_entries = torch.where(tags == 0, pages != -1, ~is_in_range | (found != tags))
-    bad_lens = context_lens.long() != expected_lens
+    in_pool = pages.clamp(0, page_tags.shape[0] - 1)  # equal to `pages` where the id is a page
+    bad_entries = torch.where(tags == 0, pages != -1, (in_pool != pages) | (page_tags[in_pool] != tags))
+    bad_lens = context_lens != expected_lens
     index = expected_positions.div(page_size, rounding_mode="floor")
-    is_index = (expected_positions >= 0) & (index < width) & (token_rows >= 0) & (token_rows < num_rows)
-    flat = torch.where(is_index, token_rows * width + index, 0)  # [T]: the entry each token writes through
-    page = torch.where(is_index, pages[flat], -1)
+    in_table, row = index.clamp(0, max(width - 1, 0)), token_rows.clamp(0, max(num_rows - 1, 0))
+    is_index = (in_table == index) & (row == token_rows)  # the token's own entry exists
+    flat = row * width + in_table  # [T]: the entry each token writes through (clamped into the table)
+    page = pages[flat] if pages.numel() else torch.full_like(flat, -1)
     own_slot = page * page_size + expected_positions.remainder(page_size)
-    bad_tokens = (positions != expected_positions) | (page < 0) | (slot_mapping != own_slot)
-    write_tags = torch.where(is_index, tags[flat], 0)
+    bad_tokens = ~is_index | (page < 0) | (positions != expected_positions) | (slot_mapping != own_slot)
+    write_tags = torch.where(is_index, tags[flat], 0) if tags.numel() else torch.zeros_like(flat)
     return torch.cat([bad_entries, bad_lens, bad_tokens]), write_tags
 
 
