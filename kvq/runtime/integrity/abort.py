@@ -51,5 +51,9 @@ def remove_hit(
         manager.unhash(page_id)
     for m in mismatches:  # a read of a page attached through a cache entry that names the wrong page
         if m.kind == "read" and m.page_id is not None and 0 <= m.page_id < manager.num_pages:
-            manager.drop_entry(m.page_id, lambda h, expected=m.expected: sealed_tag(h) == expected)
+
+            def is_stale(page_hash: int, expected: int | None = m.expected) -> bool:
+                return sealed_tag(page_hash) == expected
+
+            manager.drop_entry(m.page_id, is_stale)
     return kept, list(by_seq)
