@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,6 +66,23 @@ def waves(page_size: int) -> list[dict[str, Request]]:
             "k": (prefix_ab[:page_size] + own_page + [65], short),
         },
     ]
+
+
+def drill_engine(model: str | Path, kv_integrity: str) -> Engine:
+    """The tests' drill engine: fp32 (a request's greedy tokens do not depend on its batch), pages of
+    `DRILL_PAGE_SIZE`, a 2 MiB pool, one thread (two on a busy 2-core machine are 50x slower)."""
+    from kvq.runtime.config import EngineConfig
+    from kvq.runtime.engine import Engine
+
+    config = EngineConfig(
+        model=str(model),
+        dtype="float32",
+        kv_memory="2MiB",
+        page_size=DRILL_PAGE_SIZE,
+        kv_integrity=kv_integrity,
+        threads=1,
+    )
+    return Engine(config)
 
 
 def request_names(page_size: int) -> set[str]:

@@ -14,24 +14,13 @@ from pathlib import Path
 import pytest
 
 from kvq.drill.faults import FAULTS, Fault
-from kvq.drill.workload import DrillRun, request_names, run_drill
-from kvq.runtime.config import EngineConfig
+from kvq.drill.workload import DrillRun, drill_engine, request_names, run_drill
 from kvq.runtime.engine import Engine
 
 PAGE_SIZE = 4
 
 
-def make_engine(path: Path, kv_integrity: str) -> Engine:
-    """fp32 reference mode: a request's greedy tokens do not depend on the batch it is in."""
-    config = EngineConfig(
-        model=str(path),
-        dtype="float32",
-        kv_memory="2MiB",
-        page_size=PAGE_SIZE,
-        kv_integrity=kv_integrity,
-        threads=1,  # two threads on a busy 2-core machine are 50x slower here
-    )
-    return Engine(config)
+make_engine = drill_engine
 
 
 @pytest.fixture(scope="module")

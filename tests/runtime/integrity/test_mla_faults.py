@@ -17,8 +17,7 @@ import pytest
 
 from kvq.drill.fault_injector import FaultInjector
 from kvq.drill.faults import FAULTS, Fault
-from kvq.drill.workload import DrillRun, request_names, run_drill, waves
-from kvq.runtime.config import EngineConfig
+from kvq.drill.workload import DrillRun, drill_engine, request_names, run_drill, waves
 from kvq.runtime.engine import Engine
 from kvq.runtime.kv_layout import LatentLayout
 
@@ -26,16 +25,7 @@ PAGE_SIZE = 4
 CHANGES_PREFIX_WRITER = {"stale_prefix_hit", "bit_flip_shared", "prefix_unwritten", "slot_one_off_prefill"}
 
 
-def make_engine(path: Path, kv_integrity: str) -> Engine:
-    config = EngineConfig(
-        model=str(path),
-        dtype="float32",
-        kv_memory="2MiB",
-        page_size=PAGE_SIZE,
-        kv_integrity=kv_integrity,
-        threads=1,
-    )
-    return Engine(config)
+make_engine = drill_engine
 
 
 @pytest.fixture(scope="module")

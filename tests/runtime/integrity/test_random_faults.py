@@ -13,23 +13,12 @@ import pytest
 
 from kvq.drill.faults import FAULTS
 from kvq.drill.random_faults import KINDS, classify, random_fault
-from kvq.drill.workload import run_drill
-from kvq.runtime.config import EngineConfig
-from kvq.runtime.engine import Engine
+from kvq.drill.workload import drill_engine, run_drill
 
 PAGE_SIZE = 4
 
 
-def make_engine(path: Path, kv_integrity: str) -> Engine:
-    config = EngineConfig(
-        model=str(path),
-        dtype="float32",
-        kv_memory="2MiB",
-        page_size=PAGE_SIZE,
-        kv_integrity=kv_integrity,
-        threads=1,
-    )
-    return Engine(config)
+make_engine = drill_engine
 
 
 def outcomes(path: Path, seeds: range) -> dict[int, str]:
