@@ -40,7 +40,7 @@ def test_the_draws_cover_every_kind_of_slip() -> None:
 def test_random_faults_on_llama_are_caught_or_harmless(tiny_checkpoint) -> None:
     seen = outcomes(tiny_checkpoint("llama", "bf16"), range(40))
     assert set(seen.values()) <= {"caught", "harmless"}, {s: o for s, o in seen.items() if o != "caught"}
-    assert sum(o == "caught" for o in seen.values()) >= 30  # seen: 33 caught, 7 refused frees
+    assert sum(o == "caught" for o in seen.values()) >= 30  # seen on seeds 0-29: 23 caught, 7 refused frees
 
 
 @pytest.mark.slow
