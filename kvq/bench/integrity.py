@@ -10,13 +10,16 @@
    throughput (generated tokens / the group's own step time, median over rounds); each step's time over
    the same step of `off` (the engines are at the same step of the same schedule), median over every
    step; P95 step time over all steps of all rounds; and the time spent inside the tracker (every hook
-   and the check) as a share of step time: the integrity work itself, free of machine noise. Ratios are
+   and the check) as a share of step time: the integrity work itself, free of machine noise, and per slot
+   checked (block-table entries, rows and new tokens of each checked batch), which shows whether the
+   tracker's host time grows faster than the slots it checks as concurrency rises. Ratios are
    against `off`; off-2 / off shows the noise floor, which is what "off is indistinguishable from an
    engine without the tracker" can mean at run time.
-2. Catch (`--drill`, in `integrity_drill`): every fault of `kvq.drill.workload` in the lowest
+2. Catch (`--drill`, in `integrity_drill`): every fault of `kvq.drill.faults` in the lowest
    mode that should catch it, on fresh fp32 engines (batch-invariant tokens): caught, who was stopped,
    whether a stopped request was read after the fault, whether everyone else's tokens match a fault-free
-   run.
+   run; and `--random-faults` slips drawn at random (`kvq.drill.random_faults`: which primitive, request,
+   page, slot and offset), each classified caught / harmless / missed / leaked / read late / crashed.
 Imports torch, typer, rich and kvq.
 """
 
@@ -32,10 +35,11 @@ import torch
 import typer
 from rich.table import Table
 
-from kvq.bench.integrity_drill import drill_rows, drill_table
+from kvq.bench.integrity_drill import drill_rows, drill_table, random_fault_rows, random_fault_table
 from kvq.bench.integrity_lockstep import TrackerTimer, lockstep_round, summarize
 from kvq.byte_sizes import SIZE_HELP
 from kvq.commands.render import console
+from kvq.drill.workload import DRILL_PAGE_SIZE
 
 if TYPE_CHECKING:
     from kvq.runtime.engine import Engine
@@ -56,6 +60,7 @@ class IntegrityBenchConfig:
     page_size: int = 16
     kv_memory: str = "256MiB"
     drill: bool = True
+    random_faults: int = 40  # with the drill: faults drawn at random (kvq.drill.random_faults)
 
 
 @dataclass
@@ -65,6 +70,7 @@ class IntegrityBenchResult:
     runs: dict[str, list[dict]] = field(default_factory=dict)  # group -> one entry per timed round
     summary: dict[str, dict] = field(default_factory=dict)  # group -> medians, P95, ratios vs off
     drill: list[dict] = field(default_factory=list)
+    random_faults: list[dict] = field(default_factory=list)
 
 
 def make_prompts(config: IntegrityBenchConfig, vocab_size: int, round_index: int) -> list[list[int]]:
@@ -130,8 +136,11 @@ def run_bench(config: IntegrityBenchConfig, model: Path) -> IntegrityBenchResult
         for group, rs in runs.items()
     }
     if config.drill:
-        drill_config = IntegrityBenchConfig(threads=config.threads, page_size=config.page_size, concurrency=8)
-        result.drill = drill_rows(lambda mode: make_engine(model, drill_config, mode, dtype="float32"))
+        # the drill's faults are timed for its own page size
+        drill_config = IntegrityBenchConfig(threads=config.threads, page_size=DRILL_PAGE_SIZE, concurrency=8)
+        fp32_engine = lambda mode: make_engine(model, drill_config, mode, dtype="float32")  # noqa: E731
+        result.drill = drill_rows(fp32_engine)
+        result.random_faults = random_fault_rows(fp32_engine, config.random_faults)
     return result
 
 
@@ -142,7 +151,10 @@ def render(result: IntegrityBenchResult) -> list[Table]:
         f"each, "
         f"{config['rounds']} lockstep rounds ({Path(result.model).name})"
     )
-    columns = ("group", "tok/s", "vs off", "step vs off", "P50 ms", "P95 ms", "vs off", "tracker ms", "share")
+    columns = (
+        "group", "tok/s", "vs off", "step vs off", "P50 ms", "P95 ms", "vs off", "tracker ms", "share",
+        "slots/step", "us/slot",
+    )  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "group" else "right")
     for group, s in result.summary.items():
@@ -156,10 +168,14 @@ def render(result: IntegrityBenchResult) -> list[Table]:
             f"{s['p95_vs_off']:.4f}",
             f"{s['tracker_ms_per_step']:.3f}",
             f"{100 * s['tracker_share']:.2f}%",
+            f"{s['slots_per_step']:.0f}",
+            f"{s['tracker_us_per_slot']:.3f}",
         )
     tables = [table]
     if result.drill:
         tables.append(drill_table(result.drill))
+    if result.random_faults:
+        tables.append(random_fault_table(result.random_faults))
     return tables
 
 
@@ -193,6 +209,9 @@ def bench_integrity_command(
     drill: Annotated[
         bool, typer.Option(help="Also inject every fault and report what was caught.")
     ] = IntegrityBenchConfig.drill,
+    random_faults: Annotated[
+        int, typer.Option(help="With --drill: this many faults drawn at random (seeds 0..N-1), in tags mode.")
+    ] = IntegrityBenchConfig.random_faults,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
@@ -217,6 +236,7 @@ def bench_integrity_command(
         max_tokens=max_tokens,
         kv_memory=kv_memory,
         drill=drill,
+        random_faults=random_faults,
     )
     if model is None:
         from kvq.data.embedded_model import ensure_smollm2

@@ -15,11 +15,14 @@ if TYPE_CHECKING:
 
 
 TRACKER_METHODS = (
+    "screen",
     "check",
-    "after_forward",
+    "guard",
+    "after_step",
     "on_take",
     "on_attach",
     "on_seal",
+    "on_deallocate",
     "on_free",
     "on_release_of_free_page",
     "on_unhash",
@@ -28,10 +31,12 @@ TRACKER_METHODS = (
 
 class TrackerTimer:
     """Seconds spent inside an engine's tracker: every method the engine and block manager call (bench
-    only: wrapped on the tracker instance, re-wrapped by `watch` after `Engine.reset_kv`)."""
+    only: wrapped on the tracker instance, re-wrapped by `watch` after `Engine.reset_kv`), and the slots
+    its step checks covered (per checked batch: its block-table entries, rows and new tokens)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.slots = 0
 
     def watch(self, engine: Engine) -> None:
         tracker = engine.tracker
@@ -40,10 +45,14 @@ class TrackerTimer:
         for name in TRACKER_METHODS:
             method = getattr(tracker, name)
 
-            def timed(*args: object, _method=method) -> object:  # type: ignore[no-untyped-def]
+            def timed(*args: object, _method=method, _name=name, **kwargs: object) -> object:  # type: ignore[no-untyped-def]
+                if _name == "check":
+                    batch = args[1]
+                    rows = batch.block_tables.shape[0]  # type: ignore[attr-defined]
+                    self.slots += batch.block_tables.numel() + rows + batch.positions.shape[0]  # type: ignore[attr-defined]
                 start = time.perf_counter()
                 try:
-                    return _method(*args)
+                    return _method(*args, **kwargs)
                 finally:
                     self.seconds += time.perf_counter() - start
 
@@ -65,6 +74,7 @@ def lockstep_round(
     step_s: dict[str, list[float]] = {group: [] for group in engines}
     generated = dict.fromkeys(engines, 0)
     tracker_before = {group: timer.seconds for group, timer in timers.items()}
+    slots_before = {group: timer.slots for group, timer in timers.items()}
     aborts_before = {group: engine.stats.integrity_aborts for group, engine in engines.items()}
     order = list(engines)
     while active := [g for g in order if engines[g].has_unfinished_requests()]:
@@ -79,6 +89,7 @@ def lockstep_round(
             "tok_s": generated[group] / sum(step_s[group]),
             "step_s": step_s[group],
             "tracker_s": timers[group].seconds - tracker_before[group],
+            "slots_checked": timers[group].slots - slots_before[group],
             "aborts": engine.stats.integrity_aborts - aborts_before[group],
         }
         for group, engine in engines.items()
@@ -100,6 +111,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
         ]
         quantiles = statistics.quantiles(steps, n=20, method="inclusive")
         tracker_s = sum(run["tracker_s"] for run in group_runs)
+        slots = sum(run["slots_checked"] for run in group_runs)
         summary[group] = {
             "tok_s": statistics.median(run["tok_s"] for run in group_runs),
             "step_vs_off": statistics.median(paired),
@@ -107,6 +119,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "p95_step_ms": quantiles[18] * 1e3,
             "tracker_ms_per_step": tracker_s / len(steps) * 1e3,
             "tracker_share": tracker_s / sum(steps),
+            "slots_per_step": slots / len(steps),
+            "tracker_us_per_slot": tracker_s / slots * 1e6 if slots else 0.0,
             "aborts": sum(run["aborts"] for run in group_runs),
         }
     off = summary["off"]

@@ -15,6 +15,15 @@ from kvq.runtime.kernels import PagedDecodePlan
 
 
 @dataclass(frozen=True)
+class WriteGuard:
+    """The checked pool's guard on a batch's K/V writes (`kernels.step_check.guard_slot_mapping`): a write
+    lands only if its page still carries the tag it was checked against."""
+
+    page_tags: torch.Tensor  # [P] int64: the pool's device tag table (live)
+    write_tags: torch.Tensor  # [T] int64: each new token's page tag at the check
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """One step over B sequences: all prefill (their uncached prompt tokens) or all decode (one token each).
 
@@ -37,3 +46,4 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [B] int64: the row of each sequence's last token in [T]
     prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
     decode_plan: PagedDecodePlan | None = None  # decode only
+    write_guard: WriteGuard | None = None  # --kv-integrity tags/full only: applied once per forward

@@ -4,10 +4,13 @@ Every page allocation, sealing (a page becomes full and gets its hash), freeing 
 happens here, in paired verbs: `can_allocate`/`allocate`/`deallocate` for admission, `can_append`/
 `may_append` for decode. A full page's hash is `chain_hash(previous page's hash, its token ids)`, so
 `page_hashes(seq.token_ids)` is the identity each page of `seq.block_table` should have; a prefix hit is
-re-checked against the stored token ids before it is shared. A sequence chains its own pages' hashes
-(`seq.last_page_hash`), never reading them back from the shared pages. With `--kv-integrity` on, a
-`TagTracker` is told of every take, attach, seal, free and deallocation, and keeps each page's tag and
-each sequence's expected tags (`kvq.runtime.integrity`); with it off, `tracker` is None and nothing else runs.
+re-checked against the stored token ids and against the page it follows (each sealing gets a serial, a
+page records its predecessor's), so a hash collision can cost a hit but never share a wrong page. A
+sequence chains its own pages' hashes (`seq.last_page_hash`), never reading them back from the shared
+pages. With `--kv-integrity` on, a `TagTracker` is told of every take, attach, seal, free and
+deallocation (`kvq.runtime.integrity.ledger`): it may refuse a seal (the block table names a page the
+request was not given there) and a free (requests still hold the page), and it says which pages a
+deallocation releases. With it off, `tracker` is None and only the bookkeeping asserts run.
 Imports kvq.runtime.sequence (and kvq.runtime.integrity for types).
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,6 +53,8 @@ class Page:
     ref_count: int = 0
     hash: int | None = None  # set when sealed: full, with its tokens known
     token_ids: tuple[int, ...] = ()
+    serial: int = 0  # this sealing's number (unique; 0: not sealed)
+    parent: int = 0  # the serial of the page it follows in the sealing request (0: the first page)
 
 
 class BlockManager:
@@ -66,6 +71,7 @@ class BlockManager:
         self.free_page_ids: deque[int] = deque(range(num_pages))  # freed pages keep their hash until reused
         self.hash_to_page_id: dict[int, int] = {}
         self.num_prefix_hits = 0  # pages shared instead of computed, since creation
+        self.num_seals = 0  # sealings so far (the last serial handed out)
 
     @property
     def num_pages(self) -> int:
@@ -96,8 +102,10 @@ class BlockManager:
         for i in range(self.pages_for(seq.num_tokens)):
             token_ids = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
             is_full = len(token_ids) == self.page_size
-            page_hash = chain_hash(previous, token_ids) if is_full else None
-            page = self._lookup(page_hash, token_ids) if is_hitting and i < num_shareable else None
+            page_hash = self.hash_page(previous, token_ids) if is_full else None
+            page = None
+            if is_hitting and i < num_shareable:
+                page = self._lookup(page_hash, token_ids, seq.last_page_serial)
             if page is not None:
                 assert page_hash is not None, "only full pages are looked up"
                 if page.ref_count == 0:
@@ -105,8 +113,9 @@ class BlockManager:
                 page.ref_count += 1
                 num_cached += self.page_size
                 self.num_prefix_hits += 1
-                if self.tracker is not None:
-                    self.tracker.on_attach(seq, page_hash)  # its expected tag: from seq's own tokens
+                seq.last_page_serial = page.serial
+                if self.tracker is not None:  # its expected tag: from seq's own tokens
+                    self.tracker.on_attach(seq, page.page_id, page_hash)
             else:
                 is_hitting = False
                 page = self._take_free_page(seq)
@@ -116,20 +125,17 @@ class BlockManager:
             previous = page_hash if page_hash is not None else previous
         seq.num_cached_tokens, seq.last_page_hash = num_cached, previous
 
-    def deallocate(self, seq: Sequence, lost: Collection[int] = ()) -> None:
+    def deallocate(self, seq: Sequence) -> None:
         """Drop `seq`'s references; pages nobody uses go back to the free list (keeping their hash).
 
-        `lost`: logical indices whose page is not `seq`'s any more (a failed tag check: the page was
-        freed under it and taken by another request, or its block-table entry is wrong). Their
-        references are left alone: dropping one could free a page another request holds.
+        With a tracker the references dropped are the pages `seq` was given, as the tracker recorded
+        them, not what its block table names (a wrong entry names a page `seq` holds no reference to).
         """
-        for i in reversed(range(len(seq.block_table))):
-            if i not in lost:
-                self.release_page(seq.block_table[i])
+        pages = seq.block_table if self.tracker is None else self.tracker.on_deallocate(seq)
+        for page_id in reversed(pages):
+            self.release_page(page_id)
         seq.block_table.clear()
-        if self.tracker is not None:
-            self.tracker.on_deallocate(seq)
-        seq.num_cached_tokens, seq.last_page_hash = 0, ROOT_HASH
+        seq.num_cached_tokens, seq.last_page_hash, seq.last_page_serial = 0, ROOT_HASH, 0
 
     # -- decode ---------------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
@@ -137,14 +143,29 @@ class BlockManager:
         return len(seq.block_table) >= self.pages_for(seq.num_tokens) or self.num_free_pages >= 1
 
     def may_append(self, seq: Sequence) -> None:
-        """Make room for the last token's K/V; seal the last page when that token fills it."""
-        if len(seq.block_table) < self.pages_for(seq.num_tokens):
+        """Make room for the last token's K/V; seal the last page when that token fills it.
+
+        Without a tracker a block table that does not hold exactly the pages of `seq`'s tokens stops the
+        engine here (an assert), before any forward reads it; with one, the step's check stops `seq`.
+        """
+        num_pages = self.pages_for(seq.num_tokens)
+        if len(seq.block_table) == num_pages - 1:
             seq.block_table.append(self._take_free_page(seq).page_id)
+        if len(seq.block_table) != num_pages:
+            assert self.tracker is not None, (
+                f"sequence {seq.seq_id}: {len(seq.block_table)} pages for {seq.num_tokens} tokens"
+            )
+            return
         if seq.num_tokens % self.page_size == 0:
             token_ids = tuple(seq.token_ids[-self.page_size :])
-            page_hash = chain_hash(seq.last_page_hash, token_ids)
-            index = len(seq.block_table) - 1
-            self._seal(seq, index, self.pages[seq.block_table[index]], page_hash, token_ids)
+            page_hash = self.hash_page(seq.last_page_hash, token_ids)
+            index = num_pages - 1
+            page_id = seq.block_table[index]
+            if not 0 <= page_id < self.num_pages:
+                assert self.tracker is not None, f"sequence {seq.seq_id}: page {page_id} is not a page"
+                self.tracker.on_seal(seq, index, page_id, page_hash)  # refused: seq is stopped
+                return
+            self._seal(seq, index, self.pages[page_id], page_hash, token_ids)
             seq.last_page_hash = page_hash
 
     # -- after a failed integrity check -----------------------------------------------------------------
@@ -153,17 +174,31 @@ class BlockManager:
         page = self.pages[page_id]
         if page.hash is not None and self.hash_to_page_id.get(page.hash) == page_id:
             del self.hash_to_page_id[page.hash]
-        page.hash, page.token_ids = None, ()
+        page.hash, page.token_ids, page.serial = None, (), 0
         if self.tracker is not None:
             self.tracker.on_unhash(page_id, page.ref_count)
 
+    def drop_entry(self, page_id: int, is_stale: Callable[[int], bool]) -> None:
+        """Drop the prefix-cache entries naming `page_id` under a hash `is_stale` rejects (an entry that led a
+        request to a page whose tag is not that hash's); the page's own entry is kept."""
+        own = self.pages[page_id].hash
+        stale = [h for h, p in self.hash_to_page_id.items() if p == page_id and h != own and is_stale(h)]
+        for page_hash in stale:
+            del self.hash_to_page_id[page_hash]
+
     # -- pages ----------------------------------------------------------------------------------------
-    def _lookup(self, page_hash: int | None, token_ids: tuple[int, ...]) -> Page | None:
-        """The sealed page with this hash whose tokens really are `token_ids` (hashes can collide)."""
+    def hash_page(self, previous: int, token_ids: Tokens[int]) -> int:
+        """A full page's identity: `chain_hash` (a method, so a drill can weaken it)."""
+        return chain_hash(previous, token_ids)
+
+    def _lookup(self, page_hash: int | None, token_ids: tuple[int, ...], parent: int) -> Page | None:
+        """The sealed page with this hash whose tokens really are `token_ids` and that follows the page of
+        serial `parent` (hashes can collide: a hit must be the very chain, not a look-alike)."""
         page_id = self.hash_to_page_id.get(page_hash) if page_hash is not None else None
-        if page_id is None or self.pages[page_id].token_ids != token_ids:
+        if page_id is None:
             return None
-        return self.pages[page_id]
+        page = self.pages[page_id]
+        return page if page.token_ids == token_ids and page.parent == parent else None
 
     def _take_free_page(self, seq: Sequence) -> Page:
         """The next free page, for `seq`'s next logical page."""
@@ -171,13 +206,14 @@ class BlockManager:
         assert page.ref_count == 0
         if page.hash is not None and self.hash_to_page_id.get(page.hash) == page.page_id:
             del self.hash_to_page_id[page.hash]  # its old content is about to be overwritten
-        page.hash, page.token_ids, page.ref_count = None, (), 1
+        page.hash, page.token_ids, page.ref_count, page.serial = None, (), 1, 0
         if self.tracker is not None:
             self.tracker.on_take(seq, page.page_id)
         return page
 
     def release_page(self, page_id: int) -> None:
-        """Drop one reference; the last one returns the page to the free list."""
+        """Drop one reference; the last one returns the page to the free list (with a tracker: unless
+        requests still hold the page, then it keeps a reference for each)."""
         page = self.pages[page_id]
         if page.ref_count == 0 and self.tracker is not None:
             self.tracker.on_release_of_free_page(page_id)  # a double free: the page stays free, once
@@ -185,16 +221,21 @@ class BlockManager:
         page.ref_count -= 1
         assert page.ref_count >= 0, f"page {page_id} freed twice"
         if page.ref_count == 0:
-            self.free_page_ids.append(page_id)
-            if self.tracker is not None:
-                self.tracker.on_free(page_id, page.hash is not None)
+            num_holders = 0 if self.tracker is None else self.tracker.on_free(page_id, page.hash is not None)
+            if num_holders:
+                page.ref_count = num_holders
+            else:
+                self.free_page_ids.append(page_id)
 
     def _seal(
         self, seq: Sequence, index: int, page: Page, page_hash: int, token_ids: tuple[int, ...]
     ) -> None:
-        """`page`, `seq`'s logical page `index`, is full: it gets its chain hash (and a cache entry)."""
+        """`page`, `seq`'s logical page `index`, is full: it gets its chain hash (and a cache entry), and
+        a serial that the page after it records; unless the tracker refuses (the request is stopped)."""
+        if self.tracker is not None and not self.tracker.on_seal(seq, index, page.page_id, page_hash):
+            return
+        self.num_seals += 1
         page.hash, page.token_ids = page_hash, token_ids
+        page.serial, page.parent, seq.last_page_serial = self.num_seals, seq.last_page_serial, self.num_seals
         if self.enable_prefix_caching:
             self.hash_to_page_id[page_hash] = page.page_id
-        if self.tracker is not None:
-            self.tracker.on_seal(seq, index, page.page_id, page_hash)

@@ -37,7 +37,7 @@ from kvq.runtime.models.registry import model_class
 from kvq.runtime.prompt_encoding import encode_messages, encode_text
 from kvq.runtime.sampling import SamplingParams, make_generator, sample
 from kvq.runtime.scheduler import Scheduler
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.sequence import Sequence, Status
 
 Prompt = str | list[int]
 # Called after each step's sampling with (the step's sequences, their fp32 logits [B, V], the sampled
@@ -238,6 +238,8 @@ class Engine:
         for hook in self.token_hooks:
             hook(seqs, logits, token_ids)
         for seq, token_id, ok in zip(seqs, token_ids, is_finite, strict=True):
+            if seq.status is Status.FINISHED:  # aborted during the step (by a token hook): already gone
+                continue
             if ok:
                 self._append(seq, token_id)
             else:
@@ -293,22 +295,27 @@ class Engine:
     def _run_checked(
         self, seqs: list[Sequence], is_prefill: bool
     ) -> tuple[list[Sequence], torch.Tensor | None, list[RequestOutput]]:
-        """Check the step's batch, stop the requests it hit, run the rest: (seqs run, logits, outputs of
-        the stopped ones). Rechecked after each removal, as the batch is rebuilt."""
-        assert self.tracker is not None
+        """Check the step's requests (their state before the batch is made, then the batch itself), stop
+        the ones hit, run the rest: (seqs run, logits, outputs of the stopped ones). Rechecked after each
+        removal, as the batch is rebuilt. Nothing the tracker finds is raised: it stops requests."""
+        tracker = self.tracker
+        assert tracker is not None
         stopped: list[Sequence] = []
-        batch = self.runner.prepare(seqs, is_prefill)
-        while mismatches := self.tracker.check(seqs, batch):
-            seqs, hit = remove_hit(mismatches, seqs, is_prefill, self.scheduler)
+        while seqs:
+            mismatches = tracker.screen(seqs)
+            if not mismatches:
+                batch = self.runner.prepare(seqs, is_prefill)
+                mismatches = tracker.check(seqs, batch)
+                if not mismatches:
+                    break
+            seqs, hit = remove_hit(mismatches, seqs, self.scheduler, tracker)
             stopped += hit
             self.stats.integrity_aborts += len(hit)
-            if not seqs:
-                break
-            batch = self.runner.prepare(seqs, is_prefill)
         logits = None
         if seqs:
-            logits = self._timed_forward(lambda: self.runner.forward(batch))
-            self.tracker.after_forward()
+            guarded = tracker.guard(batch)
+            logits = self._timed_forward(lambda: self.runner.forward(guarded))
+        tracker.after_step(is_forward_run=bool(seqs))
         return seqs, logits, [self._output(s) for s in stopped]
 
     # -- tokens to text -------------------------------------------------------------------------------

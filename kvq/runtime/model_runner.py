@@ -5,10 +5,13 @@ Imports torch and kvq.runtime.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.kernels import plan_paged_decode
+from kvq.runtime.kernels import PagedDecodePlan, plan_paged_decode
+from kvq.runtime.kernels.step_check import guard_slot_mapping
 from kvq.runtime.models.llama import LlamaForCausalLM
 from kvq.runtime.sequence import Sequence
 
@@ -45,17 +48,7 @@ class ModelRunner:
 
         block_tables_t = tensor(block_tables, torch.int32)
         context_lens_t = tensor(context_lens, torch.int32)
-        decode_plan = None
-        if not is_prefill:
-            decode_plan = plan_paged_decode(
-                block_tables_t,
-                context_lens_t,
-                self.page_size,
-                self.num_kv_heads,
-                max_context_len,
-                pad_slot=self.zero_page * self.page_size,
-                has_empty=min(context_lens) == 0,
-            )
+        decode_plan = None if is_prefill else self.plan_decode(block_tables_t, context_lens_t, context_lens)
         return ForwardBatch(
             is_prefill=is_prefill,
             input_ids=tensor(input_ids, torch.int64),
@@ -71,6 +64,20 @@ class ModelRunner:
             decode_plan=decode_plan,
         )
 
+    def plan_decode(
+        self, block_tables: torch.Tensor, context_lens: torch.Tensor, context_lens_list: list[int]
+    ) -> PagedDecodePlan:
+        """The torch decode path's index work for a decode batch (`kernels.plan_paged_decode`)."""
+        return plan_paged_decode(
+            block_tables,
+            context_lens,
+            self.page_size,
+            self.num_kv_heads,
+            max(context_lens_list),
+            pad_slot=self.zero_page * self.page_size,
+            has_empty=min(context_lens_list) == 0,
+        )
+
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """fp32 logits `[B, V]` of each sequence's next token."""
         return self.forward(self.prepare(seqs, is_prefill))
@@ -78,6 +85,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits `[B, V]` of a prepared batch. With --kv-integrity on, `Engine` checks this very batch
-        (its block tables and slot mapping, as the kernels will use them) between `prepare` and here."""
+        (its block tables, lengths, positions and slot mapping, as the kernels will use them) between
+        `prepare` and here, and its write guard, applied here on the device before the first layer
+        stores, skips any write whose page moved on since (a batch run late)."""
+        guard = batch.write_guard
+        if guard is not None:
+            slots = guard_slot_mapping(guard.page_tags, batch.slot_mapping, guard.write_tags, self.page_size)
+            batch = replace(batch, slot_mapping=slots)
         hidden = self.model.forward(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

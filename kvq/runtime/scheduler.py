@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection
 
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.sequence import Sequence, Status
@@ -95,10 +94,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, lost: Collection[int] = ()) -> None:
-        """Release a finished sequence's pages and take it out of the running set (`lost`: logical pages
-        that failed their tag check, whose references are not released; see `BlockManager.deallocate`)."""
-        self.block_manager.deallocate(seq, lost)
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished sequence's pages and take it out of the running set."""
+        self.block_manager.deallocate(seq)
         seq.status = Status.FINISHED
         self.running.remove(seq)
 

@@ -25,7 +25,8 @@ class Status(Enum):
 class Sequence:
     """Prompt + completion tokens. `block_table[i]` is the page holding tokens [i*P, (i+1)*P); the first
     `num_cached_tokens` tokens were found in shared prefix pages when it was last admitted.
-    `last_page_hash` chains its own full pages (0: none yet)."""
+    `last_page_hash` chains its own full pages (0: none yet); `last_page_serial` is the sealing serial of
+    its last full page (0: none yet), which the next page it seals records as its predecessor."""
 
     seq_id: int
     token_ids: list[int]
@@ -37,6 +38,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     last_page_hash: int = 0  # block_manager.ROOT_HASH
+    last_page_serial: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None

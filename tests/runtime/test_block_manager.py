@@ -1,5 +1,5 @@
-"""Block manager: free list and reference counts, hash-chained prefix sharing re-checked on tokens,
-sealing."""
+"""Block manager: free list and reference counts, hash-chained prefix sharing re-checked on tokens and
+on the page a hit follows, sealing."""
 
 from __future__ import annotations
 
@@ -113,18 +113,24 @@ def test_page_hashes_chain_over_previous_pages() -> None:
     assert len(page_hashes(list(range(9)), P)) == 2
 
 
-def test_deallocate_leaves_the_references_of_lost_pages_alone() -> None:
-    """After a failed tag check (`lost`: entries that are not the request's page any more), releasing
-    them could free a page another request holds."""
-    m = BlockManager(num_pages=8, page_size=P)
-    a, b = seq(list(range(9)), 0), seq(list(range(100, 109)), 1)
-    m.allocate(a)
+def test_a_hash_collision_never_shares_a_wrong_page() -> None:
+    """With a hash that forgets the chain (every page hashed on its own tokens), b's second page has
+    a's hash and tokens but follows another first page: it is not shared, in any mode (the hit is
+    checked against the page it follows). Pages that really are the same prefix still are."""
+    m = BlockManager(num_pages=16, page_size=P)
+    forgetful = lambda previous, token_ids: bm.chain_hash(bm.ROOT_HASH, token_ids)  # noqa: E731
+    m.hash_page = forgetful  # type: ignore[method-assign]
+    tail = [5, 6, 7, 8]
+    a, b = seq([1, 2, 3, 4, *tail, 9], 0), seq([11, 12, 13, 14, *tail, 9], 1)
     m.allocate(b)
-    a.block_table[2] = b.block_table[2]  # a's entry now names b's page
-    m.deallocate(a, lost={2})
-    assert [m.pages[p].ref_count for p in b.block_table] == [1, 1, 1]
-    assert m.num_free_pages == 8 - 3 - 1  # a's real third page stays taken (its reference is unknown)
-    assert a.block_table == [] and a.last_page_hash == bm.ROOT_HASH
+    m.allocate(a)  # a's second page now owns the (colliding) cache entry
+    d = seq([1, 2, 3, 4, *tail, 11], 3)  # a's own prefix: both pages shared
+    m.allocate(d)
+    assert d.block_table[:2] == a.block_table[:2] and d.num_cached_tokens == 2 * P
+    c = seq([11, 12, 13, 14, *tail, 10], 2)  # b's prefix: its first page is b's, its second is not a's
+    m.allocate(c)
+    assert c.block_table[0] == b.block_table[0] and c.num_cached_tokens == P
+    assert c.block_table[1] not in (a.block_table[1], b.block_table[1])  # computed (b's lost the entry)
 
 
 def test_a_sequence_chains_its_own_page_hashes() -> None:

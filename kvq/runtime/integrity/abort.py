@@ -1,20 +1,23 @@
-"""Ending exactly the requests a failed page check hit, and keeping the pool safe for everyone else.
+"""Ending exactly the requests a failed step check hit, and keeping the pool safe for everyone else.
 
-A hit request finishes with reason "error" and a message naming the page; its references are released,
-except to pages that are not its own any more (those belong to whoever holds them now). Pages that will
-never hold what their hash says leave the prefix cache: pages whose sampled bytes changed, and pages
-sealed this step for a request that leaves the batch before the forward that would write them. A request
-that attached such a page in the same prefill is requeued (recomputed later), not failed.
-Imports kvq.runtime (scheduler, block manager, sequence) and kvq.runtime.integrity.mismatch.
+A hit request finishes with reason "error" and a message naming what failed; it gives back the pages
+the tracker recorded it was given (not what its block table names), so a wrong entry never frees
+another request's page. Pages that will never hold what their hash says leave the prefix cache: those
+the stopped request sealed this step (their K/V was to be written by the forward it is not in; found
+from the tracker's record, not its block table) and pages whose sampled bytes changed. A request that
+attached such a page in the same prefill is requeued (recomputed later), not failed. A prefix-cache entry
+that led a request to a page not carrying the entry's hash (a stale entry) is dropped, so the next request
+with that prefix computes it instead of being stopped in turn.
+Imports kvq.runtime (scheduler, sequence) and kvq.runtime.integrity.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 
-from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.integrity.mismatch import PageMismatch
+from kvq.runtime.integrity.tags import sealed_tag
+from kvq.runtime.integrity.tracker import TagTracker
 from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.sequence import Sequence
 
@@ -22,41 +25,35 @@ logger = logging.getLogger("kvq.integrity")
 
 
 def remove_hit(
-    mismatches: list[PageMismatch], seqs: list[Sequence], is_prefill: bool, scheduler: Scheduler
+    mismatches: list[PageMismatch], seqs: list[Sequence], scheduler: Scheduler, tracker: TagTracker
 ) -> tuple[list[Sequence], list[Sequence]]:
     """(the step's sequences that still run, the ones ended with an error), before any K/V is read."""
-    block_manager = scheduler.block_manager
     by_seq: dict[Sequence, list[PageMismatch]] = {}
     for mismatch in mismatches:
         by_seq.setdefault(mismatch.seq, []).append(mismatch)
-    untrusted = {m.page_id for m in mismatches if m.kind == "bytes"}
+    untrusted = {m.page_id for m in mismatches if m.kind == "bytes" and m.page_id is not None}
     unwritten: set[int] = set()
     for seq, hits in by_seq.items():
-        lost = {m.logical_index for m in hits if m.kind == "read"}
-        unwritten |= _unwritten_pages(seq, is_prefill, block_manager, lost)
-        more = f" (and {len(hits) - 1} more failed page checks)" if len(hits) > 1 else ""
+        unwritten |= tracker.sealed_this_step(seq)
+        more = f" (and {len(hits) - 1} more failed checks)" if len(hits) > 1 else ""
         seq.finish_reason, seq.error = "error", f"{hits[0].message()}{more}; the request was stopped"
         logger.error("request %d stopped: %s", seq.seq_id, seq.error)
-        scheduler.finish(seq, lost)
+        scheduler.finish(seq)
     kept = [s for s in seqs if s not in by_seq]
-    while orphans := [s for s in kept if not unwritten.isdisjoint(s.block_table)]:
+    while orphans := [s for s in kept if tracker.is_given(s, unwritten)]:
         for seq in orphans:
             logger.warning("request %d requeued: it shares pages a stopped request was to write", seq.seq_id)
-            unwritten |= _unwritten_pages(seq, is_prefill, block_manager, ())
+            unwritten |= tracker.sealed_this_step(seq)
             scheduler.requeue(seq)
         kept = [s for s in kept if s not in orphans]
+    manager = scheduler.block_manager
     for page_id in sorted(unwritten | untrusted):
-        block_manager.unhash(page_id)
+        manager.unhash(page_id)
+    for m in mismatches:  # a read of a page attached through a cache entry that names the wrong page
+        if m.kind == "read" and m.page_id is not None and 0 <= m.page_id < manager.num_pages:
+
+            def is_stale(page_hash: int, expected: int | None = m.expected) -> bool:
+                return sealed_tag(page_hash) == expected
+
+            manager.drop_entry(m.page_id, is_stale)
     return kept, list(by_seq)
-
-
-def _unwritten_pages(
-    seq: Sequence, is_prefill: bool, block_manager: BlockManager, lost: Collection[int]
-) -> set[int]:
-    """Sealed pages of `seq` whose K/V this step's forward was to write (all of it, or its last token)."""
-    first = (seq.num_cached_tokens if is_prefill else seq.num_tokens - 1) // block_manager.page_size
-    return {
-        page_id
-        for i, page_id in enumerate(seq.block_table)
-        if i >= first and i not in lost and block_manager.pages[page_id].hash is not None
-    }

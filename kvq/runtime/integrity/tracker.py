@@ -1,35 +1,39 @@
-"""The checked KV pool's state and its once-per-step check (`--kv-integrity tags` or `full`).
+"""The checked KV pool's once-per-step proof (`--kv-integrity tags` or `full`), over the ledger's state.
 
-The block manager calls the `on_*` hooks at every take, attach, seal, free and unhash (and at a release
-of a page that was already free: a double free, which it then ignores). They stamp the page's tag in a
-host mirror of the tag table (flushed to the device table `page_tags [num_pages]` int64 once per step,
-before the check) and append or update the request's expected tags (kept here by request id), which
-come only from the request's own tokens and allocations, never from the shared table. `check(seqs, batch)`
-then gathers and compares in one batch, before the model reads any page: every page the step's block
-tables name, and the page every new token's K/V goes to (the slot mapping), against the writer's
-expectation. In `full` mode it also re-hashes sampled bytes of each sealed page in the step and compares
-with the hash taken after the forward that wrote it (`after_forward`). Imports torch and kvq.runtime.
+`screen(seqs)` (host, before the batch is prepared) stops requests a hook marked and requests whose
+pages and tokens disagree; `check(seqs, batch)` then proves the prepared batch in one gather-and-compare
+on the device (`kernels.step_check`), before the model reads any page: every block-table entry carries
+its request's tag (and a row names no page past what it holds), every context length is the tokens its
+request holds, and every new token has its request's position and the slot that position owns. The
+expectations come from each request's own tokens and the ledger, never from the batch. By induction over
+steps, attention then reads only slots its own request wrote, at their positions: a sealed page was
+written by the checked forward of the request that sealed it, a page being filled by its own earlier
+checked steps. `guard(batch)` adds the write guard (`ForwardBatch.write_guard`): a write whose page
+moved on after the check is skipped. In `full` mode the sampled bytes of each sealed page in the step
+are re-hashed against the hash taken after the forward that wrote it (`after_step`).
+Imports torch and kvq.runtime.
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import replace
 
 import torch
 
-from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.integrity.mismatch import PageMismatch
+from kvq.runtime.batch import ForwardBatch, WriteGuard
+from kvq.runtime.integrity.ledger import Holding, PageLedger
+from kvq.runtime.integrity.mismatch import PageMismatch, StepMismatches
 from kvq.runtime.integrity.page_sample import PageSample
-from kvq.runtime.integrity.tags import FREE_TAG, fill_tag, sealed_tag
-from kvq.runtime.kernels.integrity_check import check_page_tags, sampled_page_hash
+from kvq.runtime.integrity.tags import FREE_TAG
+from kvq.runtime.kernels.integrity_check import sampled_page_hash
+from kvq.runtime.kernels.step_check import check_step
 from kvq.runtime.sequence import Sequence
 
 NO_BYTE_HASH = -1  # not hashed (yet): the sampled-bytes hash itself is never negative
-logger = logging.getLogger("kvq.integrity")
 
 
-class TagTracker:
-    """Page tags (and, with `sample`, sampled-bytes hashes of sealed pages) for one KV pool."""
+class TagTracker(PageLedger):
+    """The ledger (block manager hooks), the device tag table and the step check for one KV pool."""
 
     def __init__(
         self,
@@ -39,104 +43,84 @@ class TagTracker:
         pool_bytes: torch.Tensor | None = None,
         sample: PageSample | None = None,
     ) -> None:
-        self.num_pages, self.page_size, self.device = num_pages, page_size, device
-        self.host_tags = torch.zeros(num_pages, dtype=torch.int64)  # [P]: every page free
-        self._host = self.host_tags.numpy()  # scalar writes without a torch dispatch
+        super().__init__(num_pages, page_size)
+        self.device = device
         is_cpu = device.type == "cpu"
         self.page_tags = (
             self.host_tags if is_cpu else torch.zeros(num_pages, dtype=torch.int64, device=device)
         )
-        self._is_dirty = False
-        self.generation = 0  # pages taken from the free list so far
         self.pool_bytes, self.sample = pool_bytes, sample  # pool_bytes [L, C, P + 1, R] uint8
         self.is_full = sample is not None
         self.byte_hashes = torch.full((num_pages,), NO_BYTE_HASH, dtype=torch.int64, device=device)
-        self._voided: list[int] = []  # pages taken since their byte hash was recorded
-        self._pending: dict[int, int] = {}  # page -> tag: sealed this step, hashed once the forward wrote it
-        self.num_free_page_releases = 0  # double frees seen (see `on_release_of_free_page`)
-        self._expected_tags: dict[int, list[int]] = {}  # request id -> the tag each logical page must carry
-
-    # -- hooks (block manager) ------------------------------------------------------------------------
-    def on_take(self, seq: Sequence, page_id: int) -> None:
-        """`page_id` left the free list to become `seq`'s next logical page: a new fill tag for both."""
-        self.generation += 1
-        tag = fill_tag(seq.seq_id, len(seq.block_table), self.generation)
-        self._host[page_id] = tag
-        self._is_dirty = True
-        self._expected_tags.setdefault(seq.seq_id, []).append(tag)
-        if self.is_full:
-            self._voided.append(page_id)
-
-    def on_attach(self, seq: Sequence, page_hash: int) -> None:
-        """`seq` shares a sealed page whose chain hash, computed from `seq`'s own tokens, is `page_hash`."""
-        self._expected_tags.setdefault(seq.seq_id, []).append(sealed_tag(page_hash))
-
-    def on_seal(self, seq: Sequence, index: int, page_id: int, page_hash: int) -> None:
-        """`seq`'s logical page `index` is full: page and expectation both become the chain hash."""
-        tag = sealed_tag(page_hash)
-        self._host[page_id] = tag
-        self._is_dirty = True
-        self._expected_tags[seq.seq_id][index] = tag
-        if self.is_full:
-            self._pending[page_id] = tag
-
-    def on_deallocate(self, seq: Sequence) -> None:
-        """`seq` holds no pages any more (finished, stopped or preempted): its expectations go."""
-        self._expected_tags.pop(seq.seq_id, None)
-
-    def on_free(self, page_id: int, is_sealed: bool) -> None:
-        """The last reference is gone. A sealed page keeps its tag (a prefix hit may revive it)."""
-        if not is_sealed:
-            self._host[page_id] = FREE_TAG
-            self._is_dirty = True
-
-    def on_release_of_free_page(self, page_id: int) -> None:
-        """A reference was dropped from a page that had none left (a release ran twice). The block manager
-        leaves the page free (listed once); the slip is logged and counted. A request still using the page
-        is caught by its tag once the page is taken again."""
-        self.num_free_page_releases += 1
-        logger.warning("page %d was released while already free (a double free); it stays free", page_id)
-
-    def on_unhash(self, page_id: int, ref_count: int) -> None:
-        """The page left the prefix cache (content untrusted); free, it is no one's any more."""
-        self._pending.pop(page_id, None)
-        if ref_count == 0:
-            self._host[page_id] = FREE_TAG
-            self._is_dirty = True
+        self._write_tags: torch.Tensor | None = None  # [T]: of the last batch that passed its check
 
     # -- the step check ---------------------------------------------------------------------------------
+    def screen(self, seqs: list[Sequence]) -> list[PageMismatch]:
+        """Host only, before the batch is made: requests a hook marked, and requests whose holding,
+        block table and token count disagree (the batch of such a request could not be laid out)."""
+        out = []
+        size = self.page_size
+        for seq in seqs:
+            fault = self.faults.get(seq.seq_id)
+            holding = self.holdings.get(seq.seq_id)
+            num_given = 0 if holding is None else len(holding.tags)
+            num_needed = -(-seq.num_tokens // size)
+            if fault is None and not num_given == num_needed == len(seq.block_table):
+                extra = seq.block_table[num_given:]
+                past = f" (past them: page {', page '.join(map(str, extra))})" if extra else ""
+                fault = (
+                    f"KV integrity: the request holds {seq.num_tokens} tokens ({num_needed} pages) but was "
+                    f"given {num_given} pages and its block table names {len(seq.block_table)}{past}"
+                )
+            if fault is not None:
+                out.append(PageMismatch(seq, "bookkeeping", detail=fault))
+        return out
+
     def check(self, seqs: list[Sequence], batch: ForwardBatch) -> list[PageMismatch]:
-        """Every failed page of this step (empty: all good). One gather-and-compare, one host sync."""
+        """Every failure of this step's batch (empty: all good). One gather-and-compare, one host sync."""
+        mismatches = StepMismatches(seqs, batch, self.num_pages, self.page_size)
+        if mismatches.check_lists(self._query_lens(seqs, batch.is_prefill)):
+            return mismatches.found  # the batch's host lists disagree: its tokens cannot be lined up
         self._flush()
         num_rows, width = batch.block_tables.shape
-        expected = self._expected(seqs, batch, width)
-        pages = batch.slot_mapping.div(self.page_size, rounding_mode="floor")  # [T]: where K/V goes
-        page_ids = torch.cat([batch.block_tables.flatten().long(), pages])  # [B * M + T]
+        expected = self._expected(seqs, batch.query_lens, width)
         expected_t = torch.tensor(expected, dtype=torch.int64).to(self.device, non_blocking=True)
-        is_bad = check_page_tags(self.page_tags, page_ids, expected_t)
+        num_tokens = batch.positions.shape[0]
+        tags, lens, rows, positions = expected_t.split([num_rows * width, num_rows, num_tokens, num_tokens])
+        is_bad, write_tags = check_step(
+            self.page_tags, batch.block_tables, batch.context_lens, batch.positions, batch.slot_mapping,
+            tags.view(num_rows, width), lens, rows, positions, self.page_size,
+        )  # fmt: skip
         any_bad = is_bad.any()
         if self.is_full:
             sealed = list(
                 dict.fromkeys(p for s in seqs for p in s.block_table[: s.num_tokens // self.page_size])
             )
-            sealed_t, found, recorded = self._rehash(sealed)
+            found, recorded = self._rehash(sealed)
             is_changed = (recorded != NO_BYTE_HASH) & (found != recorded)
             any_bad = any_bad | is_changed.any()
         if not any_bad.item():
+            self._write_tags = write_tags
             return []
-        mismatches = self._tag_mismatches(seqs, batch, page_ids, expected, is_bad)
+        mismatches.from_step_check(is_bad, expected, self.tag_of)
         if self.is_full:
             changed = is_changed.nonzero().flatten().tolist()
-            mismatches += self._byte_mismatches(seqs, sealed, changed, found.tolist(), recorded.tolist())
-        return mismatches
+            mismatches.from_rehash(sealed, changed, found.tolist(), recorded.tolist())
+        return mismatches.found
 
-    def after_forward(self) -> None:
-        """Hash the pages sealed this step, now that the forward wrote their K/V (full mode)."""
-        if not self._pending:
-            return
-        pages = [p for p, tag in self._pending.items() if self._host[p] == tag]  # still sealed as then
-        self._pending.clear()
-        if pages:
+    def guard(self, batch: ForwardBatch) -> ForwardBatch:
+        """`batch` (which passed `check`) with its write guard: each write lands only if its page still
+        carries the tag it was checked against when the write happens."""
+        assert self._write_tags is not None and self._write_tags.shape == batch.slot_mapping.shape
+        return replace(batch, write_guard=WriteGuard(self.page_tags, self._write_tags))
+
+    def after_step(self, is_forward_run: bool) -> None:
+        """End of a step: hash the pages sealed in it now that the forward wrote them (full mode); pages
+        of requests stopped before it were unhashed already."""
+        pages = [p for p in self.sealed_now if self._host[p] != FREE_TAG] if is_forward_run else []
+        self.sealed_now.clear()
+        self._write_tags = None
+        if self.is_full and pages:
             pages_t = torch.tensor(pages, dtype=torch.int64).to(self.device)
             self.byte_hashes[pages_t] = self._hash(pages_t)
 
@@ -144,90 +128,55 @@ class TagTracker:
         """Pages were written outside a forward (K/V transferred from another engine, `kv_transfer`):
         their tags go to the device table and the pages sealed for them are hashed now (full mode)."""
         self._flush()
-        self.after_forward()
-
-    def tag_of(self, page_id: int) -> int:
-        return int(self._host[page_id])
-
-    def expected_tags(self, seq: Sequence) -> list[int]:
-        """The tag each of `seq`'s logical pages must carry, from its own tokens and allocations."""
-        return self._expected_tags.get(seq.seq_id, [])
+        self.after_step(is_forward_run=True)
 
     # -- internals --------------------------------------------------------------------------------------
+    def on_take(self, seq: Sequence, page_id: int) -> None:
+        super().on_take(seq, page_id)
+        if self.is_full:
+            self.byte_hashes[page_id] = NO_BYTE_HASH  # its old bytes' hash says nothing about the new ones
+
+    def _query_lens(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """New tokens per request: one in decode; in prefill, all after the pages it attached."""
+        if not is_prefill:
+            return [1] * len(seqs)
+        size, holdings, none = self.page_size, self.holdings, Holding()
+        return [s.num_tokens - holdings.get(s.seq_id, none).num_attached * size for s in seqs]
+
     def _flush(self) -> None:
-        """The step's tag changes to the device table in one copy; taken pages' byte hashes voided."""
+        """The step's tag changes to the device table in one copy."""
         if self._is_dirty and self.page_tags is not self.host_tags:
             self.page_tags.copy_(self.host_tags)
         self._is_dirty = False
-        if self._voided:
-            self.byte_hashes[torch.tensor(self._voided, dtype=torch.int64).to(self.device)] = NO_BYTE_HASH
-            self._voided.clear()
 
-    def _expected(self, seqs: list[Sequence], batch: ForwardBatch, width: int) -> list[int]:
-        """Flat expectations `[B * width + T]`: each row's pages (0-padded), then each new token's page."""
+    def _expected(self, seqs: list[Sequence], query_lens: list[int], width: int) -> list[int]:
+        """Flat `[B * width + B + T + T]`: each row's tags (0-padded), each row's token count, then each
+        new token's row and position."""
         expected: list[int] = []
-        rows = [self.expected_tags(seq) for seq in seqs]
-        for tags in rows:
+        holdings, none = self.holdings, Holding()
+        for seq in seqs:
+            tags = holdings.get(seq.seq_id, none).tags
+            if len(tags) > width:  # a row shorter than the holding (`screen` stops those first)
+                tags = tags[:width]
             expected += tags
             expected += [FREE_TAG] * (width - len(tags))
-        size = self.page_size
-        if not batch.is_prefill:  # one new token each, the last: the hot path, kept to one comprehension
-            expected += [tags[(len(s.token_ids) - 1) // size] for s, tags in zip(seqs, rows, strict=True)]
+        lens = [seq.num_tokens for seq in seqs]
+        expected += lens
+        if len(query_lens) == sum(query_lens):  # decode, the hot path: one token each, the last
+            expected += range(len(seqs))
+            expected += [n - 1 for n in lens]
             return expected
-        for seq, tags, query_len in zip(seqs, rows, batch.query_lens, strict=True):
-            expected += [tags[p // size] for p in range(seq.num_tokens - query_len, seq.num_tokens)]
+        for b, query_len in enumerate(query_lens):
+            expected += [b] * query_len
+        for n, query_len in zip(lens, query_lens, strict=True):
+            expected += range(n - query_len, n)
         return expected
 
     def _hash(self, pages: torch.Tensor) -> torch.Tensor:
         assert self.pool_bytes is not None and self.sample is not None
         return sampled_page_hash(self.pool_bytes, pages, self.sample.offsets, self.sample.coeffs)
 
-    def _rehash(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page ids, their sampled-bytes hash now, the hash recorded after their sealing forward)."""
+    def _rehash(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sampled-bytes hash of `pages` now, the hash recorded after their sealing forward)."""
         pages_t = torch.tensor(pages, dtype=torch.int64).to(self.device)
-        return pages_t, self._hash(pages_t), self.byte_hashes[pages_t]
-
-    def _tag_mismatches(
-        self,
-        seqs: list[Sequence],
-        batch: ForwardBatch,
-        page_ids: torch.Tensor,
-        expected: list[int],
-        is_bad: torch.Tensor,
-    ) -> list[PageMismatch]:
-        width = batch.block_tables.shape[1]
-        num_read = len(seqs) * width
-        pages, positions = page_ids.tolist(), batch.positions.tolist()
-        owners = [b for b, query_len in enumerate(batch.query_lens) for _ in range(query_len)]
-        out = []
-        for k in is_bad.nonzero().flatten().tolist():
-            page = pages[k]
-            found = int(self._host[page]) if 0 <= page < self.num_pages else None
-            if k < num_read:
-                row, index = divmod(k, width)
-                out.append(PageMismatch(seqs[row], "read", index, page, expected[k], found))
-            else:
-                t = k - num_read
-                index = positions[t] // self.page_size
-                mismatch = PageMismatch(
-                    seqs[owners[t]], "write", index, page, expected[k], found, positions[t]
-                )
-                out.append(mismatch)
-        return out
-
-    def _byte_mismatches(
-        self,
-        seqs: list[Sequence],
-        sealed: list[int],
-        changed: list[int],
-        found: list[int],
-        recorded: list[int],
-    ) -> list[PageMismatch]:
-        """One mismatch per request holding each changed page (every holder would read it)."""
-        out = []
-        for n in changed:
-            for seq in seqs:
-                for index, page in enumerate(seq.block_table[: seq.num_tokens // self.page_size]):
-                    if page == sealed[n]:
-                        out.append(PageMismatch(seq, "bytes", index, page, recorded[n], found[n]))
-        return out
+        return self._hash(pages_t), self.byte_hashes[pages_t]

@@ -1,12 +1,9 @@
-"""Checks of the paged KV pool (see `kvq.runtime.integrity`): page tags gathered and compared in one batch,
-and a hash of sampled bytes of whole pages over every layer.
+"""The checked KV pool's `full` mode (see `kvq.runtime.integrity`): a hash of sampled bytes of whole pages
+over every layer (the per-step tag and slot proof is `step_check`).
 
-References (the spec, also the torch path) and the device dispatch; the Triton kernels are in
+Reference (the spec, also the torch path) and the device dispatch; the Triton kernel is in
 `integrity_check_triton.py`. Imports torch and kvq.runtime.kernels.backend only.
 
-- `check_page_tags(page_tags [P] int64, page_ids [N] int, expected [N] int64) -> [N] bool`: True where an
-  entry fails: `expected != 0` and the page id is outside [0, P) or `page_tags[page_id] != expected`.
-  An expectation of 0 (no owner) checks nothing, so padding costs no branch on the host.
 - `sampled_page_hash(pool_bytes [L, C, P1, R] uint8, page_ids [N] int, offsets [S] int64,
   coeffs [L, C, S] int64) -> [N] int64`: `sum(l, c, s) pool_bytes[l, c, page_ids[n], offsets[s]] *
   coeffs[l, c, s]` (C parts per page: GQA's K and V, MLA's one latent part). With coefficients in
@@ -22,25 +19,6 @@ import torch
 from kvq.runtime.kernels.backend import resolve_backend
 
 MAX_HASH_TERMS = 1 << 24  # L * C * S: 255 * 2^31 * 2^24 < 2^63
-
-
-def check_tag_inputs(page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor) -> None:
-    """Shapes, dtypes and devices of `check_page_tags` (ValueError / TypeError naming what is wrong)."""
-    if page_tags.dim() != 1 or page_ids.dim() != 1 or tuple(expected.shape) != tuple(page_ids.shape):
-        raise ValueError(
-            f"page_tags {tuple(page_tags.shape)}, page_ids {tuple(page_ids.shape)} and expected "
-            f"{tuple(expected.shape)} must be [P], [N] and [N]"
-        )
-    if page_tags.dtype != torch.int64 or expected.dtype != torch.int64 or page_ids.is_floating_point():
-        raise TypeError(
-            f"page_tags and expected must be int64 and page_ids integer, got {page_tags.dtype}, "
-            f"{expected.dtype}, {page_ids.dtype}"
-        )
-    if not page_tags.device == page_ids.device == expected.device:
-        raise ValueError(
-            f"page_tags, page_ids and expected must share a device, got {page_tags.device}, "
-            f"{page_ids.device}, {expected.device}"
-        )
 
 
 def check_hash_inputs(
@@ -69,17 +47,6 @@ def check_hash_inputs(
         raise ValueError("pool_bytes, page_ids, offsets and coeffs must share a device")
 
 
-def check_page_tags_reference(
-    page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor
-) -> torch.Tensor:
-    """[N] bool: the entries whose page does not carry the expected tag (expected 0: not checked)."""
-    check_tag_inputs(page_tags, page_ids, expected)
-    ids = page_ids.long()
-    is_in_range = (ids >= 0) & (ids < page_tags.shape[0])
-    found = page_tags[torch.where(is_in_range, ids, 0)]
-    return (expected != 0) & (~is_in_range | (found != expected))
-
-
 def sampled_page_hash_reference(
     pool_bytes: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, coeffs: torch.Tensor
 ) -> torch.Tensor:
@@ -87,17 +54,6 @@ def sampled_page_hash_reference(
     check_hash_inputs(pool_bytes, page_ids, offsets, coeffs)
     sampled = pool_bytes[:, :, page_ids.long()[:, None], offsets[None, :]]  # [L, C, N, S] uint8
     return (sampled.long() * coeffs[:, :, None, :]).sum(dim=(0, 1, 3))
-
-
-def check_page_tags(
-    page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor, *, backend: str | None = None
-) -> torch.Tensor:
-    """[N] bool mismatch flags (see the module docstring), on the backend chosen for the tensors' device."""
-    if resolve_backend(page_tags.device, backend) == "torch":
-        return check_page_tags_reference(page_tags, page_ids, expected)
-    from kvq.runtime.kernels.integrity_check_triton import check_page_tags_triton
-
-    return check_page_tags_triton(page_tags, page_ids, expected)
 
 
 def sampled_page_hash(

@@ -1,7 +1,7 @@
-"""Triton kernels of the KV pool's integrity checks: the batched tag compare and the sampled-bytes hash.
+"""Triton kernel of the checked KV pool's `full` mode: the sampled-bytes hash of whole pages.
 
-Spec: `integrity_check.check_page_tags_reference` and `sampled_page_hash_reference`. Both are gathers
-with integer arithmetic (exact; the interpreter agrees bit for bit). Imports Triton; loaded lazily.
+Spec: `integrity_check.sampled_page_hash_reference`, a gather with integer arithmetic (exact; the
+interpreter agrees bit for bit). Imports Triton; loaded lazily.
 """
 
 from __future__ import annotations
@@ -10,32 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.integrity_check import check_hash_inputs, check_tag_inputs
+from kvq.runtime.kernels.integrity_check import check_hash_inputs
 from kvq.runtime.kernels.triton_launch import kernel_for, next_pow2
-
-TAG_BLOCK = 256
-
-
-@triton.jit
-def check_page_tags_kernel(
-    page_tags_ptr,
-    page_ids_ptr,
-    expected_ptr,
-    out_ptr,
-    num_entries,
-    num_pages,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_entries
-    page_ids = tl.load(page_ids_ptr + offs, mask=mask, other=0).to(tl.int64)
-    expected = tl.load(expected_ptr + offs, mask=mask, other=0)
-    is_checked = expected != 0
-    is_in_range = (page_ids >= 0) & (page_ids < num_pages)
-    found = tl.load(page_tags_ptr + page_ids, mask=mask & is_checked & is_in_range, other=0)
-    is_bad = is_checked & tl.where(is_in_range, found != expected, True)
-    tl.store(out_ptr + offs, is_bad.to(tl.int8), mask=mask)
 
 
 @triton.jit
@@ -73,24 +49,6 @@ def sampled_page_hash_kernel(
         byte_ptrs += stride_pl
         coeff_ptrs += stride_cl
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
-def check_page_tags_triton(
-    page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor
-) -> torch.Tensor:
-    """Triton path of `check_page_tags`: [N] bool, one program per TAG_BLOCK entries."""
-    check_tag_inputs(page_tags, page_ids, expected)
-    num_entries = page_ids.shape[0]
-    out = torch.empty(num_entries, dtype=torch.int8, device=page_ids.device)
-    if num_entries == 0:
-        return out.view(torch.bool)
-    if page_tags.stride(0) != 1 or page_ids.stride(0) != 1 or expected.stride(0) != 1:
-        raise ValueError("page_tags, page_ids and expected must be contiguous")
-    kernel = kernel_for(check_page_tags_kernel, page_ids.device)
-    kernel[(triton.cdiv(num_entries, TAG_BLOCK),)](
-        page_tags, page_ids, expected, out, num_entries, page_tags.shape[0], BLOCK=TAG_BLOCK
-    )
-    return out.view(torch.bool)
 
 
 def sampled_page_hash_triton(

@@ -1,6 +1,6 @@
-"""The abort path: a hit request ends with an error and releases only its own references; pages it
-sealed but will never write leave the prefix cache, and a request that attached one in the same prefill
-is requeued, not failed."""
+"""The abort path: a hit request ends with an error and gives back exactly the pages it was given (not
+what its wrong block table names); pages it sealed but will never write leave the prefix cache, and a
+request that attached one in the same prefill is requeued, not failed."""
 
 from __future__ import annotations
 
@@ -44,16 +44,17 @@ def test_a_hit_prefill_requeues_who_shares_its_unwritten_pages() -> None:
     mismatches = tracker.check(seqs, runner.prepare(seqs, is_prefill))
     assert {m.seq.seq_id for m in mismatches} == {0}
 
-    kept, hit = remove_hit(mismatches, seqs, is_prefill, scheduler)
+    kept, hit = remove_hit(mismatches, seqs, scheduler, tracker)
 
     assert hit == [x] and kept == [z]
     assert x.status == Status.FINISHED and x.finish_reason == "error"
     assert x.error is not None and f"page {y_last} (logical page 2)" in x.error
     assert y.status == Status.WAITING and list(scheduler.waiting) == [y] and y.num_preemptions == 1
     assert list(scheduler.running) == [z]
-    # x's own last page keeps x's reference (x's table lost track of it); y's page was not released by x
-    assert manager.pages[x_own_last].ref_count == 1
-    assert manager.num_free_pages == NUM_PAGES - 1 - len(z.block_table)
+    # x gave back the pages it was given (its own last page too, which its table lost track of), not
+    # y's page that its table named
+    assert manager.pages[x_own_last].ref_count == 0
+    assert manager.num_free_pages == NUM_PAGES - len(z.block_table)
     # the prefix pages x was to write are out of the cache: y, readmitted, computes them itself
     assert manager.hash_to_page_id == {}
     seqs, is_prefill = scheduler.schedule()

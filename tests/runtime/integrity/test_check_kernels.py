@@ -1,7 +1,8 @@
-"""The integrity check kernels: the Triton tag compare and sampled-bytes hash give the torch reference's
-values bit for bit on irregular shapes (under Triton's interpreter here: tests/conftest.py sets
-TRITON_INTERPRET=1), the reference agrees with a plain loop, and a change of any one sampled byte
-changes the hash."""
+"""The integrity check kernels: the Triton step check (page tags, context lengths, positions and slots)
+and sampled-bytes hash give the torch reference's values bit for bit on irregular shapes with faults of
+every kind (under Triton's interpreter here: tests/conftest.py sets TRITON_INTERPRET=1), the references
+agree with plain loops, the write guard skips exactly the writes whose page moved on, and a change of
+any one sampled byte changes the hash."""
 
 from __future__ import annotations
 
@@ -9,52 +10,140 @@ import pytest
 import torch
 
 from kvq.runtime.integrity.page_sample import make_page_sample
-from kvq.runtime.kernels.integrity_check import (
-    check_page_tags,
-    check_page_tags_reference,
-    sampled_page_hash,
-    sampled_page_hash_reference,
-)
-from kvq.runtime.kernels.integrity_check_triton import check_page_tags_triton, sampled_page_hash_triton
+from kvq.runtime.kernels.integrity_check import sampled_page_hash, sampled_page_hash_reference
+from kvq.runtime.kernels.integrity_check_triton import sampled_page_hash_triton
+from kvq.runtime.kernels.step_check import check_step, check_step_reference, guard_slot_mapping
+from kvq.runtime.kernels.step_check_triton import check_step_triton
 
 
-def tag_case(num_pages: int, num_entries: int, ids_dtype: torch.dtype, seed: int):
-    """Tags over the whole int64 range; ids in range, -1 padding and past the end; expectations that
-    match, mismatch, or are 0 (unchecked)."""
+def step_case(num_pages: int, lens: list[int], query_lens: list[int], page_size: int, seed: int):
+    """A step over requests of `lens` tokens (the last `query_lens` new), each on distinct random pages
+    carrying random tags, as `prepare` would lay it out (padding -1): the batch tensors and the
+    expectations, all consistent."""
     gen = torch.Generator().manual_seed(seed)
     page_tags = torch.randint(-(1 << 62), 1 << 62, (num_pages,), generator=gen) * 2 + 1
-    page_ids = torch.randint(-1, num_pages + 3, (num_entries,), generator=gen).to(ids_dtype)
-    matching = page_tags[page_ids.long().clamp(0, num_pages - 1)]
-    other = torch.randint(-(1 << 62), 1 << 62, (num_entries,), generator=gen)
-    kind = torch.randint(0, 3, (num_entries,), generator=gen)
-    expected = torch.where(kind == 0, matching, torch.where(kind == 1, other, torch.zeros_like(other)))
-    return page_tags, page_ids, expected
+    num_held = [-(-n // page_size) for n in lens]
+    width = max(num_held)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    tables, taken = [], 0
+    for n in num_held:
+        tables.append(order[taken : taken + n] + [-1] * (width - n))
+        taken += n
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    expected_tags = torch.where(block_tables >= 0, page_tags[block_tables.long().clamp(min=0)], 0)
+    rows, positions = [], []
+    for b, (n, q) in enumerate(zip(lens, query_lens, strict=True)):
+        rows += [b] * q
+        positions += range(n - q, n)
+    slots = [
+        tables[b][p // page_size] * page_size + p % page_size for b, p in zip(rows, positions, strict=True)
+    ]
+    batch = {
+        "page_tags": page_tags,
+        "block_tables": block_tables,
+        "context_lens": torch.tensor(lens, dtype=torch.int32),
+        "positions": torch.tensor(positions),
+        "slot_mapping": torch.tensor(slots),
+        "expected_tags": expected_tags,
+        "expected_lens": torch.tensor(lens),
+        "token_rows": torch.tensor(rows),
+        "expected_positions": torch.tensor(positions),
+    }
+    return batch, gen
 
 
-def tags_by_loop(page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor) -> list[bool]:
-    tags, out = page_tags.tolist(), []
-    for page, want in zip(page_ids.tolist(), expected.tolist(), strict=True):
-        out.append(want != 0 and not (0 <= page < len(tags) and tags[page] == want))
-    return out
+def step_by_loop(c: dict, page_size: int) -> tuple[list[bool], list[int]]:
+    """The spec of `check_step`, entry by entry in plain Python."""
+    tags, table, expected = c["page_tags"].tolist(), c["block_tables"].tolist(), c["expected_tags"].tolist()
+    bad = []
+    for row, want_row in zip(table, expected, strict=True):
+        for page, want in zip(row, want_row, strict=True):
+            in_range = 0 <= page < len(tags)
+            bad.append(page != -1 if want == 0 else not (in_range and tags[page] == want))
+    bad += [a != b for a, b in zip(c["context_lens"].tolist(), c["expected_lens"].tolist(), strict=True)]
+    write_tags = []
+    columns = zip(
+        c["token_rows"].tolist(), c["expected_positions"].tolist(), c["positions"].tolist(),
+        c["slot_mapping"].tolist(), strict=True,
+    )  # fmt: skip
+    for row, position, found_position, slot in columns:
+        index = position // page_size
+        is_index = position >= 0 and 0 <= row < len(table) and index < len(table[0])
+        page = table[row][index] if is_index else -1
+        bad.append(found_position != position or page < 0 or slot != page * page_size + position % page_size)
+        write_tags.append(expected[row][index] if is_index else 0)
+    return bad, write_tags
+
+
+def corrupt(c: dict, gen: torch.Generator, num_pages: int) -> None:
+    """A few faults of every kind the check must see, in place."""
+
+    def pick(n: int) -> int:
+        return int(torch.randint(0, n, (1,), generator=gen))
+
+    table = c["block_tables"]
+    b = pick(table.shape[0])
+    table[b, pick(int((table[b] >= 0).sum()))] = pick(num_pages)  # another page (maybe its own: fine)
+    table[pick(table.shape[0]), table.shape[1] - 1] = num_pages + 2  # past the pool, or past its pages
+    c["context_lens"][pick(table.shape[0])] += 1
+    num_tokens = c["positions"].shape[0]
+    c["slot_mapping"][pick(num_tokens)] += 1  # one slot off, maybe inside the right page
+    c["positions"][pick(num_tokens)] -= 1
+    c["expected_tags"][pick(table.shape[0]), 0] ^= 4  # an expectation the page does not meet
 
 
 @pytest.mark.parametrize(
-    ("num_pages", "num_entries", "ids_dtype"), [(37, 1003, torch.int64), (5, 7, torch.int32)]
+    ("num_pages", "lens", "query_lens", "page_size"),
+    [(97, [17, 4, 33, 1, 29], [17, 4, 1, 1, 9], 4), (40, [5, 16, 9], [1, 1, 1], 16), (9, [3], [3], 1)],
 )
-def test_tag_check_triton_matches_the_reference(
-    num_pages: int, num_entries: int, ids_dtype: torch.dtype
+def test_step_check_triton_matches_the_reference(
+    num_pages: int, lens: list[int], query_lens: list[int], page_size: int
 ) -> None:
-    page_tags, page_ids, expected = tag_case(num_pages, num_entries, ids_dtype, seed=num_entries)
-    reference = check_page_tags_reference(page_tags, page_ids, expected)
-    assert reference.tolist() == tags_by_loop(page_tags, page_ids, expected)
-    assert 0 < int(reference.sum()) < num_entries
-    assert torch.equal(check_page_tags_triton(page_tags, page_ids, expected), reference)
-    assert torch.equal(check_page_tags(page_tags, page_ids, expected, backend="torch"), reference)
+    clean, gen = step_case(num_pages, lens, query_lens, page_size, seed=num_pages)
+    is_bad, write_tags = check_step_reference(**clean, page_size=page_size)
+    assert not is_bad.any()
+    assert write_tags.tolist() == step_by_loop(clean, page_size)[1]
+    faulty = {k: v.clone() for k, v in clean.items()}
+    corrupt(faulty, gen, num_pages)
+    is_bad, write_tags = check_step_reference(**faulty, page_size=page_size)
+    bad_by_loop, write_tags_by_loop = step_by_loop(faulty, page_size)
+    assert is_bad.tolist() == bad_by_loop and write_tags.tolist() == write_tags_by_loop
+    assert 3 <= int(is_bad.sum()) < is_bad.numel()
+    for case in (clean, faulty):
+        reference = check_step_reference(**case, page_size=page_size)
+        triton_out = check_step_triton(**case, page_size=page_size)
+        assert all(torch.equal(a, b) for a, b in zip(triton_out, reference, strict=True))
+        dispatched = check_step(**case, page_size=page_size)
+        assert all(torch.equal(a, b) for a, b in zip(dispatched, reference, strict=True))
 
 
-def test_tag_check_of_nothing_is_empty() -> None:
+def test_a_slot_one_off_inside_the_right_page_and_a_context_one_too_long_are_seen() -> None:
+    """The two faults a page-granular check cannot see (issue #20)."""
+    clean, _ = step_case(20, [6, 7], [1, 1], 4, seed=3)
+    slot = clean["slot_mapping"].clone()
+    slot[0] -= 1  # position 5 -> slot of position 4, the same page
+    is_bad, _ = check_step_reference(**(clean | {"slot_mapping": slot}), page_size=4)
+    assert is_bad.nonzero().flatten().tolist() == [2 * 2 + 2 + 0]
+    lens = clean["context_lens"].clone()
+    lens[1] += 1
+    is_bad, _ = check_step_reference(**(clean | {"context_lens": lens}), page_size=4)
+    assert is_bad.nonzero().flatten().tolist() == [2 * 2 + 1]
+
+
+def test_the_guard_skips_writes_whose_page_moved_on() -> None:
+    page_tags = torch.tensor([5, 6, 7, 8])
+    slots = torch.tensor([1, 6, 9, 14, -1])  # pages 0, 1, 2, 3, skip
+    write_tags = torch.tensor([5, 9, 7, 8, 5])  # page 1 carries another tag now
+    assert guard_slot_mapping(page_tags, slots, write_tags, 4).tolist() == [1, -1, 9, 14, -1]
+
+
+def test_step_check_of_nothing_is_empty() -> None:
     empty = torch.empty(0, dtype=torch.int64)
-    assert check_page_tags_triton(torch.ones(3, dtype=torch.int64), empty, empty).shape == (0,)
+    args = (torch.ones(3, dtype=torch.int64), torch.empty(0, 0, dtype=torch.int32), empty.int(), empty, empty)
+    is_bad, write_tags = check_step_triton(
+        *args, torch.empty(0, 0, dtype=torch.int64), empty, empty, empty, 4
+    )
+    assert is_bad.shape == (0,) and write_tags.shape == (0,)
 
 
 def hash_case(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, seed: int):
@@ -126,13 +215,11 @@ def test_the_sample_covers_every_slot_of_a_page() -> None:
 
 
 def test_bad_inputs_are_named() -> None:
-    tags = torch.zeros(4, dtype=torch.int64)
+    clean, _ = step_case(20, [6, 7], [1, 1], 4, seed=3)
     with pytest.raises(TypeError, match="int64"):
-        check_page_tags_reference(
-            tags.int(), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
-        )
-    with pytest.raises(ValueError, match=r"\[P\], \[N\] and \[N\]"):
-        check_page_tags_reference(tags, torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+        check_step_reference(**(clean | {"page_tags": clean["page_tags"].int()}), page_size=4)
+    with pytest.raises(ValueError, match=r"expected_lens has shape \(3,\), expected \(2,\)"):
+        check_step_reference(**(clean | {"expected_lens": torch.zeros(3, dtype=torch.int64)}), page_size=4)
     pool_bytes, sample = hash_case(2, 3, 2, 1, 8, seed=0)
     with pytest.raises(ValueError, match="coeffs has shape"):
         sampled_page_hash_reference(pool_bytes, torch.tensor([0]), sample.offsets, sample.coeffs[:1])

@@ -108,15 +108,17 @@ def test_a_reused_sealed_page_gets_a_new_tag() -> None:
     assert_consistent(tracker, b)
 
 
-def test_a_release_of_a_free_page_leaves_it_free_once() -> None:
+def test_a_free_of_a_held_page_is_refused_and_a_release_of_a_free_page_ignored() -> None:
     m, tracker = manager()
     a = seq([1, 2, 3, 4, 5], 0)
     m.allocate(a)
     page = a.block_table[0]
-    m.release_page(page)  # a double free: the page goes free under a
-    m.deallocate(a)  # a's own release finds it free
-    assert tracker.num_free_page_releases == 1
+    m.release_page(page)  # one release too many: a still holds the page
+    assert tracker.num_repairs == 1 and page not in m.free_page_ids and m.pages[page].ref_count == 1
+    m.deallocate(a)  # a's own release frees it
     assert m.num_free_pages == 8 and sorted(m.free_page_ids) == list(range(8))
+    m.release_page(page)  # now a release of a free page: it stays free, listed once
+    assert tracker.num_free_page_releases == 1 and sorted(m.free_page_ids) == list(range(8))
 
 
 def test_unhash_drops_the_cache_entry_and_frees_the_tag_of_an_unused_page() -> None:
@@ -137,20 +139,101 @@ def test_unhash_drops_the_cache_entry_and_frees_the_tag_of_an_unused_page() -> N
     assert tracker.tag_of(page) == FREE_TAG
 
 
-def test_the_check_names_every_failing_read_and_write() -> None:
+def test_the_check_names_every_failing_entry_length_position_and_slot() -> None:
     m, tracker = manager()
     a, b = seq([1, 2, 3, 4, 5, 6], 0), seq([11, 12, 13, 14, 15, 16, 17], 1)
     m.allocate(a)
     m.allocate(b)
-    assert tracker.check([a, b], prepare([a, b], True)) == []
-    a.block_table[0] = b.block_table[0]  # a reads b's first page and writes its prompt there
-    mismatches = tracker.check([a, b], prepare([a, b], True))
-    assert {(x.seq.seq_id, x.kind, x.logical_index, x.page_id) for x in mismatches} == {
-        (0, "read", 0, b.block_table[0])
-    } | {(0, "write", 0, b.block_table[0])}
-    for x in mismatches:
-        assert x.expected == tracker.expected_tags(a)[0] and x.found == tracker.expected_tags(b)[0]
-    assert sorted(x.position for x in mismatches if x.kind == "write") == [0, 1, 2, 3]
+    assert tracker.screen([a, b]) == [] and tracker.check([a, b], prepare([a, b], True)) == []
+    own = a.block_table[0]
+    a.block_table[0] = b.block_table[0]  # a reads b's first page (and writes its prompt there)
+    (read,) = tracker.check([a, b], prepare([a, b], True))
+    assert (read.seq, read.kind, read.logical_index, read.page_id) == (a, "read", 0, b.block_table[0])
+    assert read.expected == tracker.expected_tags(a)[0] and read.found == tracker.expected_tags(b)[0]
+    assert f"page {b.block_table[0]} (logical page 0) expected tag" in read.message()
     a.block_table[0] = 8  # not a page of the pool
-    read = next(x for x in tracker.check([a], prepare([a], True)) if x.kind == "read")
-    assert read.found is None and "no page" in read.message()
+    (read,) = tracker.check([a], prepare([a], True))
+    assert read.found is None and "found no page" in read.message()
+    a.block_table[0] = own
+
+    def faulty(change) -> list:
+        batch = prepare([a, b], False)
+        change(batch)
+        return tracker.check([a, b], batch)
+
+    for s_ in (a, b):
+        s_.token_ids.append(9)
+        m.may_append(s_)
+    (slot,) = faulty(lambda batch: batch.slot_mapping[1].sub_(1))  # b's write one slot back, same page
+    assert (slot.seq, slot.kind, slot.position, slot.page_id) == (b, "slot", 7, b.block_table[1])
+    assert "position 7 was to be written to slot" in slot.message() and "offset 2); its own" in slot.message()
+    (position,) = faulty(lambda batch: batch.positions[0].add_(1))
+    assert position.seq is a and "position 6 was given position 7" in position.message()
+    (length,) = faulty(lambda batch: batch.context_lens[0].add_(1))
+    assert (
+        length.seq is a
+        and length.kind == "length"
+        and "read 8 tokens but the request holds 7" in (length.message())
+    )
+
+
+def test_a_seal_through_a_wrong_entry_is_refused_and_the_pages_owner_untouched() -> None:
+    """Issue #20: sealing took whatever page the block table named and set both the page's tag and the
+    request's expectation from it, so the wrong page looked right and its owner was the one stopped."""
+    m, tracker = manager()
+    a, b = seq([1, 2, 3, 4, 5, 6, 7], 0), seq([11, 12, 13, 14, 15, 16], 1)
+    m.allocate(a)
+    m.allocate(b)
+    a_own, b_page, b_tag = a.block_table[1], b.block_table[1], tracker.expected_tags(b)[1]
+    a.block_table[1] = b_page  # the page a's next token seals is b's
+    a.token_ids.append(8)
+    m.may_append(a)  # a's token fills logical page 1: refused
+    assert m.pages[b_page].hash is None and tracker.tag_of(b_page) == b_tag
+    assert tracker.expected_tags(b)[1] == b_tag and tracker.screen([b]) == []
+    (hit,) = tracker.screen([a, b])
+    assert hit.seq is a and hit.kind == "bookkeeping"
+    assert f"names page {b_page} (logical page 1) at sealing" in hit.message()
+    assert f"it was given page {a_own}" in hit.message()
+    m.deallocate(a)  # gives back what a was given, not b's page
+    assert m.pages[b_page].ref_count == 1 and m.pages[a_own].ref_count == 0
+    assert m.num_free_pages == 8 - len(b.block_table)
+
+
+def test_a_row_one_entry_longer_stops_its_request_without_raising() -> None:
+    """Issue #20: an IndexError in the tracker's seal hook escaped Engine.step."""
+    m, tracker = manager()
+    a, b = seq([1, 2, 3], 0), seq([11, 12, 13, 14, 15], 1)
+    m.allocate(a)
+    m.allocate(b)
+    a.block_table.append(b.block_table[0])  # one entry longer than a's pages
+    a.token_ids.append(4)
+    m.may_append(a)  # the token fills a's page 0; the extra entry is neither sealed nor taken
+    assert (
+        m.pages[b.block_table[0]].hash is not None
+        and tracker.tag_of(b.block_table[0]) == (tracker.expected_tags(b)[0])
+    )
+    (hit,) = tracker.screen([a, b])
+    assert hit.seq is a and "its block table names 2" in hit.message()
+    a.block_table.pop()
+    a.block_table.append(-1)  # in the batch: a row naming a page past what a holds is flagged too
+    batch = prepare([a, b], False)
+    a.block_table.pop()
+    batch.block_tables[0, 1] = b.block_table[0]
+    (read,) = tracker.check([a, b], batch)
+    assert read.seq is a and "past the pages the request holds" in read.message()
+    m.deallocate(a)
+    assert m.pages[b.block_table[0]].ref_count == 1
+
+
+def test_without_a_tracker_a_row_of_the_wrong_length_asserts_before_any_forward() -> None:
+    m = BlockManager(8, P)
+    a = seq([1, 2, 3], 0)
+    m.allocate(a)
+    a.block_table.append(5)
+    a.token_ids.append(4)
+    try:
+        m.may_append(a)
+    except AssertionError as error:
+        assert "2 pages for 4 tokens" in str(error)
+    else:
+        raise AssertionError("may_append accepted a block table one entry too long")
