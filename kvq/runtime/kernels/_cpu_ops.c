@@ -8,6 +8,10 @@
    silu_mul(gate_up, out, M, I): gate_up [M, 2I] (gate then up), out [M, I] =
      bf16(bf16(silu(gate)) * up), as torch's `F.silu(gate) * up` on bf16 rounds (silu in fp32, rounded,
      then the product rounded).
+   rotary(x, row_stride, T, H, D, R, cos, sin_signed, out): rotate-half rotary on the first R channels of
+     each of H heads of T tokens (x rows `row_stride` apart, heads packed), cos/sin_signed [T, R]:
+     out [T, H, D] = bf16(bf16(x * cos) + rotate_half(x) * sin_signed), the rest copied (torch's addcmul
+     of `kvq.runtime.layers.rotary` on bf16: the products of bf16 values are exact in fp32).
    decode_attention(q, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride, bt_int64,
                     seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
@@ -98,6 +102,32 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
         for (long long i = 0; i < I; i++) {
             float a = bf16_f32(g[i]);
             o[i] = f32_bf16(bf16_f32(f32_bf16(a / (1.0f + expf(-a)))) * bf16_f32(u[i]));
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *rotary(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, cos, sin, out;
+    long long row_stride, T, H, D, R;
+    if (!PyArg_ParseTuple(args, "KLLLLLKKK", &x, &row_stride, &T, &H, &D, &R, &cos, &sin, &out))
+        return NULL;
+    if (T < 0 || H <= 0 || D <= 0 || R <= 0 || R > D || R % 2 || row_stride < H * D)
+        return PyErr_Format(PyExc_ValueError, "bad shape T=%lld H=%lld D=%lld R=%lld stride=%lld", T, H, D, R,
+                            row_stride);
+    const int64_t half = R / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = (const uint16_t *)(uintptr_t)cos + t * R, *s = (const uint16_t *)(uintptr_t)sin + t * R;
+        for (int64_t h = 0; h < H; h++) {
+            const uint16_t *xi = (const uint16_t *)(uintptr_t)x + t * row_stride + h * D;
+            uint16_t *o = (uint16_t *)(uintptr_t)out + (t * H + h) * D;
+            for (int64_t i = 0; i < R; i++) {
+                float partner = bf16_f32(xi[i < half ? i + half : i - half]);
+                float first = bf16_f32(f32_bf16(bf16_f32(xi[i]) * bf16_f32(c[i])));
+                o[i] = f32_bf16(first + partner * bf16_f32(s[i]));
+            }
+            memcpy(o + R, xi + R, (size_t)(D - R) * 2);
         }
     }
     Py_RETURN_NONE;
@@ -226,6 +256,7 @@ static PyObject *decode_attention(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "bf16 RMSNorm rows, optionally after a residual add (see source)."},
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
+    {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,6 +1,7 @@
-"""The small bf16 ops of a CPU decode step in C (`_cpu_ops`): RMSNorm (optionally after the residual add)
-and SiLU-and-mul, each one call instead of the 5-10 eager torch ops that cost more than the arithmetic
-at decode sizes. Same rounding steps as the torch ops they replace (fp32 inside; see `_cpu_ops.c`).
+"""The small bf16 ops of a CPU decode step in C (`_cpu_ops`): RMSNorm (optionally after the residual
+add), SiLU-and-mul, rotary and paged decode attention, each one call instead of the 5-20 eager torch ops
+that cost more than the arithmetic at decode sizes. Same rounding steps as the torch ops they replace
+(fp32 inside; see `_cpu_ops.c`).
 
 `native_ops_apply(x)` says when they run: bf16 contiguous CPU tensors, the extension built, and
 KVQ_CPU_ISA not `torch` (which keeps every CPU op in torch). Imports torch and kvq.runtime.kernels.
@@ -64,6 +65,35 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_rows, width // 2), dtype=gate_up.dtype)
     _ext.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2)
     return out
+
+
+def rotary_native(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """Rotate-half rotary of bf16 heads x `[T, H, D]` (heads packed, token rows any stride: a view of the
+    qkv projection) with bf16 cos, sin_signed `[T, 1, R]` contiguous -> contiguous `[T, H, D]`, as
+    `RotaryEmbedding.__call__` computes it in torch (`rotary_applies` says when)."""
+    assert _ext is not None
+    num_tokens, num_heads, head_dim = x.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
+    args = (x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim, rotary_dim)
+    _ext.rotary(*args, cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr())
+    return out
+
+
+def rotary_applies(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> bool:
+    """True when `rotary_native` runs: bf16 x `[T, H, D]` on CPU with packed heads, bf16 contiguous tables."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.dtype == sin_signed.dtype == torch.bfloat16
+        and cos.is_contiguous()
+        and sin_signed.is_contiguous()
+        and _enabled(os.environ.get(CPU_ISA_ENV))
+    )
 
 
 def native_attention_applies(

@@ -95,3 +95,27 @@ def test_decode_attention_reads_the_pages_in_place(
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()  # NaN in unowned slots never read
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert_close_rel(out, expected, REL_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize(("num_tokens", "rotary_dim"), [(1, 64), (5, 64), (3, 32)])  # 32: partial (GLM)
+def test_rotary_equals_torch(num_tokens: int, rotary_dim: int) -> None:
+    from transformers import LlamaConfig
+
+    from kvq.runtime.layers.rotary import RotaryEmbedding
+
+    config = LlamaConfig(head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config.rope_parameters["partial_rotary_factor"] = rotary_dim / 64
+    rotary = RotaryEmbedding(config, 64, 256, torch.bfloat16, torch.device("cpu"))
+    qkv = torch.randn(num_tokens, 13 * 64, generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
+    heads = qkv[:, : 12 * 64].view(num_tokens, 12, 64)  # the q/k heads of a qkv row: a strided view
+    cos_sin = rotary.at(torch.arange(num_tokens) * 17)
+    assert cpu_ops.rotary_applies(heads, *cos_sin)
+    out = rotary(heads, cos_sin)
+    cpu_ops._enabled.cache_clear()
+    ext, cpu_ops._ext = cpu_ops._ext, None  # the torch ops, for comparison
+    try:
+        expected = rotary(heads, cos_sin)
+    finally:
+        cpu_ops._ext = ext
+        cpu_ops._enabled.cache_clear()
+    assert torch.equal(out, expected)
