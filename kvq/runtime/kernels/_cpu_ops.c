@@ -12,6 +12,10 @@
      each of H heads of T tokens (x rows `row_stride` apart, heads packed), cos/sin_signed [T, R]:
      out [T, H, D] = bf16(bf16(x * cos) + rotate_half(x) * sin_signed), the rest copied (torch's addcmul
      of `kvq.runtime.layers.rotary` on bf16: the products of bf16 values are exact in fp32).
+   store_kv(k, k_row_stride, v, v_row_stride, T, Hkv, D, k_cache, k_strides, v_cache, v_strides, kv_fp8,
+            scales, slots, slots_int64, page_size): the step's bf16 K/V rows (heads packed) into their
+     page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
+     e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
    decode_attention(q, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride, bt_int64,
                     seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
@@ -146,6 +150,25 @@ static void fill_fp8_table(void) {
 }
 
 #define MAX_HEAD_DIM 512
+#define FP8_MAX 448.0f
+
+/* fp32 -> float8_e4m3fn, round to nearest even; |f| <= 448 after the caller's clamp, NaN kept. */
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u)
+        return sign | 0x7F;
+    if (u < 0x3C800000u) { /* below 2^-6, the smallest normal: multiples of 2^-9 */
+        float a;
+        memcpy(&a, &u, 4);
+        return sign | (uint8_t)nearbyintf(a * 512.0f); /* 8 (the rounding up to 2^-6) encodes it too */
+    }
+    u += 0x7FFFFu + ((u >> 20) & 1u); /* round the mantissa to 3 bits */
+    uint32_t exponent = (u >> 23) - 120, mantissa = (u >> 20) & 7u;
+    return sign | (uint8_t)((exponent << 3) | mantissa);
+}
 
 typedef struct {
     const uint8_t *base;
@@ -177,6 +200,44 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     for (; d < D; d++)
         part[0] += a[d] * b[d];
     return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+static PyObject *store_kv(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long k, v, kc, vc, scales, slots;
+    long long k_row, v_row, T, Hkv, D, ks0, ks1, ks2, vs0, vs1, vs2, page_size;
+    int kv_fp8, slots_int64;
+    if (!PyArg_ParseTuple(args, "KLKLLLLK(LLL)K(LLL)iKKiL", &k, &k_row, &v, &v_row, &T, &Hkv, &D, &kc, &ks0,
+                          &ks1, &ks2, &vc, &vs0, &vs1, &vs2, &kv_fp8, &scales, &slots, &slots_int64,
+                          &page_size))
+        return NULL;
+    if (T < 0 || Hkv <= 0 || D <= 0 || page_size <= 0)
+        return PyErr_Format(PyExc_ValueError, "bad shape T=%lld Hkv=%lld D=%lld", T, Hkv, D);
+    const float *scale = (const float *)(uintptr_t)scales;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slots_int64 ? ((const int64_t *)(uintptr_t)slots)[t] : ((const int32_t *)(uintptr_t)slots)[t];
+        if (slot < 0)
+            continue;
+        int64_t page = slot / page_size, offset = slot % page_size;
+        for (int half = 0; half < 2; half++) {
+            const uint16_t *src = (const uint16_t *)(uintptr_t)(half ? v : k) + t * (half ? v_row : k_row);
+            int64_t base = half ? page * vs0 + offset * vs1 : page * ks0 + offset * ks1, hs = half ? vs2 : ks2;
+            for (int64_t h = 0; h < Hkv; h++) {
+                if (!kv_fp8) {
+                    memcpy((uint16_t *)(uintptr_t)(half ? vc : kc) + base + h * hs, src + h * D, (size_t)D * 2);
+                    continue;
+                }
+                uint8_t *dst = (uint8_t *)(uintptr_t)(half ? vc : kc) + base + h * hs;
+                float sc = scale[half * Hkv + h];
+                for (int64_t d = 0; d < D; d++) {
+                    float q = bf16_f32(src[h * D + d]) / sc;
+                    q = q > FP8_MAX ? FP8_MAX : q < -FP8_MAX ? -FP8_MAX : q; /* NaN passes: torch's clamp */
+                    dst[d] = f32_to_e4m3(q);
+                }
+            }
+        }
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *decode_attention(PyObject *self, PyObject *args) {
@@ -257,6 +318,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "bf16 RMSNorm rows, optionally after a residual add (see source)."},
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
+    {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {NULL, NULL, 0, NULL},
 };

@@ -96,6 +96,55 @@ def rotary_applies(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor)
     )
 
 
+def store_applies(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """True when `store_kv_native` runs: bf16 k, v `[T, Hkv, D]` on CPU with packed heads (token rows any
+    stride), bf16 or FP8 pages, an integer contiguous slot_mapping."""
+    return (
+        k.dtype == v.dtype == torch.bfloat16
+        and k.device.type == "cpu"
+        and k.stride(2) == v.stride(2) == 1
+        and k.stride(1) == v.stride(1) == k.shape[2]
+        and k_cache.dtype in _KV_DTYPES
+        and slot_mapping.dtype in _INDEX_DTYPES
+        and slot_mapping.is_contiguous()
+        and _enabled(os.environ.get(CPU_ISA_ENV))
+    )
+
+
+def store_kv_native(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """In place: k, v `[T, Hkv, D]` (`store_applies`) into their slots (negative: skipped); FP8 pages get
+    `quantize_kv`'s bytes (x / scale, clamped, nearest even). scales fp32 contiguous `[2, Hkv]`."""
+    assert _ext is not None
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _ext.store_kv(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        k_cache.data_ptr(),
+        k_cache.stride()[:3],
+        v_cache.data_ptr(),
+        v_cache.stride()[:3],
+        int(k_cache.dtype == torch.float8_e4m3fn),
+        scales.data_ptr(),
+        slot_mapping.data_ptr(),
+        int(slot_mapping.dtype == torch.int64),
+        k_cache.shape[1],
+    )
+
+
 def native_attention_applies(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
 ) -> bool:

@@ -17,6 +17,8 @@ from kvq.runtime.kernels.cpu_ops import (
     native_ops_apply,
     rms_norm_native,
     silu_mul_native,
+    store_applies,
+    store_kv_native,
 )
 from kvq.runtime.kernels.paged_attention import paged_decode_attention_reference
 from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV
@@ -119,3 +121,33 @@ def test_rotary_equals_torch(num_tokens: int, rotary_dim: int) -> None:
         cpu_ops._ext = ext
         cpu_ops._enabled.cache_clear()
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_store_writes_the_bytes_torch_writes(cache_dtype: torch.dtype) -> None:
+    from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX, quantize_kv
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_kv_heads, head_dim, page_size = 9, 3, 64, 4
+    # every magnitude an FP8 page meets: subnormals, ties, past 448 (clamped), signed zeros
+    values = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen) * 10.0 ** torch.randint(
+        -4, 3, (num_tokens, 2 * num_kv_heads, 1), generator=gen
+    )
+    values[0, 0, :4] = torch.tensor([-0.0, 0.0, 2.0**-10, 3 * 2.0**-10])
+    qkv = values.bfloat16().flatten(1)  # k and v: strided views of one row per token, as in attention
+    k = qkv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    pool = torch.zeros(2, 6, page_size, num_kv_heads, head_dim, dtype=cache_dtype)
+    scales = torch.tensor([[0.5, 0.01, 2.0], [1.0, 0.03, 0.25]])
+    slots = torch.tensor([5, 0, -1, 7, 23, 12, 13, 2, 9], dtype=torch.int32)  # one skipped
+    assert store_applies(k, v, pool[0], slots)
+    store_kv_native(k, v, pool[0], pool[1], scales, slots)
+    expected = torch.zeros_like(pool)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            for i, x in enumerate((k, v)):
+                stored = quantize_kv(x[t], cache_dtype, scales[i][:, None])
+                expected[i, slot // page_size, slot % page_size] = stored
+    assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
+    if cache_dtype == torch.float8_e4m3fn:
+        assert float(pool.float().abs().max()) == FP8_E4M3_MAX  # some values were clamped
