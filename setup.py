@@ -1,5 +1,5 @@
 """Builds kvq's C extensions, both optional: without a C compiler kvq uses torch instead (the same bytes for
-`kvq compress`; `aten._weight_int4pack_mm_for_cpu` for INT4 matmuls). Everything else is in pyproject.toml."""
+`kvq compress`; `aten._weight_int4pack_mm_for_cpu` for INT4 matmuls, eager torch ops for the bf16 norms). Everything else is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -19,6 +19,13 @@ setup(
             # one build for every x86 CPU: the AVX2 and AVX-512 loops carry their own target attributes
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", "-fno-fast-math"],
             extra_link_args=["-pthread"],
+            optional=True,
+        ),
+        Extension(
+            "kvq.runtime.kernels._cpu_ops",
+            ["kvq/runtime/kernels/_cpu_ops.c"],
+            # torch's bf16 rounding steps exactly: no FMA contraction, no fast-math reassociation
+            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         ),
     ]

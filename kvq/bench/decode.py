@@ -323,6 +323,13 @@ def bench_decode_command(
     admission_requests: Annotated[
         int, typer.Option(help="Requests in the admission workload.")
     ] = DecodeBenchConfig.admission_requests,
+    long_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Length of the one long completion whose early vs late host ms per token are compared "
+            "(each end: 256 tokens, or a quarter of it when shorter)."
+        ),
+    ] = DecodeBenchConfig.long_tokens,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
@@ -362,6 +369,8 @@ def bench_decode_command(
         batch_new_tokens=batch_new_tokens,
         admission_bf16_slots=admission_slots,
         admission_requests=admission_requests,
+        long_tokens=long_tokens,
+        long_window=min(DecodeBenchConfig.long_window, max(1, long_tokens // 4)),
     )
     bf16 = ensure_smollm2().bf16
     result = run_bench(config, bf16, int4 or int4_model(config, bf16))

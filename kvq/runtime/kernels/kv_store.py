@@ -1,8 +1,9 @@
 """KV store: write new K/V `[T, Hkv, D]` into their page slots, quantizing to FP8 with the layer's scales.
 
 Reference (the spec) and the torch path (over a `PagedKVCache`: K and V with one row copy when they are
-the halves of one tensor, as in the engine's pool); the Triton kernel is in `kv_store_triton.py`. Layout
-and scale conventions: `kv_cache_layout`. Imports torch only.
+the halves of one tensor, as in the engine's pool; bf16 K/V on CPU: kvq's C op, `cpu_ops.store_kv_native`,
+the same bytes); the Triton kernel is in `kv_store_triton.py`. Layout and scale conventions:
+`kv_cache_layout`. Imports torch and kvq.runtime.kernels.cpu_ops.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvq.runtime.kernels.cpu_ops import store_applies, store_kv_native
 from kvq.runtime.kernels.kv_cache_layout import (
     check_kv_cache,
     is_fp8,
@@ -74,6 +76,9 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv: PagedKVCache, slot_mapp
     """The torch path: the reference's writes, as one `index_copy_` of K and V slot rows when the caches
     allow it (`kv.kv_rows`), else one indexed write per cache."""
     check_new_kv(k, v, slot_mapping, kv.k_cache)
+    if store_applies(k, v, kv.k_cache, slot_mapping):  # CPU bf16: one C call, the same bytes
+        store_kv_native(k, v, kv.k_cache, kv.v_cache, kv.stacked_scales, slot_mapping)
+        return
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # rare: drop the skipped tokens
         kept = (slot_mapping >= 0).nonzero().squeeze(1)
         k, v, slot_mapping = k[kept], v[kept], slot_mapping[kept]

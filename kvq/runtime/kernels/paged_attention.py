@@ -4,9 +4,10 @@ q `[B, Hq, D]` (Hq a multiple of Hkv: query head h reads KV head h // (Hq / Hkv)
 in `kv_cache_layout`; out `[B, Hq, D]` in q.dtype; softmax(q.k * sm_scale) over the first seq_lens[b]
 cached tokens (a sequence of length 0 gives zeros). This file holds the reference (the spec, one
 sequence at a time) and the torch path (all sequences at once, over a `PagedKVCache` and a
-`PagedDecodePlan`: the per-step index work every layer shares); the Triton flash-decoding kernel is in
-`paged_attention_triton.py`.
-Imports torch only.
+`PagedDecodePlan`: the per-step index work every layer shares), which hands bf16 queries on CPU to kvq's C
+op (`cpu_ops.decode_attention_native`: bf16 or FP8 pages read in place, fp32 inside); the Triton
+flash-decoding kernel is in `paged_attention_triton.py`.
+Imports torch and kvq.runtime.kernels.cpu_ops.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvq.formats.fp8_e4m3 import fp8_bits_to
+from kvq.runtime.kernels.cpu_ops import decode_attention_native, native_attention_applies
 from kvq.runtime.kernels.kv_cache_layout import check_kv_cache, dequantize_kv, is_fp8, per_head_scale
 
 if TYPE_CHECKING:
@@ -193,6 +195,11 @@ def paged_decode_attention_torch(
     """
     check_decode_queries(q, block_tables, seq_lens, kv.k_cache)
     _, page_size, num_kv_heads, head_dim = kv.k_cache.shape
+    if native_attention_applies(q, kv.k_cache, block_tables, seq_lens):  # CPU bf16 queries: one C call
+        sm_scale = default_sm_scale(head_dim) if sm_scale is None else sm_scale
+        return decode_attention_native(
+            q, kv.k_cache, kv.v_cache, kv.stacked_scales, block_tables, seq_lens, sm_scale
+        )
     num_seqs, num_heads, _ = q.shape
     if plan is None:
         max_seq_len = (int(seq_lens.max()) if num_seqs else 0) if max_seq_len is None else max_seq_len

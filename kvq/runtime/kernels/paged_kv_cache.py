@@ -61,9 +61,14 @@ class PagedKVCache:
         return kv_slot_rows(self.k_cache, self.v_cache)
 
     @cached_property
+    def stacked_scales(self) -> torch.Tensor:
+        """fp32 contiguous `[2, Hkv]`: k_scale, v_scale (the native CPU attention reads it by address)."""
+        return torch.stack([self.k_scale, self.v_scale]).contiguous()
+
+    @cached_property
     def fp8_store_scale(self) -> torch.Tensor:
         """fp32 `[2, 1, Hkv, 1]`: K and V stacked `[2, T, Hkv, D]` divided by this are FP8 pages' values."""
-        return torch.stack([self.k_scale, self.v_scale])[:, None, :, None]
+        return self.stacked_scales[:, None, :, None]
 
     @cached_property
     def fp8_read_factors(self) -> tuple[torch.Tensor, torch.Tensor]:

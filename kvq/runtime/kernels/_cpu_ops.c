@@ -1,0 +1,334 @@
+/* kvq.runtime.kernels._cpu_ops: the small bf16 ops of a CPU decode step, one C call each instead of the
+   5-10 eager torch ops (each ~1.5 us of dispatch and a temporary) they take in PyTorch.
+
+   rms_norm(x, residual, residual_out, weight, out, M, H, eps): for each of M rows of H bf16 values,
+     s = x (+ residual, rounded to bf16 and written to residual_out when residual != 0), then
+     out = bf16(fp32(s) * rsqrt(mean(fp32(s)^2) + eps) * fp32(weight)): torch's F.rms_norm on bf16 (fp32
+     inside, rounded once), and torch's bf16 `x + residual`.
+   silu_mul(gate_up, out, M, I): gate_up [M, 2I] (gate then up), out [M, I] =
+     bf16(bf16(silu(gate)) * up), as torch's `F.silu(gate) * up` on bf16 rounds (silu in fp32, rounded,
+     then the product rounded).
+   rotary(x, row_stride, T, H, D, R, cos, sin_signed, out): rotate-half rotary on the first R channels of
+     each of H heads of T tokens (x rows `row_stride` apart, heads packed), cos/sin_signed [T, R]:
+     out [T, H, D] = bf16(bf16(x * cos) + rotate_half(x) * sin_signed), the rest copied (torch's addcmul
+     of `kvq.runtime.layers.rotary` on bf16: the products of bf16 values are exact in fp32).
+   store_kv(k, k_row_stride, v, v_row_stride, T, Hkv, D, k_cache, k_strides, v_cache, v_strides, kv_fp8,
+            scales, slots, slots_int64, page_size): the step's bf16 K/V rows (heads packed) into their
+     page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
+     e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
+   decode_attention(q, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride, bt_int64,
+                    seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale):
+     paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
+     bf16 or float8_e4m3fn K/V (read through a 256-entry table, times the fp32 per-head scale, no bf16
+     copy of the pages), fp32 scores, softmax and sums, out bf16 [B, Hq, D]. k/v strides are (page,
+     slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V).
+   Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
+   caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu_ops.py). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) { /* round to nearest even, NaN kept quiet */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define LANES 16 /* independent partial sums: the loop vectorizes without reassociation flags */
+
+static void rms_norm_row(const uint16_t *x, const uint16_t *res, uint16_t *res_out, const uint16_t *w,
+                         uint16_t *out, int64_t H, float eps, float *s) {
+    for (int64_t i = 0; i < H; i++)
+        s[i] = res ? bf16_f32(f32_bf16(bf16_f32(x[i]) + bf16_f32(res[i]))) : bf16_f32(x[i]);
+    if (res)
+        for (int64_t i = 0; i < H; i++)
+            res_out[i] = f32_bf16(s[i]);
+    float part[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= H; i += LANES)
+        for (int j = 0; j < LANES; j++)
+            part[j] += s[i + j] * s[i + j];
+    for (; i < H; i++)
+        part[0] += s[i] * s[i];
+    float sum = 0.0f;
+    for (int j = 0; j < LANES; j++)
+        sum += part[j];
+    float r = 1.0f / sqrtf(sum / (float)H + eps);
+    for (int64_t k = 0; k < H; k++)
+        out[k] = f32_bf16(s[k] * r * bf16_f32(w[k]));
+}
+
+static PyObject *rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, res, res_out, w, out;
+    long long M, H;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KKKKKLLf", &x, &res, &res_out, &w, &out, &M, &H, &eps))
+        return NULL;
+    if (M < 0 || H <= 0 || H > (1 << 20))
+        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld H=%lld", M, H);
+    float *s = PyMem_RawMalloc((size_t)H * sizeof(float));
+    if (s == NULL)
+        return PyErr_NoMemory();
+    for (long long m = 0; m < M; m++) {
+        int64_t o = m * H;
+        rms_norm_row((const uint16_t *)(uintptr_t)x + o, res ? (const uint16_t *)(uintptr_t)res + o : NULL,
+                     res ? (uint16_t *)(uintptr_t)res_out + o : NULL, (const uint16_t *)(uintptr_t)w,
+                     (uint16_t *)(uintptr_t)out + o, H, eps, s);
+    }
+    PyMem_RawFree(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *silu_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long gate_up, out;
+    long long M, I;
+    if (!PyArg_ParseTuple(args, "KKLL", &gate_up, &out, &M, &I))
+        return NULL;
+    if (M < 0 || I <= 0)
+        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld I=%lld", M, I);
+    for (long long m = 0; m < M; m++) {
+        const uint16_t *g = (const uint16_t *)(uintptr_t)gate_up + m * 2 * I, *u = g + I;
+        uint16_t *o = (uint16_t *)(uintptr_t)out + m * I;
+        for (long long i = 0; i < I; i++) {
+            float a = bf16_f32(g[i]);
+            o[i] = f32_bf16(bf16_f32(f32_bf16(a / (1.0f + expf(-a)))) * bf16_f32(u[i]));
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *rotary(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, cos, sin, out;
+    long long row_stride, T, H, D, R;
+    if (!PyArg_ParseTuple(args, "KLLLLLKKK", &x, &row_stride, &T, &H, &D, &R, &cos, &sin, &out))
+        return NULL;
+    if (T < 0 || H <= 0 || D <= 0 || R <= 0 || R > D || R % 2 || row_stride < H * D)
+        return PyErr_Format(PyExc_ValueError, "bad shape T=%lld H=%lld D=%lld R=%lld stride=%lld", T, H, D, R,
+                            row_stride);
+    const int64_t half = R / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = (const uint16_t *)(uintptr_t)cos + t * R, *s = (const uint16_t *)(uintptr_t)sin + t * R;
+        for (int64_t h = 0; h < H; h++) {
+            const uint16_t *xi = (const uint16_t *)(uintptr_t)x + t * row_stride + h * D;
+            uint16_t *o = (uint16_t *)(uintptr_t)out + (t * H + h) * D;
+            for (int64_t i = 0; i < R; i++) {
+                float partner = bf16_f32(xi[i < half ? i + half : i - half]);
+                float first = bf16_f32(f32_bf16(bf16_f32(xi[i]) * bf16_f32(c[i])));
+                o[i] = f32_bf16(first + partner * bf16_f32(s[i]));
+            }
+            memcpy(o + R, xi + R, (size_t)(D - R) * 2);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static float fp8_table[256]; /* float8_e4m3fn byte -> value (NaN for S.1111.111; no infinities) */
+
+static void fill_fp8_table(void) {
+    for (int b = 0; b < 256; b++) {
+        int exponent = (b >> 3) & 15, mantissa = b & 7;
+        float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf((float)(8 + mantissa), exponent - 10);
+        if (exponent == 15 && mantissa == 7)
+            v = NAN;
+        fp8_table[b] = (b & 0x80) ? -v : v;
+    }
+}
+
+#define MAX_HEAD_DIM 512
+#define FP8_MAX 448.0f
+
+/* fp32 -> float8_e4m3fn, round to nearest even; |f| <= 448 after the caller's clamp, NaN kept. */
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u)
+        return sign | 0x7F;
+    if (u < 0x3C800000u) { /* below 2^-6, the smallest normal: multiples of 2^-9 */
+        float a;
+        memcpy(&a, &u, 4);
+        return sign | (uint8_t)nearbyintf(a * 512.0f); /* 8 (the rounding up to 2^-6) encodes it too */
+    }
+    u += 0x7FFFFu + ((u >> 20) & 1u); /* round the mantissa to 3 bits */
+    uint32_t exponent = (u >> 23) - 120, mantissa = (u >> 20) & 7u;
+    return sign | (uint8_t)((exponent << 3) | mantissa);
+}
+
+typedef struct {
+    const uint8_t *base;
+    int64_t page_stride, slot_stride, head_stride; /* elements */
+    int is_fp8;
+} Pages;
+
+/* Row of K or V (head h of token t of the sequence with page table `table`) as fp32 into `row`. */
+static inline void load_row(const Pages *p, int64_t page, int64_t slot, int64_t h, int64_t D, float scale,
+                            float *row) {
+    int64_t offset = page * p->page_stride + slot * p->slot_stride + h * p->head_stride;
+    if (p->is_fp8) {
+        const uint8_t *src = p->base + offset;
+        for (int64_t d = 0; d < D; d++)
+            row[d] = fp8_table[src[d]] * scale;
+    } else {
+        const uint16_t *src = (const uint16_t *)p->base + offset;
+        for (int64_t d = 0; d < D; d++)
+            row[d] = bf16_f32(src[d]);
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    float part[8] = {0};
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+        for (int j = 0; j < 8; j++)
+            part[j] += a[d + j] * b[d + j];
+    for (; d < D; d++)
+        part[0] += a[d] * b[d];
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+static PyObject *store_kv(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long k, v, kc, vc, scales, slots;
+    long long k_row, v_row, T, Hkv, D, ks0, ks1, ks2, vs0, vs1, vs2, page_size;
+    int kv_fp8, slots_int64;
+    if (!PyArg_ParseTuple(args, "KLKLLLLK(LLL)K(LLL)iKKiL", &k, &k_row, &v, &v_row, &T, &Hkv, &D, &kc, &ks0,
+                          &ks1, &ks2, &vc, &vs0, &vs1, &vs2, &kv_fp8, &scales, &slots, &slots_int64,
+                          &page_size))
+        return NULL;
+    if (T < 0 || Hkv <= 0 || D <= 0 || page_size <= 0)
+        return PyErr_Format(PyExc_ValueError, "bad shape T=%lld Hkv=%lld D=%lld", T, Hkv, D);
+    const float *scale = (const float *)(uintptr_t)scales;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slots_int64 ? ((const int64_t *)(uintptr_t)slots)[t] : ((const int32_t *)(uintptr_t)slots)[t];
+        if (slot < 0)
+            continue;
+        int64_t page = slot / page_size, offset = slot % page_size;
+        for (int half = 0; half < 2; half++) {
+            const uint16_t *src = (const uint16_t *)(uintptr_t)(half ? v : k) + t * (half ? v_row : k_row);
+            int64_t base = half ? page * vs0 + offset * vs1 : page * ks0 + offset * ks1, hs = half ? vs2 : ks2;
+            for (int64_t h = 0; h < Hkv; h++) {
+                if (!kv_fp8) {
+                    memcpy((uint16_t *)(uintptr_t)(half ? vc : kc) + base + h * hs, src + h * D, (size_t)D * 2);
+                    continue;
+                }
+                uint8_t *dst = (uint8_t *)(uintptr_t)(half ? vc : kc) + base + h * hs;
+                float sc = scale[half * Hkv + h];
+                for (int64_t d = 0; d < D; d++) {
+                    float q = bf16_f32(src[h * D + d]) / sc;
+                    q = q > FP8_MAX ? FP8_MAX : q < -FP8_MAX ? -FP8_MAX : q; /* NaN passes: torch's clamp */
+                    dst[d] = f32_to_e4m3(q);
+                }
+            }
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *decode_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long q, k, v, scales, tables, lens, out;
+    int kv_fp8, bt_int64, sl_int64;
+    long long ks0, ks1, ks2, vs0, vs1, vs2, bt_stride, B, Hq, Hkv, D, page_size;
+    float sm_scale;
+    if (!PyArg_ParseTuple(args, "KKKi(LLL)(LLL)KKLiKiKLLLLLf", &q, &k, &v, &kv_fp8, &ks0, &ks1, &ks2, &vs0,
+                          &vs1, &vs2, &scales, &tables, &bt_stride, &bt_int64, &lens, &sl_int64, &out, &B,
+                          &Hq, &Hkv, &D, &page_size, &sm_scale))
+        return NULL;
+    if (B < 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D > MAX_HEAD_DIM || page_size <= 0)
+        return PyErr_Format(PyExc_ValueError, "bad shape B=%lld Hq=%lld Hkv=%lld D=%lld page_size=%lld", B,
+                            Hq, Hkv, D, page_size);
+    const Pages kp = {(const uint8_t *)(uintptr_t)k, ks0, ks1, ks2, kv_fp8};
+    const Pages vp = {(const uint8_t *)(uintptr_t)v, vs0, vs1, vs2, kv_fp8};
+    const float *scale = (const float *)(uintptr_t)scales;
+    const uint16_t *qb = (const uint16_t *)(uintptr_t)q;
+    const int64_t G = Hq / Hkv;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t L = sl_int64 ? ((const int64_t *)(uintptr_t)lens)[b] : ((const int32_t *)(uintptr_t)lens)[b];
+        max_len = L > max_len ? L : max_len;
+    }
+    float row[MAX_HEAD_DIM];
+    float *qs = PyMem_RawMalloc((size_t)(2 * G * D + G * max_len) * sizeof(float));
+    if (qs == NULL)
+        return PyErr_NoMemory();
+    float *acc = qs + G * D, *scores = acc + G * D; /* [G, D], [G, D], [G, L] */
+    for (int64_t b = 0; b < B; b++) {
+        int64_t L = sl_int64 ? ((const int64_t *)(uintptr_t)lens)[b] : ((const int32_t *)(uintptr_t)lens)[b];
+        const uint8_t *table_row = (const uint8_t *)(uintptr_t)tables + b * bt_stride * (bt_int64 ? 8 : 4);
+        for (int64_t h = 0; h < Hkv; h++) {
+            uint16_t *o = (uint16_t *)(uintptr_t)out + (b * Hq + h * G) * D;
+            if (L <= 0) { /* an empty sequence attends to nothing: zeros */
+                memset(o, 0, (size_t)(G * D) * 2);
+                continue;
+            }
+            for (int64_t i = 0; i < G * D; i++)
+                qs[i] = bf16_f32(qb[(b * Hq + h * G) * D + i]);
+            for (int64_t t = 0; t < L; t++) {
+                int64_t page = bt_int64 ? ((const int64_t *)table_row)[t / page_size]
+                                        : ((const int32_t *)table_row)[t / page_size];
+                load_row(&kp, page, t % page_size, h, D, scale[h], row);
+                for (int64_t g = 0; g < G; g++)
+                    scores[g * L + t] = dot(qs + g * D, row, D) * sm_scale;
+            }
+            for (int64_t g = 0; g < G; g++) { /* softmax in place */
+                float *s = scores + g * L, top = s[0], sum = 0.0f;
+                for (int64_t t = 1; t < L; t++)
+                    top = s[t] > top ? s[t] : top;
+                for (int64_t t = 0; t < L; t++)
+                    sum += (s[t] = expf(s[t] - top));
+                for (int64_t t = 0; t < L; t++)
+                    s[t] /= sum;
+            }
+            memset(acc, 0, (size_t)(G * D) * sizeof(float));
+            for (int64_t t = 0; t < L; t++) {
+                int64_t page = bt_int64 ? ((const int64_t *)table_row)[t / page_size]
+                                        : ((const int32_t *)table_row)[t / page_size];
+                load_row(&vp, page, t % page_size, h, D, scale[Hkv + h], row);
+                for (int64_t g = 0; g < G; g++) {
+                    float p = scores[g * L + t], *a = acc + g * D;
+                    for (int64_t d = 0; d < D; d++)
+                        a[d] += p * row[d];
+                }
+            }
+            for (int64_t i = 0; i < G * D; i++)
+                o[i] = f32_bf16(acc[i]);
+        }
+    }
+    PyMem_RawFree(qs);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"rms_norm", rms_norm, METH_VARARGS, "bf16 RMSNorm rows, optionally after a residual add (see source)."},
+    {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
+    {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
+    {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
+    {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_cpu_ops", .m_doc = "bf16 RMSNorm and SiLU-and-mul on CPU.",
+    .m_size = -1, .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__cpu_ops(void) {
+    fill_fp8_table();
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,205 @@
+"""The small bf16 ops of a CPU decode step in C (`_cpu_ops`): RMSNorm (optionally after the residual
+add), SiLU-and-mul, rotary and paged decode attention, each one call instead of the 5-20 eager torch ops
+that cost more than the arithmetic at decode sizes. Same rounding steps as the torch ops they replace
+(fp32 inside; see `_cpu_ops.c`).
+
+`native_ops_apply(x)` says when they run: bf16 contiguous CPU tensors, the extension built, and
+KVQ_CPU_ISA not `torch` (which keeps every CPU op in torch). Imports torch and kvq.runtime.kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import cache
+from types import ModuleType
+
+import torch
+
+from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, resolve_cpu_isa
+
+_ext: ModuleType | None
+try:
+    _ext = importlib.import_module("kvq.runtime.kernels._cpu_ops")
+except ImportError:  # built without a C compiler
+    _ext = None
+
+
+@cache
+def _enabled(env_value: str | None) -> bool:
+    """Whether the C ops run under this $KVQ_CPU_ISA value (cached: checked at every op)."""
+    return _ext is not None and resolve_cpu_isa() != "torch"
+
+
+def native_ops_apply(x: torch.Tensor) -> bool:
+    """True when the C ops run on `x`: bf16, contiguous, on CPU, built, and $KVQ_CPU_ISA is not torch."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and _enabled(os.environ.get(CPU_ISA_ENV))
+    )
+
+
+def rms_norm_native(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s) * weight, s) with s = x (+ residual, bf16) for bf16 x `[..., H]` (`native_ops_apply`),
+    weight bf16 `[H]`; residual (optional) like x."""
+    assert _ext is not None
+    hidden = x.shape[-1]
+    out = torch.empty_like(x)
+    if residual is None:
+        _ext.rms_norm(x.data_ptr(), 0, 0, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
+        return out, x
+    total = torch.empty_like(x)
+    args = (x.data_ptr(), residual.data_ptr(), total.data_ptr(), weight.data_ptr(), out.data_ptr())
+    _ext.rms_norm(*args, x.numel() // hidden, hidden, eps)
+    return out, total
+
+
+def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for bf16 gate_up `[M, 2I]` (gate first; `native_ops_apply`) -> `[M, I]`."""
+    assert _ext is not None
+    num_rows, width = gate_up.shape
+    out = torch.empty((num_rows, width // 2), dtype=gate_up.dtype)
+    _ext.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2)
+    return out
+
+
+def rotary_native(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """Rotate-half rotary of bf16 heads x `[T, H, D]` (heads packed, token rows any stride: a view of the
+    qkv projection) with bf16 cos, sin_signed `[T, 1, R]` contiguous -> contiguous `[T, H, D]`, as
+    `RotaryEmbedding.__call__` computes it in torch (`rotary_applies` says when)."""
+    assert _ext is not None
+    num_tokens, num_heads, head_dim = x.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
+    args = (x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim, rotary_dim)
+    _ext.rotary(*args, cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr())
+    return out
+
+
+def rotary_applies(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> bool:
+    """True when `rotary_native` runs: bf16 x `[T, H, D]` on CPU with packed heads, bf16 contiguous tables."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.dtype == sin_signed.dtype == torch.bfloat16
+        and cos.is_contiguous()
+        and sin_signed.is_contiguous()
+        and _enabled(os.environ.get(CPU_ISA_ENV))
+    )
+
+
+def store_applies(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """True when `store_kv_native` runs: bf16 k, v `[T, Hkv, D]` on CPU with packed heads (token rows any
+    stride), bf16 or FP8 pages, an integer contiguous slot_mapping."""
+    return (
+        k.dtype == v.dtype == torch.bfloat16
+        and k.device.type == "cpu"
+        and k.stride(2) == v.stride(2) == 1
+        and k.stride(1) == v.stride(1) == k.shape[2]
+        and k_cache.dtype in _KV_DTYPES
+        and slot_mapping.dtype in _INDEX_DTYPES
+        and slot_mapping.is_contiguous()
+        and _enabled(os.environ.get(CPU_ISA_ENV))
+    )
+
+
+def store_kv_native(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """In place: k, v `[T, Hkv, D]` (`store_applies`) into their slots (negative: skipped); FP8 pages get
+    `quantize_kv`'s bytes (x / scale, clamped, nearest even). scales fp32 contiguous `[2, Hkv]`."""
+    assert _ext is not None
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _ext.store_kv(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        k_cache.data_ptr(),
+        k_cache.stride()[:3],
+        v_cache.data_ptr(),
+        v_cache.stride()[:3],
+        int(k_cache.dtype == torch.float8_e4m3fn),
+        scales.data_ptr(),
+        slot_mapping.data_ptr(),
+        int(slot_mapping.dtype == torch.int64),
+        k_cache.shape[1],
+    )
+
+
+def native_attention_applies(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> bool:
+    """True when `decode_attention_native` runs this call: bf16 queries (`native_ops_apply`), bf16 or FP8
+    pages, integer tables with rows of stride 1, head_dim <= 512."""
+    return (
+        native_ops_apply(q)
+        and k_cache.dtype in _KV_DTYPES
+        and block_tables.dtype in _INDEX_DTYPES
+        and seq_lens.dtype in _INDEX_DTYPES
+        and block_tables.stride(-1) == 1
+        and seq_lens.is_contiguous()
+        and q.shape[-1] <= 512
+    )
+
+
+_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def decode_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Paged decode attention (`paged_attention.py`'s contract) in C, reading bf16 or FP8 pages directly
+    (FP8: a byte -> value table times the per-head scale; no bf16 copy of the pages). q bf16 `[B, Hq, D]`
+    (`native_attention_applies`), scales fp32 contiguous `[2, Hkv]` (K, V) -> bf16 `[B, Hq, D]`."""
+    assert _ext is not None
+    num_seqs, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    _ext.decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        int(k_cache.dtype == torch.float8_e4m3fn),
+        k_cache.stride()[:3],
+        v_cache.stride()[:3],
+        scales.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        int(block_tables.dtype == torch.int64),
+        seq_lens.data_ptr(),
+        int(seq_lens.dtype == torch.int64),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        sm_scale,
+    )
+    return out

@@ -1,0 +1,153 @@
+"""kvq's C ops for the small bf16 ops of a CPU decode step (`kernels/cpu_ops.py`) against the torch ops
+they replace: RMSNorm (with and without the fused residual add) and SiLU-and-mul, on odd widths and row
+counts; paged decode attention over bf16 and FP8 pages against the reference (the torch path's own tests
+in test_paged_attention.py run it too, for bf16 queries); and the switch that turns them off
+(KVQ_CPU_ISA=torch) or away (non-bf16, non-contiguous)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvq.runtime.kernels import PagedKVCache, cpu_ops
+from kvq.runtime.kernels.cpu_ops import (
+    decode_attention_native,
+    native_attention_applies,
+    native_ops_apply,
+    rms_norm_native,
+    silu_mul_native,
+    store_applies,
+    store_kv_native,
+)
+from kvq.runtime.kernels.paged_attention import paged_decode_attention_reference
+from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV
+from kvq.runtime.layers.norm import RMSNorm
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
+
+pytestmark = pytest.mark.skipif(cpu_ops._ext is None, reason="kvq's CPU extension is not built")
+SHAPES = [(1, 576), (7, 577), (64, 1024), (3, 5), (33, 1536)]  # (rows, width): widths off the 16 lanes
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between two same-sign-ish bf16 tensors (as int16 bit patterns)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+def test_rms_norm_equals_torch(rows: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(rows * width)
+    x = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
+    residual = torch.randn(rows, width, generator=gen).bfloat16()
+    weight = (torch.rand(width, generator=gen) * 2).bfloat16()
+    out, same = rms_norm_native(x, weight, 1e-5)
+    expected = F.rms_norm(x, (width,), weight, 1e-5)
+    assert same is x
+    # the fp32 sum of squares is added in another order than torch's: at most one bf16 step, rarely
+    assert int(_bf16_ulps(out, expected).max()) <= 1
+    assert int((out != expected).sum()) <= max(2, out.numel() // 1000)
+    out, total = rms_norm_native(x, weight, 1e-6, residual)
+    assert torch.equal(total, x + residual)  # torch's bf16 add, bit for bit
+    assert int(_bf16_ulps(out, F.rms_norm(x + residual, (width,), weight, 1e-6)).max()) <= 1
+
+
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+def test_silu_mul_equals_torch(rows: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(rows + width)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = silu_mul_native(gate_up)
+    expected = F.silu(gate) * up
+    assert out.shape == (rows, width)
+    assert int(_bf16_ulps(out, expected).max()) <= 1  # expf vs torch's vectorized exp: rarely a step
+    assert int((out != expected).sum()) <= max(2, out.numel() // 1000)
+
+
+def test_which_tensors_take_the_c_ops(monkeypatch) -> None:
+    x = torch.randn(4, 64).bfloat16()
+    assert native_ops_apply(x)
+    assert not native_ops_apply(x.float())  # fp32 (the reference mode) stays in torch
+    assert not native_ops_apply(x.t())  # not contiguous
+    monkeypatch.setenv(CPU_ISA_ENV, "torch")
+    assert not native_ops_apply(x)
+    norm = RMSNorm(torch.ones(64).bfloat16(), 1e-5)
+    assert torch.equal(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5))  # the torch op itself
+    normed, total = norm.add_norm(x, x)
+    assert torch.equal(total, x + x) and torch.equal(normed, F.rms_norm(x + x, (64,), norm.weight, 1e-5))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_decode_attention_reads_the_pages_in_place(
+    cache_dtype: torch.dtype, index_dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [19, 1, 0, 16, 53]  # an empty sequence: zeros
+    kv = random_paged_kv(seq_lens, 16, 3, 64, cache_dtype, True, gen)
+    pool = torch.stack([kv.k_cache, kv.v_cache])  # the engine's layout: K and V halves of one tensor
+    k_cache, v_cache = pool[0], pool[1]
+    q = torch.randn(len(seq_lens), 9, 64, generator=gen).bfloat16()
+    tables, lens = kv.block_tables.to(index_dtype), kv.seq_lens.to(index_dtype)
+    assert native_attention_applies(q, k_cache, tables, lens)
+    scales = PagedKVCache.of(k_cache, v_cache, kv.k_scale, kv.v_scale).stacked_scales
+    out = decode_attention_native(q, k_cache, v_cache, scales, tables, lens, 0.3)
+    expected = paged_decode_attention_reference(
+        q, k_cache, v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale, 0.3
+    )
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()  # NaN in unowned slots never read
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert_close_rel(out, expected, REL_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize(("num_tokens", "rotary_dim"), [(1, 64), (5, 64), (3, 32)])  # 32: partial (GLM)
+def test_rotary_equals_torch(num_tokens: int, rotary_dim: int) -> None:
+    from transformers import LlamaConfig
+
+    from kvq.runtime.layers.rotary import RotaryEmbedding
+
+    config = LlamaConfig(head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config.rope_parameters["partial_rotary_factor"] = rotary_dim / 64
+    rotary = RotaryEmbedding(config, 64, 256, torch.bfloat16, torch.device("cpu"))
+    qkv = torch.randn(num_tokens, 13 * 64, generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
+    heads = qkv[:, : 12 * 64].view(num_tokens, 12, 64)  # the q/k heads of a qkv row: a strided view
+    cos_sin = rotary.at(torch.arange(num_tokens) * 17)
+    assert cpu_ops.rotary_applies(heads, *cos_sin)
+    out = rotary(heads, cos_sin)
+    cpu_ops._enabled.cache_clear()
+    ext, cpu_ops._ext = cpu_ops._ext, None  # the torch ops, for comparison
+    try:
+        expected = rotary(heads, cos_sin)
+    finally:
+        cpu_ops._ext = ext
+        cpu_ops._enabled.cache_clear()
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_store_writes_the_bytes_torch_writes(cache_dtype: torch.dtype) -> None:
+    from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX, quantize_kv
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_kv_heads, head_dim, page_size = 9, 3, 64, 4
+    # every magnitude an FP8 page meets: subnormals, ties, past 448 (clamped), signed zeros
+    values = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen) * 10.0 ** torch.randint(
+        -4, 3, (num_tokens, 2 * num_kv_heads, 1), generator=gen
+    )
+    values[0, 0, :4] = torch.tensor([-0.0, 0.0, 2.0**-10, 3 * 2.0**-10])
+    qkv = values.bfloat16().flatten(1)  # k and v: strided views of one row per token, as in attention
+    k = qkv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    pool = torch.zeros(2, 6, page_size, num_kv_heads, head_dim, dtype=cache_dtype)
+    scales = torch.tensor([[0.5, 0.01, 2.0], [1.0, 0.03, 0.25]])
+    slots = torch.tensor([5, 0, -1, 7, 23, 12, 13, 2, 9], dtype=torch.int32)  # one skipped
+    assert store_applies(k, v, pool[0], slots)
+    store_kv_native(k, v, pool[0], pool[1], scales, slots)
+    expected = torch.zeros_like(pool)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            for i, x in enumerate((k, v)):
+                stored = quantize_kv(x[t], cache_dtype, scales[i][:, None])
+                expected[i, slot // page_size, slot % page_size] = stored
+    assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
+    if cache_dtype == torch.float8_e4m3fn:
+        assert float(pool.float().abs().max()) == FP8_E4M3_MAX  # some values were clamped
