@@ -188,6 +188,7 @@ def _manifest_header(job: PreparedJob, shards: dict, *, is_complete: bool) -> di
             "path": str(job.ckpt.root.resolve()),
             "fingerprint": job.identity["source_fingerprint"],
             "format": job.ckpt.format,
+            "bytes": sum(header.file_bytes for header in job.ckpt.shards.values()),  # "before", for cards
         },
         "shards": dict(sorted(shards.items())),
         "kept_at_source_precision": [
