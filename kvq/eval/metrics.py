@@ -60,11 +60,11 @@ def perplexity(nll: Sequence[float], baseline_nll: Sequence[float] | None, num_p
 
 
 def kl_divergence(kl: Sequence[float], num_predicted: int) -> dict:
-    """Mean KL(baseline || model) of the next-token distributions, nats per token."""
+    """Mean KL(baseline ‖ model) of the next-token distributions, nats per token."""
     mean, low, high = mean_interval([v / num_predicted for v in kl])
     return {
         "key": "kl",
-        "name": "KL(baseline || model)",
+        "name": "KL(baseline ‖ model)",
         "unit": "nats",
         "num_items": len(kl),
         "model": mean,
@@ -74,8 +74,10 @@ def kl_divergence(kl: Sequence[float], num_predicted: int) -> dict:
 
 
 def top1_agreement(num_agree: Sequence[int], num_predicted: int) -> dict:
-    """Fraction of positions where both models' most likely next token is the same."""
+    """Fraction of positions where both models' most likely next token is the same (interval clipped
+    to [0, 1])."""
     mean, low, high = mean_interval([a / num_predicted for a in num_agree])
+    low, high = max(0.0, low), min(1.0, high)
     return {
         "key": "top1_agreement",
         "name": "top-1 agreement",

@@ -93,6 +93,8 @@ def markdown_tables(report: dict) -> str:
             "| " + " | ".join(COLUMNS) + " |",
             "|---|" + "---:|" * (len(COLUMNS) - 1),
         ]
-        lines += ["| " + " | ".join(row) + " |" for row in metric_rows(run)]
+        lines += [
+            "| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in metric_rows(run)
+        ]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)

@@ -204,7 +204,7 @@ def _run_report(
         "path": str(run.path),
         "kv_cache_dtype": run.kv_cache_dtype,
         "kv_cache": _kv_name(engine),
-        "dtype": engine.config.dtype,
+        "dtype": _dtype_name(engine),
         "metrics": found,
         "items": items,
     }
@@ -237,13 +237,17 @@ def _kv_name(engine: Engine) -> str:
     return KV_NAMES.get(name, name)
 
 
+def _dtype_name(engine: Engine) -> str:
+    return str(engine.config.activation_dtype).removeprefix("torch.")
+
+
 def _describe(engine: Engine) -> dict:
     return {
         "path": str(engine.ckpt.root),
         "fingerprint": source_fingerprint(engine.ckpt),
         "format": engine.ckpt.format,
         "kv_cache": _kv_name(engine),
-        "dtype": engine.config.dtype,
+        "dtype": _dtype_name(engine),
     }
 
 
