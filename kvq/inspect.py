@@ -7,11 +7,14 @@ metadata (`weight_scale`, `weight_scale_inv`, `weight_shape`, `k_scale`/`v_scale
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from kvq.checkpoint.header import TensorInfo
+from kvq.checkpoint.model_config import quantization_config_of, text_model
 from kvq.checkpoint.module_kind import MODULE_KINDS, module_kind
-from kvq.checkpoint.reader import Checkpoint
+from kvq.checkpoint.reader import Checkpoint, detect_format
+from kvq.errors import KvqError
 
 METADATA_SUFFIXES = (
     "weight_scale",
@@ -42,6 +45,7 @@ class InspectReport:
     kinds: dict[str, KindSummary]
     total: KindSummary
     quant_method: str | None
+    model: str  # the language model config.json describes, e.g. "kimi_k25: text_config kimi_k2 (deepseek_v3)"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -59,9 +63,19 @@ def logical_parameters(info: TensorInfo) -> int:
 
 def summarize(ckpt: Checkpoint) -> InspectReport:
     """Group every stored tensor by module kind and total it; reads no tensor data."""
+    report = summarize_tensors(str(ckpt.root), ckpt.tensors.values(), len(ckpt.shards), ckpt.config)
+    report.format = ckpt.format
+    return report
+
+
+def summarize_tensors(
+    path: str, tensors: Iterable[TensorInfo], num_shards: int, config: dict
+) -> InspectReport:
+    """`summarize` of tensors that may exist only on paper (a bare config.json)."""
+    infos = list(tensors)
     kinds: dict[str, KindSummary] = defaultdict(KindSummary)
     dtypes: dict[str, set[str]] = defaultdict(set)
-    for info in ckpt.tensors.values():
+    for info in infos:
         kind = module_kind(info.name)
         row = kinds[kind]
         row.tensors += 1
@@ -77,11 +91,31 @@ def summarize(ckpt: Checkpoint) -> InspectReport:
         bytes=sum(r.bytes for r in ordered.values()),
         dtypes=sorted(set().union(*dtypes.values())) if dtypes else [],
     )
+    quant = quantization_config_of(config)
     return InspectReport(
-        str(ckpt.root),
-        ckpt.format,
-        len(ckpt.shards),
+        path,
+        detect_format(infos),
+        num_shards,
         ordered,
         total,
-        ckpt.quantization_config.get("quant_method"),
+        quant.get("quant_method"),
+        describe_model(config),
+    )
+
+
+def describe_model(config: dict) -> str:
+    """What config.json says the model is, for humans; never raises (inspect reads any checkpoint)."""
+    try:
+        model = text_model(config, "config.json")
+    except KvqError as e:
+        return f"{config.get('model_type')!r} (kvq does not run it: {str(e).removeprefix('config.json: ')})"
+    if model.wrapper is None:
+        return (
+            model.model_type
+            if model.architecture == model.model_type
+            else f"{model.model_type} ({model.architecture})"
+        )
+    return (
+        f"{model.wrapper}: {model.field_path}model_type {model.model_type} ({model.architecture}), "
+        f"tensors under {model.weight_prefix!r}"
     )

@@ -13,10 +13,13 @@ MODULE_KINDS = (
     "embeddings",
     "norms",
     "kv_scales",
+    "vision",
     "other",
 )
 
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # beside a multimodal wrapper's language model (Kimi K2.5 / K2.6: vision_tower.*, mm_projector.*)
+    ("vision", re.compile(r"^(vision_tower|mm_projector)\.")),
     ("kv_scales", re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale)$")),
     ("embeddings", re.compile(r"(^|\.)(embed_tokens|lm_head|wte|shared_head\.head)\.")),
     ("norms", re.compile(r"(^|\.)[a-z_]*norm[a-z_]*\.(weight|bias)$")),

@@ -7,6 +7,7 @@ and the `kvq compress` parent only read headers).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvq.checkpoint.dtypes import FLOAT_CODES, FP8_CODES
 from kvq.checkpoint.header import ShardHeader, TensorInfo, read_header
+from kvq.checkpoint.model_config import quantization_config_of
 from kvq.errors import KvqError
 from kvq.formats.shapes import DEFAULT_BLOCK
 
@@ -81,7 +83,8 @@ class Checkpoint:
 
     @property
     def quantization_config(self) -> dict:
-        return self.config.get("quantization_config") or {}
+        """The checkpoint's quantization_config: top level, or inside `text_config` (Kimi K2.5 / K2.6)."""
+        return quantization_config_of(self.config)
 
     @property
     def format(self) -> str:
@@ -90,6 +93,15 @@ class Checkpoint:
     @property
     def tensor_bytes(self) -> int:
         return sum(info.nbytes for info in self.tensors.values())
+
+    def under(self, prefix: str) -> Checkpoint:
+        """The tensors named `prefix...`, known without the prefix: a multimodal checkpoint's language model
+        (`language_model.model.layers.0...` -> `model.layers.0...`, the transformers names) with its vision
+        tower left out. Reads still use the stored names (`TensorInfo.name`)."""
+        if not prefix:
+            return self
+        tensors = {n.removeprefix(prefix): i for n, i in self.tensors.items() if n.startswith(prefix)}
+        return dataclasses.replace(self, tensors=tensors)
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -111,7 +123,7 @@ class Checkpoint:
         for file, file_names in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for name in file_names:
-                    out[name] = f.get_tensor(name)
+                    out[name] = f.get_tensor(self.tensors[name].name)  # the stored name (see `under`)
         return out
 
 

@@ -16,10 +16,17 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvq.commands.engine_options import DtypeOption, KvMemoryOption, ModelArgument, ThreadsOption
+from kvq.commands.engine_options import (
+    DtypeOption,
+    KvMemoryOption,
+    LmHeadWeightsOption,
+    ModelArgument,
+    ThreadsOption,
+)
 from kvq.commands.render import console
 from kvq.errors import KvqError
-from kvq.eval.config import KV_CACHE_DTYPES, TASKS, EvalConfig
+from kvq.eval.config import TASKS, EvalConfig
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPES
 from kvq.runtime.config import EngineConfig
 
 _DEFAULTS = EvalConfig()
@@ -93,6 +100,7 @@ def eval_command(
     max_num_seqs: Annotated[
         int, typer.Option(help="Requests each engine batches at most.")
     ] = EngineConfig.max_num_seqs,
+    lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
 ) -> None:
     """Perplexity, KL and top-1 agreement on held-out text, MMLU and GSM accuracy of MODEL (vs --baseline),
@@ -114,7 +122,7 @@ def eval_command(
         gsm_seed=gsm_seed,
         gsm_max_tokens=gsm_max_tokens,
     )
-    settings = EngineSettings(dtype, baseline_dtype, kv_memory, threads, max_num_seqs)
+    settings = EngineSettings(dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bars:
 

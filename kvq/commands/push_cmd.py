@@ -14,7 +14,8 @@ from typing import Annotated
 
 import typer
 
-from kvq.commands.render import console, human_bytes
+from kvq.byte_sizes import format_bytes
+from kvq.commands.render import console
 from kvq.errors import KvqError
 
 
@@ -36,8 +37,12 @@ def push_command(
     revision: Annotated[str | None, typer.Option(help="Branch to push to (created if needed).")] = None,
     require_engine: Annotated[
         list[str] | None,
-        typer.Option(help="Refuse to push unless `kvq check` says this engine loads it (repeatable)."),
+        typer.Option(
+            help="Refuse to push unless `kvq check` says this engine loads it at --tp (repeatable): "
+            "vllm, sglang, transformers or kvq."
+        ),
     ] = None,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size --require-engine checks.")] = 1,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the card and the file list; write and send nothing.")
     ] = False,
@@ -49,7 +54,7 @@ def push_command(
 
     manifest = verify_output(path)
     if require_engine:
-        _require_engines(path, require_engine)
+        _require_engines(path, require_engine, tp)
     report = _read_report(eval_report) if eval_report is not None else None
     card = build_card(path, manifest, repo_id, report, base_model, license)
     files = sorted(set(upload_files(path)) | {CARD_NAME})
@@ -58,7 +63,7 @@ def push_command(
         console.print(f"would upload {len(files)} files to {repo_id}:")
         for name in files:
             size = len(card.content.encode()) if name == CARD_NAME else (path / name).stat().st_size
-            console.print(f"  {name}  {human_bytes(size)}")
+            console.print(f"  {name}  {format_bytes(size)}")
         return
     token = hub_token()
     from kvq.checkpoint.write import write_text_atomic
@@ -86,13 +91,13 @@ def _read_report(path: Path) -> dict:
     return report
 
 
-def _require_engines(path: Path, engines: list[str]) -> None:
-    try:
-        from kvq.check import check_checkpoint
-    except ImportError as e:
-        raise KvqError("--require-engine needs kvq check, which this kvq build does not have yet") from e
-    report = check_checkpoint(path, engines, 1)
+def _require_engines(path: Path, engines: list[str], tp: int) -> None:
+    from kvq.check import check_checkpoint
+
+    report = check_checkpoint(path, engines, tp)
     failing = [e for e in engines if not report.loads(e)]
     if failing:
         details = "\n".join(report.lines())
-        raise KvqError(f"{path}: {', '.join(failing)} would not load it, so it is not pushed:\n{details}")
+        raise KvqError(
+            f"{path}: at tp {tp}, {', '.join(failing)} would not load it, so it is not pushed:\n{details}"
+        )

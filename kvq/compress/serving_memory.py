@@ -1,85 +1,113 @@
-"""Per-GPU weight memory and how many KV-cache tokens fit beside it, from config.json alone.
+"""Per-GPU weight memory and the KV-cache tokens that fit beside it, as a tensor-parallel server places them.
 
-KV bytes per token: MLA models (DeepSeek-V3, Kimi-K2, GLM-5) cache the compressed latent, `kv_lora_rank +
-qk_rope_head_dim` values per layer, replicated on every tensor-parallel rank; GLM-5's DSA indexer adds its
-key, `index_head_dim` values per layer. GQA models cache K and V, `2 * num_key_value_heads * head_dim`
-per layer, split across ranks (at least one head per rank). Weights are split evenly over `tp` ranks.
-Not counted: activations, CUDA graphs, the runtime's own reserve; treat the token count as an upper bound.
+Parallelism: `tp` ranks without DP attention and without expert parallelism (vLLM's and SGLang's default).
+Replicated on every rank: norms, the MoE router (`mlp.gate`, `e_score_correction_bias`), MLA's down
+projections `q_a_proj` and `kv_a_proj_with_mqa` (vLLM `fused_qkv_a_proj` with `disable_tp=True`, SGLang
+`ReplicatedLinear`), the DSA indexer, KV scales. Split 1/tp: routed and shared experts (each expert's
+intermediate dimension), the other attention projections (heads), the dense MLP, embeddings and lm_head
+(vocabulary). MTP / NextN layers (index >= num_hidden_layers) are counted apart: servers load them only
+for speculative decoding. The KV cache per token comes from `kvq.checkpoint.kv_cache_spec` (the MLA latent
+is replicated per rank, GQA heads are split).
+Memory: `mem_fraction` is SGLang's `--mem-fraction-static`: weights + KV pool <= mem_fraction x GPU
+memory, so the pool gets `mem_fraction x gpu_mem - weights`. SGLang measures free memory after loading
+the weights, so whatever else is allocated by then (CUDA context, NCCL and all-reduce buffers, the torch
+allocator's reserve) also comes out of that budget; activations and CUDA graphs live in the remaining
+1 - mem_fraction. kvq counts none of that: its token count is an upper bound of what the server reports.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from kvq.checkpoint.kv_cache_spec import KvCacheSpec, kv_cache_bytes
+from kvq.checkpoint.module_kind import module_kind
 from kvq.errors import KvqError
+from kvq.kv_cache_dtypes import BF16, FP8_E4M3
 
-KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+KV_CACHE_DTYPES = (BF16, FP8_E4M3)  # what `kvq plan` compares
+_REPLICATED_KINDS = {"norms", "router", "kv_scales"}
+_REPLICATED = re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.|\.indexer\.")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+PARALLELISM = (
+    "tensor parallel, no DP attention, no expert parallelism (vLLM / SGLang default): replicated on every "
+    "GPU: norms, routers, MLA q_a_proj / kv_a_proj_with_mqa, DSA indexer, KV scales, the MLA latent cache; "
+    "split 1/tp: experts, other attention projections, dense MLP, embeddings, lm_head, GQA KV heads"
+)
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """A checkpoint's tensor bytes by how a tensor-parallel server places them."""
+
+    replicated: int  # on every rank
+    split: int  # divided over the ranks
+    mtp: int  # MTP / NextN layers: loaded only for speculative decoding, not counted per GPU
+
+    def per_gpu(self, tp: int) -> int:
+        return self.replicated + math.ceil(self.split / tp)
+
+
+@dataclass(frozen=True)
+class KvFit:
+    """The KV pool of one KV-cache dtype on one GPU."""
+
+    kv_cache_dtype: str
+    bytes_per_token: int  # summed over layers, on one GPU
+    kv_bytes_per_token: int  # K+V or the MLA latent
+    indexer_bytes_per_token: int  # DSA indexer keys (bf16)
+    tokens: int
 
 
 @dataclass(frozen=True)
 class ServingMemory:
     tp: int
     gpu_mem_bytes: int
-    kv_dtype: str
+    mem_fraction: float
+    weights: WeightBytes
     weight_bytes_per_gpu: int
-    kv_bytes_per_token_per_gpu: int
+    kv_budget_bytes: int  # mem_fraction x gpu_mem - weights (0 if the weights do not fit)
     kv_layout: str
-    kv_tokens: int
+    kv: tuple[KvFit, ...]
+    parallelism: str = PARALLELISM
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def parse_bytes(text: str) -> int:
-    """'80GB' -> 80e9, '141GiB' -> 141 * 2^30; a unit is required (GB and GiB differ by 7%)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)\s*", text.upper())
-    if match is None:
-        raise KvqError(f"--gpu-mem {text!r}: give a size with a unit, e.g. 80GB, 141GiB or 96GiB")
-    return int(float(match[1]) * _UNITS[match[2]])
-
-
-def kv_bytes_per_token(config: dict, kv_dtype: str, tp: int) -> tuple[int, str]:
-    """(KV-cache bytes per token on one of `tp` GPUs, a description of the layout)."""
-    text = config.get("text_config") or config
-    elem = KV_DTYPE_BYTES[kv_dtype]
-    layers = int(text["num_hidden_layers"])
-    if text.get("kv_lora_rank"):
-        per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim", 0))
-        layout = f"MLA latent {text['kv_lora_rank']}+{text.get('qk_rope_head_dim', 0)}"
-        if text.get("index_head_dim") and text.get("index_topk"):
-            per_layer += int(text["index_head_dim"])
-            layout += f" + DSA indexer key {text['index_head_dim']}"
-        return layers * per_layer * elem, f"{layout} per layer x {layers} layers (replicated per GPU)"
-    heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
-    heads_per_gpu = max(1, heads // tp)
-    return (
-        layers * 2 * heads_per_gpu * head_dim * elem,
-        f"K+V {heads_per_gpu} of {heads} heads x {head_dim} per layer x {layers} layers",
-    )
+def weight_bytes(tensors: Iterable[tuple[str, int]], num_layers: int) -> WeightBytes:
+    """Sum (name, bytes) pairs as replicated, split or MTP; `num_layers` is config.json's
+    num_hidden_layers (decoder layers at or past it are MTP layers)."""
+    replicated = split = mtp = 0
+    for name, nbytes in tensors:
+        layer = _LAYER.search(name)
+        if layer is not None and int(layer[1]) >= num_layers:
+            mtp += nbytes
+        elif module_kind(name) in _REPLICATED_KINDS or _REPLICATED.search(name):
+            replicated += nbytes
+        else:
+            split += nbytes
+    return WeightBytes(replicated, split, mtp)
 
 
 def serving_memory(
-    config: dict, weight_bytes: int, tp: int, gpu_mem_bytes: int, kv_dtype: str
+    spec: KvCacheSpec, weights: WeightBytes, tp: int, gpu_mem_bytes: int, mem_fraction: float = 1.0
 ) -> ServingMemory:
+    """Weights per GPU and the KV tokens of each of `KV_CACHE_DTYPES` that fit in the rest of the budget."""
     if tp < 1:
         raise KvqError(f"--tp {tp}: must be at least 1")
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise KvqError(f"--kv-dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPE_BYTES)}")
-    per_gpu = math.ceil(weight_bytes / tp)
-    kv_per_token, layout = kv_bytes_per_token(config, kv_dtype, tp)
-    tokens = max(0, gpu_mem_bytes - per_gpu) // kv_per_token
-    return ServingMemory(tp, gpu_mem_bytes, kv_dtype, per_gpu, kv_per_token, layout, tokens)
+    if not 0.0 < mem_fraction <= 1.0:
+        raise KvqError(
+            f"--mem-fraction {mem_fraction}: must be in (0, 1], e.g. 0.88 (SGLang's default range)"
+        )
+    per_gpu = weights.per_gpu(tp)
+    budget = max(0, math.floor(mem_fraction * gpu_mem_bytes) - per_gpu)
+    fits = []
+    for dtype in KV_CACHE_DTYPES:
+        per_token = kv_cache_bytes(spec, dtype, tp)
+        fits.append(KvFit(dtype, per_token.total, per_token.kv, per_token.indexer, budget // per_token.total))
+    return ServingMemory(
+        tp, gpu_mem_bytes, mem_fraction, weights, per_gpu, budget, spec.describe(tp), tuple(fits)
+    )

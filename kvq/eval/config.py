@@ -1,6 +1,6 @@
 """What `kvq eval` measures: one flat dataclass, validated on creation, whose defaults the CLI reads.
 
-Imports kvq.errors and kvq.eval.gsm (its lm-eval constants) only.
+Imports kvq.errors, kvq.kv_cache_dtypes and kvq.eval.gsm (its lm-eval constants) only.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 from kvq.errors import KvqError
 from kvq.eval.gsm import MAX_GEN_TOKS
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPES, check_kv_cache_dtype
 
 TASKS = ("text", "mmlu", "gsm")
 GSM8K_TEST_SIZE = 1319  # what "every problem" means for a generated set: GSM8K's test split
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")  # TODO(lead): unify with kvq/kv_cache_dtypes.py (vocab)
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class EvalConfig:
     gsm_max_tokens: int = MAX_GEN_TOKS
 
     def __post_init__(self) -> None:
+        for value in self.kv_cache_dtypes:
+            check_kv_cache_dtype(value)  # an old spelling (fp8, bfloat16) gets the name to use
         for name, values, allowed in (
             ("--tasks", self.tasks, TASKS),
             ("--kv-cache-dtype", self.kv_cache_dtypes, KV_CACHE_DTYPES),
@@ -53,9 +55,9 @@ class EvalConfig:
             raise KvqError(
                 f"--seq-len must be >= 2 and --num-windows >= 1 (got {self.seq_len}, {self.num_windows})"
             )
-        for name, value in (("--limit", self.limit), ("--gsm-limit", self.gsm_limit)):
-            if value is not None and value < 1:
-                raise KvqError(f"{name} must be >= 1, got {value}")
+        for flag, count in (("--limit", self.limit), ("--gsm-limit", self.gsm_limit)):
+            if count is not None and count < 1:
+                raise KvqError(f"{flag} must be >= 1, got {count}")
         if not self.mmlu_shots or any(not 0 <= k <= 5 for k in self.mmlu_shots):
             raise KvqError(f"--mmlu-shots {self.mmlu_shots}: MMLU has 5 dev items per subject; use 0..5")
         if self.gsm_shots < 0 or self.gsm_max_tokens < 1:

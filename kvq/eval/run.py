@@ -45,6 +45,7 @@ class EngineSettings:
     kv_memory: str | int | None = None
     threads: int | None = None
     max_num_seqs: int = EngineConfig.max_num_seqs
+    lm_head_weights: str = EngineConfig.lm_head_weights  # MODEL's runs only: the baseline keeps its own
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def evaluate(
         report["baseline"] = _describe(reference) | {"items": asdict(reference_answers)}
     report["runs"] = []
     for run in runs:
-        engine = _engine(run.path, run.kv_cache_dtype, _dtype(run, settings), settings)
+        engine = _engine(run.path, run.kv_cache_dtype, _dtype(run, settings), settings, run.checkpoint)
         if run.checkpoint == "model":
             report["model"] = _describe(engine)
         label = f"{Path(run.path).name}, KV {_kv_name(engine)}"
@@ -214,7 +215,9 @@ def _gsm_correct(completions: list[str], data: TaskData) -> list[bool]:
     return [gsm.is_correct(c, p) for c, p in zip(completions, data.gsm_problems, strict=True)]
 
 
-def _engine(path: Path, kv_cache_dtype: str, dtype: str, settings: EngineSettings) -> Engine:
+def _engine(
+    path: Path, kv_cache_dtype: str, dtype: str, settings: EngineSettings, checkpoint: str = "baseline"
+) -> Engine:
     return Engine(
         EngineConfig(
             model=str(path),
@@ -224,6 +227,9 @@ def _engine(path: Path, kv_cache_dtype: str, dtype: str, settings: EngineSetting
             kv_memory=settings.kv_memory,
             threads=settings.threads,
             max_num_seqs=settings.max_num_seqs,
+            lm_head_weights=settings.lm_head_weights
+            if checkpoint == "model"
+            else EngineConfig.lm_head_weights,
         )
     )
 

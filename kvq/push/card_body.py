@@ -5,7 +5,7 @@ config.json and the eval report; imports kvq.eval.report and kvq.commands.render
 
 from __future__ import annotations
 
-from kvq.commands.render import human_bytes
+from kvq.byte_sizes import format_bytes
 from kvq.eval.report import markdown_tables
 
 
@@ -57,9 +57,9 @@ def _sizes(manifest: dict) -> str:
     before = (manifest.get("source") or {}).get("bytes")
     lines = ["## Size", "", "| | weights on disk |", "|---|---:|"]
     if before:
-        lines.append(f"| source | {human_bytes(before)} ({before:,} bytes) |")
+        lines.append(f"| source | {format_bytes(before)} ({before:,} bytes) |")
     lines.append(
-        f"| this checkpoint | {human_bytes(after)} ({after:,} bytes)"
+        f"| this checkpoint | {format_bytes(after)} ({after:,} bytes)"
         + (f", {after / before:.2f}x the source" if before else "")
         + " |"
     )

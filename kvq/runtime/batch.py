@@ -35,4 +35,5 @@ class ForwardBatch:
     max_context_len: int
     query_lens: list[int]  # [B]
     logits_indices: torch.Tensor  # [B] int64: the row of each sequence's last token in [T]
+    prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
     decode_plan: PagedDecodePlan | None = None  # decode only

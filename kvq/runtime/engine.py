@@ -9,14 +9,17 @@ Imports torch, transformers (config, tokenizer) and kvq.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 
+from kvq.checkpoint.kv_cache_spec import kv_cache_spec
+from kvq.checkpoint.model_config import pretrained_config, read_text_model
 from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
 from kvq.runtime.block_manager import BlockManager
@@ -24,6 +27,8 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
+from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
+from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.loader import WeightLoader
 from kvq.runtime.model_runner import ModelRunner
@@ -36,6 +41,7 @@ Prompt = str | list[int]
 # Called after each step's sampling with (the step's sequences, their fp32 logits [B, V], the sampled
 # token ids): a hook may read the logits and replace token ids (teacher forcing, `kvq.runtime.scoring`).
 TokenHook = Callable[[list[Sequence], torch.Tensor, list[int]], None]
+logger = logging.getLogger("kvq")
 
 
 @dataclass(frozen=True)
@@ -69,18 +75,29 @@ class Engine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        cpu_path = describe_cpu_path(resolve_cpu_isa()) if config.torch_device.type == "cpu" else None
         self.ckpt = Checkpoint.open(config.model)
-        cls = model_class(self.ckpt.config, str(self.ckpt.root / "config.json"))
-        hf_config = AutoConfig.from_pretrained(self.ckpt.root)
+        self.text_model = read_text_model(self.ckpt.root)  # the language model (Kimi: under text_config)
+        cls = model_class(self.text_model)
+        hf_config = pretrained_config(self.text_model)
+        self.kv_spec = kv_cache_spec(self.text_model.fields, self.text_model.at)  # as `kvq plan` sizes it
         self.tokenizer = AutoTokenizer.from_pretrained(self.ckpt.root)
-        with WeightLoader(self.ckpt, config) as loader:
+        with WeightLoader(self.ckpt, config, self.text_model) as loader:
             self.model = cls(hf_config, loader)
             loader.finish()
+        if cpu_path is not None:
+            logger.info(cpu_path)
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids()
         self.kv_pool = self._kv_pool()
         self._new_kv_bookkeeping()
-        self.runner = ModelRunner(self.model, config.page_size, self.kv_pool.zero_page, config.torch_device)
+        self.runner = ModelRunner(
+            self.model,
+            config.page_size,
+            self.kv_pool.zero_page,
+            self.kv_spec.num_kv_heads,
+            config.torch_device,
+        )
         self._ids = itertools.count()
         self._texts: dict[int, CompletionText] = {}  # request id -> its text (requests with text only)
         self.token_hooks: list[TokenHook] = []
@@ -109,26 +126,22 @@ class Engine:
         )
 
     def _kv_pool(self) -> KVPool:
-        """Pages for the budget (no more than max_num_seqs full contexts), bound to every attention layer."""
+        """Pages for the budget (no more than max_num_seqs full contexts); each attention layer gets its
+        cache object over them."""
         config, layers = self.config, self.model.attention_layers()
         kv_dtype = config.kv_torch_dtype(self.ckpt.quantization_config.get("kv_cache_scheme") is not None)
         max_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
+        layout = layout_for(self.kv_spec, kv_dtype)
         pool = KVPool.for_budget(
-            config.kv_pool_bytes(),
-            len(layers),
-            config.page_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
-            kv_dtype,
-            config.torch_device,
-            max_pages,
+            config.kv_pool_bytes(), layout, len(layers), config.page_size, config.torch_device, max_pages
         )
-        pool.bind(
-            [a.attn for a in layers],
-            [(a.k_scale, a.v_scale) for a in layers],
+        caches = pool.layer_caches(
+            [a.kv_scales for a in layers],
             require_kv_scales=config.require_kv_scales,
             where=str(self.ckpt.root),
         )
+        for layer, cache in zip(layers, caches, strict=True):
+            layer.bind_kv(cache)
         return pool
 
     @property
@@ -338,7 +351,7 @@ class Engine:
         try:
             eos = GenerationConfig.from_pretrained(self.ckpt.root).eos_token_id
         except OSError:  # no generation_config.json
-            eos = self.ckpt.config.get("eos_token_id")
+            eos = self.text_model.fields.get("eos_token_id")
         for value in (eos, self.tokenizer.eos_token_id):
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids

@@ -9,34 +9,42 @@ tensors at once. Imports torch, safetensors, kvq.checkpoint and kvq.runtime.laye
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from kvq.checkpoint.model_config import TextModel
 from kvq.checkpoint.reader import Checkpoint, block_size
 from kvq.errors import KvqError
+from kvq.formats.shapes import GROUP_SIZES
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.kernels.w4a16 import GROUP_SIZES
 from kvq.runtime.layers.linear import DENSE, FP8, INT4, Linear, StoredLinear, build_linear
 from kvq.runtime.layers.moe import Experts, build_experts
 
 SUPPORTED_QUANT_METHODS = (None, "fp8", "compressed-tensors")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MAX_LISTED = 40
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+logger = logging.getLogger("kvq")
 
 
 class WeightLoader:
-    """Hands out tensors of one checkpoint by name, on the engine's device, in the runtime's forms."""
+    """Hands out tensors of one checkpoint by transformers' name (the checkpoint's, less the language
+    model's prefix: Kimi K2.5/K2.6 store `language_model.model.layers.*`), on the engine's device, in the
+    runtime's forms."""
 
-    def __init__(self, ckpt: Checkpoint, config: EngineConfig) -> None:
+    def __init__(self, ckpt: Checkpoint, config: EngineConfig, model: TextModel) -> None:
         quant_method = ckpt.quantization_config.get("quant_method")
         if quant_method not in SUPPORTED_QUANT_METHODS:
             raise KvqError(
                 f"{ckpt.root / 'config.json'}: quantization_config.quant_method {quant_method!r} "
                 f"is not supported; kvq loads bf16, fp8 (block) and compressed-tensors checkpoints"
             )
-        self.ckpt, self.config = ckpt, config
+        self.ckpt, self.config, self.prefix = ckpt, config, model.weight_prefix
+        self.num_layers = int(model.fields.get("num_hidden_layers") or 0)
         self.dtype, self.device = config.activation_dtype, config.torch_device
         self.block = block_size(ckpt)
         self.used: set[str] = set()
@@ -54,21 +62,22 @@ class WeightLoader:
 
     # -- plain tensors --------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
-        return name in self.ckpt.tensors
+        return self.prefix + name in self.ckpt.tensors
 
     def raw(self, name: str) -> torch.Tensor | None:
         """The stored tensor as it is (CPU), marked used; None (and noted missing) when absent."""
-        info = self.ckpt.tensors.get(name)
+        stored = self.prefix + name
+        info = self.ckpt.tensors.get(stored)
         if info is None:
-            self.missing.append(name)
+            self.missing.append(stored)
             return None
-        self.used.add(name)
+        self.used.add(stored)
         handle = self._handles.get(info.file)
         if handle is None:
             handle = self._handles[info.file] = self._files.enter_context(
                 safe_open(str(info.file), framework="pt")
             )
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        return handle.get_tensor(stored)  # type: ignore[attr-defined]
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """A float tensor (norm, bias, embedding, router) in `dtype` (default: activations) on the device."""
@@ -179,9 +188,40 @@ class WeightLoader:
             self.mismatched.append(f"{name} has shape {found}, expected {expected}")
 
     # -- the verdict ----------------------------------------------------------------------------------
+    def not_loaded(self) -> tuple[list[str], list[str], list[str]]:
+        """(Tensors of MTP layers, stored past the last decoder layer; tensors outside the language model,
+        e.g. a vision tower; the other tensors no layer asked for, which are an error)."""
+        mtp: list[str] = []
+        foreign: list[str] = []
+        unexpected: list[str] = []
+        for name in sorted(set(self.ckpt.tensors) - self.used):
+            layer = _LAYER.match(name[len(self.prefix) :]) if name.startswith(self.prefix) else None
+            if not name.startswith(self.prefix):
+                foreign.append(name)
+            elif layer is not None and int(layer[1]) >= self.num_layers:
+                mtp.append(name)
+            else:
+                unexpected.append(name)
+        return mtp, foreign, unexpected
+
     def finish(self) -> None:
         """Raise one `KvqError` naming every missing, unexpected and mis-shaped tensor, if there are any."""
-        unexpected = sorted(set(self.ckpt.tensors) - self.used)
+        mtp, foreign, unexpected = self.not_loaded()
+        if mtp:
+            logger.warning(
+                "note: %s: the %d tensors of its MTP layers (from model.layers.%d) are not loaded: kvq does "
+                "not run multi-token prediction",
+                self.ckpt.root,
+                len(mtp),
+                self.num_layers,
+            )
+        if foreign:
+            logger.warning(
+                "note: %s: %d tensors outside the language model are not loaded (e.g. %s)",
+                self.ckpt.root,
+                len(foreign),
+                foreign[0],
+            )
         problems = []
         for what, names in (
             ("missing", sorted(set(self.missing))),

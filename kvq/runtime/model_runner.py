@@ -14,8 +14,11 @@ from kvq.runtime.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, page_size: int, zero_page: int, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, page_size: int, zero_page: int, num_kv_heads: int, device: torch.device
+    ) -> None:
         self.model, self.page_size, self.zero_page, self.device = model, page_size, zero_page, device
+        self.num_kv_heads = num_kv_heads  # of the KV pool's layout: one for the MLA latent
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
         """Prefill: every token after the cached prefix; decode: the last token of each sequence."""
@@ -48,7 +51,7 @@ class ModelRunner:
                 block_tables_t,
                 context_lens_t,
                 self.page_size,
-                self.model.num_kv_heads,
+                self.num_kv_heads,
                 max_context_len,
                 pad_slot=self.zero_page * self.page_size,
                 has_empty=min(context_lens) == 0,
@@ -64,6 +67,7 @@ class ModelRunner:
             max_context_len=max_context_len,
             query_lens=query_lens,
             logits_indices=(torch.tensor(query_lens).cumsum(0) - 1).to(self.device),
+            prompt_lens=[seq.num_prompt_tokens for seq in seqs],
             decode_plan=decode_plan,
         )
 

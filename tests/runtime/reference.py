@@ -6,22 +6,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kvq.checkpoint.dense import read_dense
 from kvq.checkpoint.expert_layout import fuse_experts
+from kvq.checkpoint.model_config import load_text_config
 from kvq.checkpoint.reader import Checkpoint
 from kvq.runtime.engine import Engine
 from kvq.runtime.sampling import SamplingParams
 
 
 def hf_reference(path: Path) -> PreTrainedModel:
-    """transformers' model of `path` in fp32 holding `read_dense` of its (possibly quantized) weights."""
-    config = AutoConfig.from_pretrained(path)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    """transformers' model of `path`'s language model (Kimi: DeepseekV3 of `text_config`) in fp32 holding
+    `read_dense` of its (possibly quantized) weights."""
+    config, prefix = load_text_config(path)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    state = fuse_experts(read_dense(Checkpoint.open(path), "", torch.float32))
+    dense = read_dense(Checkpoint.open(path), prefix, torch.float32)
+    state = fuse_experts({k.removeprefix(prefix): v for k, v in dense.items()})
     state = {k: v for k, v in state.items() if not k.endswith(("k_scale", "v_scale"))}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("inv_freq" in k or k == "lm_head.weight" for k in missing), (
@@ -40,6 +41,19 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> lis
         tokens.append(int(out.logits[0, -1].argmax()))
         out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+@torch.inference_mode()
+def hf_stepped_logits(model: PreTrainedModel, prompt: list[int], forced: list[int]) -> torch.Tensor:
+    """fp32 logits `[len(forced) + 1, V]` as transformers' generate makes them: a prefill of the prompt,
+    then one cached decode step per forced token (GLM-5's indexer scores a decode query in a row of its
+    own context, not in the prefill's padded one, which may break an exact tie the other way)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    rows = [out.logits[0, -1].float()]
+    for token in forced:
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        rows.append(out.logits[0, -1].float())
+    return torch.stack(rows)
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.kernels import store_kv_reference
 from kvq.runtime.kernels.kv_cache_layout import dequantize_kv, quantize_kv
+from kvq.runtime.kv_layout import GqaLayout
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.model_runner import ModelRunner
@@ -29,10 +30,11 @@ CPU = torch.device("cpu")
 
 def bound_layer(cache_dtype: torch.dtype) -> tuple[KVPool, PagedAttention]:
     """A one-layer pool, NaN in every page but the zero page, bound to a layer as the engine binds it."""
-    pool = KVPool(1, NUM_PAGES, PAGE, HKV, D, cache_dtype, CPU)
+    pool = KVPool(GqaLayout(HKV, D, cache_dtype), 1, NUM_PAGES, PAGE, CPU)
     pool.storage[:, :, : pool.zero_page] = float("nan")
     layer = PagedAttention(HQ, HKV, D)
-    pool.bind([layer], [(K_SCALE, V_SCALE)], require_kv_scales=True, where="test")
+    scales = [{"k_scale": K_SCALE, "v_scale": V_SCALE}]
+    layer.bind(pool.layer_caches(scales, require_kv_scales=True, where="test")[0])
     return pool, layer
 
 
@@ -91,14 +93,19 @@ def test_prefill_then_decode_is_causal_attention_over_the_stored_kv(
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     pool, layer = bound_layer(cache_dtype)
-    runner = ModelRunner(SimpleNamespace(num_kv_heads=HKV), PAGE, pool.zero_page, CPU)  # type: ignore[arg-type]
+    runner = ModelRunner(SimpleNamespace(), PAGE, pool.zero_page, HKV, CPU)  # type: ignore[arg-type]
     # a: 9 prompt tokens, its first page a cached prefix; b: 6 fresh ones. Pages 1, 3, 4, 6, 8, 10, 11 unused
     seqs = [Sequence(b, [3] * n, n, SamplingParams(), 32) for b, n in enumerate((9, 6))]
     seqs[0].block_table, seqs[0].num_cached_tokens, seqs[1].block_table = [7, 2, 9], PAGE, [0, 5]
     kv = [(torch.randn(10, 2, HKV, D, generator=gen) / 5).to(dtype) for _ in seqs]  # [L, K|V, Hkv, D]
     prefix_slots = torch.arange(PAGE) + 7 * PAGE  # as an earlier request's prefill left them
     store_kv_reference(
-        *kv[0][:PAGE].unbind(1), pool.k_caches[0], pool.v_caches[0], prefix_slots, K_SCALE, V_SCALE
+        *kv[0][:PAGE].unbind(1),
+        pool.caches[0].k_cache,
+        pool.caches[0].v_cache,
+        prefix_slots,
+        K_SCALE,
+        V_SCALE,
     )
 
     q, out = run_step(layer, runner.prepare(seqs, is_prefill=True), kv, [PAGE, 0], gen)
@@ -109,7 +116,7 @@ def test_prefill_then_decode_is_causal_attention_over_the_stored_kv(
     assert_causal(q, out, kv, [9, 6], [10, 7], cache_dtype)
     for seq, kv_b in zip(seqs, kv, strict=True):  # every store landed in its slot, as the spec quantizes
         pages = torch.tensor(seq.block_table)
-        for cache, i, scale in ((pool.k_caches[0], 0, K_SCALE), (pool.v_caches[0], 1, V_SCALE)):
+        for cache, i, scale in ((pool.caches[0].k_cache, 0, K_SCALE), (pool.caches[0].v_cache, 1, V_SCALE)):
             stored = cache[pages].flatten(0, 1)[: seq.num_tokens]
             expected = quantize_kv(kv_b[: seq.num_tokens, i], cache_dtype, scale[:, None])
             assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))

@@ -28,9 +28,7 @@ def shared_prefix_prompts(num: int = 6, prefix_len: int = 22, seed: int = 0) -> 
 def engine_with_pages(path: Path, num_pages: int, page_size: int = 4, **kwargs) -> Engine:
     """A reference-mode engine whose pool holds exactly `num_pages` pages."""
     probe = Engine(EngineConfig(model=str(path), dtype="float32", kv_memory="1MiB", page_size=page_size))
-    size = page_bytes(
-        len(probe.kv_pool.k_caches), page_size, probe.model.num_kv_heads, probe.model.head_dim, torch.float32
-    )
+    size = page_bytes(probe.kv_pool.layout, probe.kv_pool.num_layers, page_size)
     engine = Engine(
         EngineConfig(
             model=str(path), dtype="float32", kv_memory=num_pages * size, page_size=page_size, **kwargs
@@ -169,6 +167,6 @@ def test_stale_or_garbage_slots_are_never_read(tiny_checkpoint, kv_cache_dtype: 
     )  # NaN-filling the pool corrupts cached pages too
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
     expected = engine_greedy(engine, prompts, 6)
-    for cache in (*engine.kv_pool.k_caches, *engine.kv_pool.v_caches):
+    for cache in (*(c.k_cache for c in engine.kv_pool.caches), *(c.v_cache for c in engine.kv_pool.caches)):
         cache[: engine.kv_pool.num_pages].fill_(float("nan"))  # all but the zero page: any leftover
     assert engine_greedy(engine, prompts, 6) == expected

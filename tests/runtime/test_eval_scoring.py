@@ -23,7 +23,8 @@ def test_mmlu_choice_log_likelihoods_equal_transformers(smollm2) -> None:
     engine = Engine(EngineConfig(model=str(smollm2.bf16), dtype="float32", kv_memory="64MiB", threads=2))
     items, shots = mmlu.select([], 30)  # 30 subjects; every other item 1-shot (longer shared prompts)
     questions = [
-        (mmlu.context(item, shots[item.subject][: i % 2]), mmlu.continuations()) for i, item in enumerate(items)
+        (mmlu.context(item, shots[item.subject][: i % 2]), mmlu.continuations())
+        for i, item in enumerate(items)
     ]
     got = choice_log_likelihoods(engine, questions)
     hf = hf_reference(smollm2.bf16)
@@ -54,7 +55,9 @@ def test_lockstep_text_scores_equal_transformers(smollm2, smollm2_int4) -> None:
         base = torch.log_softmax(hf_logits(hf_base, window)[:-1], dim=-1)  # [L-1, V]
         quant = torch.log_softmax(hf_logits(hf_model, window)[:-1], dim=-1)
         targets = torch.tensor(window[1:])
-        assert scores.reference_nll[i] == pytest.approx(-float(base.gather(1, targets[:, None]).sum()), rel=1e-5)
+        assert scores.reference_nll[i] == pytest.approx(
+            -float(base.gather(1, targets[:, None]).sum()), rel=1e-5
+        )
         assert scores.nll[i] == pytest.approx(-float(quant.gather(1, targets[:, None]).sum()), rel=1e-5)
         kl = float((base.exp() * (base - quant)).sum())
         assert scores.kl[i] == pytest.approx(kl, rel=1e-3, abs=1e-5)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import typer
@@ -49,13 +52,16 @@ def test_generate_without_scales_warns_loudly(tiny_checkpoint) -> None:
     assert result.returncode == 0 and "WARNING" in result.stderr and "scale 1.0" in result.stderr
 
 
-def test_generate_bad_input_is_one_line(tiny_checkpoint) -> None:
+def test_generate_bad_input_is_one_line(tiny_checkpoint, tmp_path) -> None:
     path = str(tiny_checkpoint("llama", "bf16"))
     assert_one_line_error(run_kvq("generate", path, "hi", "--max-tokens", "0"), "max_tokens must be >= 1")
+    unknown = Path(shutil.copytree(path, tmp_path / "model"))
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
     assert_one_line_error(
-        run_kvq("generate", str(tiny_checkpoint("glm_moe_dsa", "bf16")), "hi"),
-        "not supported",
-        "supported: glm4_moe, llama",
+        run_kvq("generate", str(unknown), "hi"),
+        "model_type 'qwen3': kvq does not implement this architecture",
+        "supported: llama, glm4_moe, glm_moe_dsa, deepseek_v3, kimi_k2",
     )
     assert_one_line_error(
         run_kvq("generate", path, "word " * 5000, "--kv-memory", "4MiB"), "tokens but the context holds 4096"

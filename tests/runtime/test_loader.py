@@ -94,9 +94,15 @@ def test_int4_with_zero_points_is_refused_by_name(int4_checkpoint, tmp_path: Pat
         Engine(EngineConfig(model=str(path), kv_memory="1MiB"))
 
 
-def test_unknown_architecture_lists_the_supported_ones(tiny_checkpoint) -> None:
-    with pytest.raises(KvqError, match=r"'glm_moe_dsa' is not supported .*supported: glm4_moe, llama"):
-        Engine(EngineConfig(model=str(tiny_checkpoint("glm_moe_dsa", "bf16")), kv_memory="1MiB"))
+def test_unknown_architecture_lists_the_supported_ones(tiny_checkpoint, tmp_path: Path) -> None:
+    path = Path(shutil.copytree(tiny_checkpoint("llama", "bf16"), tmp_path / "model"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
+    expected = (
+        r"model_type 'qwen3': kvq does not implement .*supported: llama, glm4_moe, glm_moe_dsa, deepseek_v3"
+    )
+    with pytest.raises(KvqError, match=expected):
+        Engine(EngineConfig(model=str(path), kv_memory="1MiB"))
 
 
 def test_unsupported_quant_method(tiny_checkpoint, tmp_path: Path) -> None:

@@ -29,5 +29,8 @@ def make_tracker(mode: str, kv_pool: KVPool) -> TagTracker | None:
         return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device)
     assert mode == "full", mode
     pool_bytes = kv_pool.page_bytes_view()
-    sample = make_page_sample(pool_bytes.shape[0], kv_pool.page_size, kv_pool.row_bytes, kv_pool.device)
+    num_layers, num_parts = pool_bytes.shape[:2]
+    sample = make_page_sample(
+        num_layers, kv_pool.page_size, kv_pool.row_bytes, kv_pool.device, num_parts=num_parts
+    )
     return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, pool_bytes, sample)

@@ -48,7 +48,7 @@ class TagTracker:
         )
         self._is_dirty = False
         self.generation = 0  # pages taken from the free list so far
-        self.pool_bytes, self.sample = pool_bytes, sample  # pool_bytes [L, 2, P + 1, R] uint8
+        self.pool_bytes, self.sample = pool_bytes, sample  # pool_bytes [L, C, P + 1, R] uint8
         self.is_full = sample is not None
         self.byte_hashes = torch.full((num_pages,), NO_BYTE_HASH, dtype=torch.int64, device=device)
         self._voided: list[int] = []  # pages taken since their byte hash was recorded

@@ -24,43 +24,40 @@ Public API
   calls on bare tensors, checked and dispatched at every call.
 Prepared weights and KV caches carry the backend they were made for; the bare-tensor calls resolve it
 per call. Either way it comes from `backend=`, else $KVQ_KERNELS (auto|torch|triton), else the device.
+On CPU, W4A16 weights also carry the path chosen at prepare by `resolve_cpu_isa` ($KVQ_CPU_ISA:
+auto|avx512|avx2|scalar|torch; `describe_cpu_path` says which runs, for logs and benchmarks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
-
 import torch
 
-from kvq.runtime.kernels.backend import KVQ_KERNELS_ENV, Backend, resolve_backend
+from kvq.runtime.kernels.backend import KVQ_KERNELS_ENV, resolve_backend
 from kvq.runtime.kernels.fused_moe import fused_moe_reference, fused_moe_torch
-from kvq.runtime.kernels.kv_cache_layout import FP8_BITS_SCALE, check_kv_cache, kv_slot_rows, per_head_scale
-from kvq.runtime.kernels.kv_store import store_kv_reference, store_kv_torch
+from kvq.runtime.kernels.kv_store import store_kv_reference
 from kvq.runtime.kernels.paged_attention import (
     PagedDecodePlan,
     paged_decode_attention_reference,
-    paged_decode_attention_torch,
     plan_paged_decode,
 )
-from kvq.runtime.kernels.paged_prefill import paged_prefill_attention
+from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
 from kvq.runtime.kernels.w4a16 import (
     W4A16Weight,
     check_w4a16_tensors,
     compressed_tensors_weight,
-    dequantize_w4a16,
     prepare_w4a16_torch,
     w4a16_linear_torch,
     w4a16_reference,
 )
+from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, describe_cpu_path, resolve_cpu_isa
 
 __all__ = [
+    "CPU_ISA_ENV",
     "KVQ_KERNELS_ENV",
     "PagedDecodePlan",
     "PagedKVCache",
     "W4A16Weight",
-    "dequantize_w4a16",
+    "describe_cpu_path",
     "fused_moe_reference",
     "fused_moe_w4a16",
     "paged_decode_attention",
@@ -68,6 +65,7 @@ __all__ = [
     "plan_paged_decode",
     "prepare_w4a16",
     "resolve_backend",
+    "resolve_cpu_isa",
     "store_kv",
     "store_kv_reference",
     "w4a16_linear",
@@ -87,6 +85,8 @@ def prepare_w4a16(
 
 def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     """y = x @ W^T for x `[..., K]` -> `[..., N]` in x.dtype, on the backend `w` was prepared for."""
+    if w.native is not None and x.dim() == 2 and x.shape[1] == w.in_features:
+        return w.native(x)  # the CPU kernel's short path (decode calls it ~100 times per token)
     if w.num_experts is not None:
         raise ValueError(f"w holds {w.num_experts} stacked experts: use fused_moe_w4a16")
     if x.shape[-1] != w.in_features:
@@ -112,110 +112,6 @@ def fused_moe_w4a16(
     from kvq.runtime.kernels.fused_moe_triton import fused_moe_triton
 
     return fused_moe_triton(x, topk_ids, topk_weights, w13, w2)
-
-
-@dataclass(frozen=True, eq=False)
-class PagedKVCache:
-    """One layer's paged K/V (layout: `kv_cache_layout`) and fp32 per-head scales `[Hkv]`, checked and
-    bound to a backend once by `of`: the engine makes one per attention layer at bind, so the per-token
-    calls below check only their own inputs and the torch path derives its views once (at batch 1, such
-    per-call costs are most of a decode step's attention)."""
-
-    k_cache: torch.Tensor  # [num_pages, page_size, Hkv, D]
-    v_cache: torch.Tensor
-    k_scale: torch.Tensor  # fp32 [Hkv]
-    v_scale: torch.Tensor
-    backend: Backend
-
-    @classmethod
-    def of(
-        cls,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k_scale: torch.Tensor | float | None = None,
-        v_scale: torch.Tensor | float | None = None,
-        *,
-        backend: str | None = None,
-    ) -> PagedKVCache:
-        """Check the caches, make scales (per tensor or per head; None = 1) fp32 `[Hkv]`, pick the backend."""
-        _, num_kv_heads, _ = check_kv_cache(k_cache, v_cache)
-        return cls(
-            k_cache,
-            v_cache,
-            per_head_scale(k_scale, num_kv_heads, k_cache.device, "k_scale"),
-            per_head_scale(v_scale, num_kv_heads, k_cache.device, "v_scale"),
-            resolve_backend(k_cache.device, backend),
-        )
-
-    @cached_property
-    def kv_rows(self) -> torch.Tensor | None:
-        """The torch path's `kv_slot_rows` `[2, num_slots, Hkv * D]`: K and V moved with one op, or None."""
-        return kv_slot_rows(self.k_cache, self.v_cache)
-
-    @cached_property
-    def fp8_store_scale(self) -> torch.Tensor:
-        """fp32 `[2, 1, Hkv, 1]`: K and V stacked `[2, T, Hkv, D]` divided by this are FP8 pages' values."""
-        return torch.stack([self.k_scale, self.v_scale])[:, None, :, None]
-
-    @cached_property
-    def fp8_read_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 `[Hkv, 1, 1]` for K and V: scale * 2^120, turning `fp8_bits_to` output into values."""
-        k_factor, v_factor = torch.stack([self.k_scale, self.v_scale])[:, :, None, None] * FP8_BITS_SCALE
-        return k_factor, v_factor
-
-    def store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write k, v `[T, Hkv, D]` into slots `slot_mapping` `[T]` (negative: skip); FP8 pages quantize."""
-        if self.backend == "torch":
-            store_kv_torch(k, v, self, slot_mapping)
-            return
-        from kvq.runtime.kernels.kv_store_triton import store_kv_triton
-
-        store_kv_triton(k, v, self.k_cache, self.v_cache, slot_mapping, self.k_scale, self.v_scale)
-
-    def decode_attention(
-        self,
-        q: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        sm_scale: float | None = None,
-        *,
-        max_seq_len: int | None = None,
-        plan: PagedDecodePlan | None = None,
-    ) -> torch.Tensor:
-        """Decode attention of q `[B, Hq, D]` over the pages: `[B, Hq, D]` in q.dtype.
-
-        `max_seq_len` (an upper bound of seq_lens, known to the scheduler) spares a sync; `plan` (the step's
-        `plan_paged_decode`, shared by every layer) spares the torch path its index work; Triton ignores it.
-        """
-        if self.backend == "torch":
-            return paged_decode_attention_torch(
-                q, self, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len, plan=plan
-            )
-        from kvq.runtime.kernels.paged_attention_triton import paged_decode_attention_triton
-
-        return paged_decode_attention_triton(
-            q,
-            self.k_cache,
-            self.v_cache,
-            block_tables,
-            seq_lens,
-            self.k_scale,
-            self.v_scale,
-            sm_scale,
-            max_seq_len=max_seq_len,
-        )
-
-    def prefill_attention(
-        self,
-        q: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_lens: Sequence[int],
-        seq_lens: Sequence[int],
-        sm_scale: float | None = None,
-    ) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens q `[T, Hq, D]` over its pages (torch SDPA on every
-        backend, see `paged_prefill`): `[T, Hq, D]` in q.dtype."""
-        return paged_prefill_attention(q, self, block_tables, query_lens, seq_lens, sm_scale)
 
 
 def paged_decode_attention(

@@ -7,9 +7,10 @@ References (the spec, also the torch path) and the device dispatch; the Triton k
 - `check_page_tags(page_tags [P] int64, page_ids [N] int, expected [N] int64) -> [N] bool`: True where an
   entry fails: `expected != 0` and the page id is outside [0, P) or `page_tags[page_id] != expected`.
   An expectation of 0 (no owner) checks nothing, so padding costs no branch on the host.
-- `sampled_page_hash(pool_bytes [L, 2, P1, R] uint8, page_ids [N] int, offsets [S] int64,
-  coeffs [L, 2, S] int64) -> [N] int64`: `sum(l, h, s) pool_bytes[l, h, page_ids[n], offsets[s]] *
-  coeffs[l, h, s]`. With coefficients in [0, 2^31) and L * 2 * S < 2^24 the sum never overflows, so a
+- `sampled_page_hash(pool_bytes [L, C, P1, R] uint8, page_ids [N] int, offsets [S] int64,
+  coeffs [L, C, S] int64) -> [N] int64`: `sum(l, c, s) pool_bytes[l, c, page_ids[n], offsets[s]] *
+  coeffs[l, c, s]` (C parts per page: GQA's K and V, MLA's one latent part). With coefficients in
+  [0, 2^31) and L * C * S < 2^24 the sum never overflows, so a
   change of one sampled byte always changes the hash when its coefficient is odd. Offsets must lie in
   [0, R); they are fixed per pool and checked where they are made (no device sync per call here).
 """
@@ -20,7 +21,7 @@ import torch
 
 from kvq.runtime.kernels.backend import resolve_backend
 
-MAX_HASH_TERMS = 1 << 24  # L * 2 * S: 255 * 2^31 * 2^24 < 2^63
+MAX_HASH_TERMS = 1 << 24  # L * C * S: 255 * 2^31 * 2^24 < 2^63
 
 
 def check_tag_inputs(page_tags: torch.Tensor, page_ids: torch.Tensor, expected: torch.Tensor) -> None:
@@ -46,13 +47,13 @@ def check_hash_inputs(
     pool_bytes: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, coeffs: torch.Tensor
 ) -> None:
     """Shapes, dtypes and devices of `sampled_page_hash` (ValueError / TypeError naming what is wrong)."""
-    if pool_bytes.dim() != 4 or pool_bytes.shape[1] != 2 or page_ids.dim() != 1 or offsets.dim() != 1:
+    if pool_bytes.dim() != 4 or page_ids.dim() != 1 or offsets.dim() != 1:
         raise ValueError(
             f"pool_bytes {tuple(pool_bytes.shape)}, page_ids {tuple(page_ids.shape)} and offsets "
-            f"{tuple(offsets.shape)} must be [L, 2, P1, R], [N] and [S]"
+            f"{tuple(offsets.shape)} must be [L, C, P1, R], [N] and [S]"
         )
-    num_layers = pool_bytes.shape[0]
-    expected = (num_layers, 2, offsets.shape[0])
+    num_layers, num_parts = pool_bytes.shape[:2]
+    expected = (num_layers, num_parts, offsets.shape[0])
     if tuple(coeffs.shape) != expected:
         raise ValueError(f"coeffs has shape {tuple(coeffs.shape)}, expected {expected}")
     if pool_bytes.dtype != torch.uint8 or offsets.dtype != torch.int64 or coeffs.dtype != torch.int64:
@@ -82,9 +83,9 @@ def check_page_tags_reference(
 def sampled_page_hash_reference(
     pool_bytes: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, coeffs: torch.Tensor
 ) -> torch.Tensor:
-    """[N] int64: each page's sampled bytes (every layer, K and V) weighted by `coeffs` and summed."""
+    """[N] int64: each page's sampled bytes (every layer and part) weighted by `coeffs` and summed."""
     check_hash_inputs(pool_bytes, page_ids, offsets, coeffs)
-    sampled = pool_bytes[:, :, page_ids.long()[:, None], offsets[None, :]]  # [L, 2, N, S] uint8
+    sampled = pool_bytes[:, :, page_ids.long()[:, None], offsets[None, :]]  # [L, C, N, S] uint8
     return (sampled.long() * coeffs[:, :, None, :]).sum(dim=(0, 1, 3))
 
 

@@ -53,6 +53,7 @@ def sampled_page_hash_kernel(
     stride_cl,
     stride_ch,
     stride_cs,
+    NUM_PARTS: tl.constexpr,
     NUM_SAMPLES: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
@@ -61,13 +62,13 @@ def sampled_page_hash_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     mask = offs_s < NUM_SAMPLES
     byte_offsets = tl.load(offsets_ptr + offs_s, mask=mask, other=0).to(tl.int64)
-    byte_ptrs = pool_ptr + page * stride_pp + byte_offsets * stride_pr  # layer 0, K
+    byte_ptrs = pool_ptr + page * stride_pp + byte_offsets * stride_pr  # layer 0, part 0
     coeff_ptrs = coeffs_ptr + offs_s * stride_cs
     acc = tl.zeros([BLOCK_S], dtype=tl.int64)
     for _ in range(num_layers):  # pointers advance by a stride: no int32 product of layer x stride
-        for half in tl.static_range(2):
-            sampled = tl.load(byte_ptrs + half * stride_ph, mask=mask, other=0).to(tl.int64)
-            coeffs = tl.load(coeff_ptrs + half * stride_ch, mask=mask, other=0)
+        for part in tl.static_range(NUM_PARTS):
+            sampled = tl.load(byte_ptrs + part * stride_ph, mask=mask, other=0).to(tl.int64)
+            coeffs = tl.load(coeff_ptrs + part * stride_ch, mask=mask, other=0)
             acc += sampled * coeffs
         byte_ptrs += stride_pl
         coeff_ptrs += stride_cl
@@ -112,6 +113,7 @@ def sampled_page_hash_triton(
         pool_bytes.shape[0],
         *pool_bytes.stride(),
         *coeffs.stride(),
+        NUM_PARTS=pool_bytes.shape[1],
         NUM_SAMPLES=num_samples,
         BLOCK_S=next_pow2(num_samples),
     )

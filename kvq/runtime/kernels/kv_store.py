@@ -19,7 +19,7 @@ from kvq.runtime.kernels.kv_cache_layout import (
 )
 
 if TYPE_CHECKING:
-    from kvq.runtime.kernels import PagedKVCache
+    from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
 
 
 def check_store_inputs(

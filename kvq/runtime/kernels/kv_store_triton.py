@@ -1,20 +1,28 @@
 """Triton KV store: one program per new token writes its K and V rows (all heads) into the page slot.
 
-Spec: `kv_store.store_kv_reference`; fp8 stores divide with IEEE rounding (`div_rn`) and clamp to
-+-448 before the round-to-nearest-even cast, like the reference. The interpreter's casts to fp8e4nv
-(ties away from zero; 127.99 becomes 64) and to bf16 (truncation) are wrong, so interpreted launches
-round in fp32 arithmetic first and the cast is then exact. Imports Triton; loaded lazily.
+Spec: `kv_store.store_kv_reference`. The launcher takes the layer's `PagedKVCache` (pages and fp32
+`[Hkv]` scales checked once when it was made) and checks only the new K/V and slots. fp8 stores divide
+with IEEE rounding (`div_rn`) and clamp to +-448 before the round-to-nearest-even cast, like the
+reference. The interpreter's casts to fp8e4nv (ties away from zero; 127.99 becomes 64) and to bf16
+(truncation) are wrong, so interpreted launches round in fp32 arithmetic first and the cast is then
+exact. Imports Triton; loaded lazily.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX, is_fp8, per_head_scale
-from kvq.runtime.kernels.kv_store import check_store_inputs
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
+from kvq.runtime.kernels.kv_store import check_new_kv
 from kvq.runtime.kernels.triton_launch import is_interpreted, kernel_for, next_pow2
+
+if TYPE_CHECKING:
+    from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
 
 
 @triton.jit
@@ -181,22 +189,14 @@ def store_kv_kernel(
     )
 
 
-def store_kv_triton(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-) -> None:
-    """Triton path of `store_kv`: in place, one program per token of `slot_mapping` `[T]`."""
-    page_size, num_kv_heads, head_dim = check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv: PagedKVCache, slot_mapping: torch.Tensor) -> None:
+    """Triton path of `PagedKVCache.store`: in place, one program per token of `slot_mapping` `[T]`."""
+    k_cache, v_cache, k_scale, v_scale = kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale  # [Hkv] scales
+    check_new_kv(k, v, slot_mapping, k_cache)
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    k_scale = per_head_scale(k_scale, num_kv_heads, k.device, "k_scale")  # [Hkv], stride 0 if per tensor
-    v_scale = per_head_scale(v_scale, num_kv_heads, k.device, "v_scale")
     kernel = kernel_for(store_kv_kernel, k.device)
     kernel[(num_tokens,)](
         k,

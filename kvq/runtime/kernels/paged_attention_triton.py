@@ -1,22 +1,25 @@
 """Triton paged decode attention (flash-decoding) over FP8 e4m3 or 16-bit pages with GQA.
 
-Spec: `paged_attention.paged_decode_attention_reference`. Grid (B, Hkv, num_splits): a program takes one
-KV head with all its query heads (padded to BLOCK_H >= 16 rows for `tl.dot`) over one slice of the
-sequence, gathering token rows through the block table (any page_size, holes, shared pages). FP8 K/V
-are converted to fp16 exactly (q, pre-multiplied by sm_scale, too) and the per-head k/v scales are
-folded into the scores and the output. With several splits, each writes (out, log-sum-exp) and torch
-combines them.
+Spec: `paged_attention.paged_decode_attention_reference`. The launcher takes the layer's `PagedKVCache`
+(pages, fp32 `[Hkv]` scales, checked once when it was made) and checks only q and the tables.
+Grid (B, Hkv, num_splits): a program takes one KV head with all its query heads (padded to
+BLOCK_H >= 16 rows for `tl.dot`) over one slice of the sequence, gathering token rows through the block
+table (any page_size, holes, shared pages). FP8 K/V are converted to fp16 exactly (q, pre-multiplied by
+sm_scale, too) and the per-head k/v scales are folded into the scores and the output. With several
+splits, each writes (out, log-sum-exp) and torch combines them.
 Imports Triton; loaded lazily by `kvq.runtime.kernels`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.kv_cache_layout import is_fp8, per_head_scale
-from kvq.runtime.kernels.paged_attention import check_attention_inputs, default_sm_scale
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
+from kvq.runtime.kernels.paged_attention import check_decode_queries, default_sm_scale
 from kvq.runtime.kernels.triton_launch import (
     dot_dtype,
     is_interpreted,
@@ -26,6 +29,9 @@ from kvq.runtime.kernels.triton_launch import (
     sm_count_for,
     tl_dtype,
 )
+
+if TYPE_CHECKING:
+    from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
 
 
 @triton.jit
@@ -169,19 +175,19 @@ def choose_num_splits(
 
 def paged_decode_attention_triton(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: PagedKVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
     sm_scale: float | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Triton path of `paged_decode_attention`; `max_seq_len` (>= every seq_len) avoids a device sync."""
-    page_size, num_kv_heads, head_dim = check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    """Triton path of `PagedKVCache.decode_attention` (pages and scales checked when `kv` was made);
+    `max_seq_len` (>= every seq_len) avoids a device sync."""
+    k_cache, v_cache, k_scale, v_scale = kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale
+    check_decode_queries(q, block_tables, seq_lens, k_cache)
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs, num_q_heads, _ = q.shape
     sm_scale = default_sm_scale(head_dim) if sm_scale is None else sm_scale
     if max_seq_len is None:
@@ -201,8 +207,6 @@ def paged_decode_attention_triton(
     else:
         out = torch.empty_like(q, dtype=output_dtype(q.dtype, interpreted)).unsqueeze(2)  # [B, Hq, 1, D]
         lse = torch.empty((0, 0, 0), dtype=torch.float32, device=q.device)
-    k_scale = per_head_scale(k_scale, num_kv_heads, q.device, "k_scale")  # [Hkv], stride 0 if per tensor
-    v_scale = per_head_scale(v_scale, num_kv_heads, q.device, "v_scale")
     # fp8 pages convert to fp16 in one instruction (to bf16 in two); fp32 queries keep fp32 dots
     dot_input_dtype = torch.float16 if is_fp8(k_cache) and q.dtype != torch.float32 else q.dtype
     operand_dtype = dot_dtype(dot_input_dtype, interpreted)

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels.kv_cache_layout import fp8_bits_to, is_fp8
+from kvq.formats.fp8_e4m3 import fp8_bits_to
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.paged_attention import default_sm_scale
 
 if TYPE_CHECKING:
-    from kvq.runtime.kernels import PagedKVCache
+    from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
 
 
 def read_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, factor: torch.Tensor) -> torch.Tensor:

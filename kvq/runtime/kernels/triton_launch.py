@@ -1,82 +1,44 @@
 """How kvq launches its Triton kernels: compiled for CUDA tensors, interpreted for CPU tensors.
 
 Imported only by the `*_triton.py` kernel files (never at `import kvq.runtime.kernels`); imports Triton.
-Triton picks the interpreter when a function is decorated (TRITON_INTERPRET=1 at import), but triton is
-often imported early by others (compressed_tensors, transformers): for CPU tensors `kernel_for` then
-runs the kernel's Python source under the interpreter itself, making nested `@triton.jit` calls
-(tl.sum, tl.cdiv, our helpers) interpreted for the duration of the launch.
+Which of the two a kernel is, Triton decides when it decorates the function: with `TRITON_INTERPRET=1` in
+the environment at triton's first import, every `@triton.jit` function (kvq's and triton.language's own,
+`tl.sum`, `tl.cdiv`) is an interpreted one and runs on CPU tensors; without it, kernels compile for CUDA
+and cannot run on CPU tensors. kvq changes nothing of Triton's: the test suite sets `TRITON_INTERPRET=1`
+(tests/conftest.py) and scripts/gpu_check.sh sets 0; per launch, the launchers only read which mode
+their kernel is in (`is_interpreted`) to work around the interpreter's arithmetic (see the README).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction, _patch_lang
-from triton.runtime.jit import JITFunction
+from triton.runtime.interpreter import InterpretedFunction
+
+from kvq.errors import KvqError
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-@functools.cache
-def _interpreted(fn: Callable) -> InterpretedFunction:
-    return InterpretedFunction(fn)
-
-
-def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
-    """A nested @triton.jit call inside an interpreted launch: run its source under the interpreter and
-    undo its patches of triton.language afterwards (InterpretedFunction.__call__ leaves tl.core patched,
-    which breaks later compiles in the same process)."""
-    scope = _patch_lang(self.fn)
-    try:
-        return _interpreted(self.fn).rewrite()(*args, **kwargs)
-    finally:
-        scope.restore()
-
-
-@contextlib.contextmanager
-def _jit_calls_interpreted() -> Iterator[None]:
-    """While active, a call to a compiled-mode @triton.jit function runs it under the interpreter."""
-    original = JITFunction.__call__
-    JITFunction.__call__ = _call_interpreted  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original  # type: ignore[method-assign]
-
-
-class InterpretedLaunch:
-    """`launch[grid](*args)` of a kernel under the interpreter, whatever mode triton was imported in."""
-
-    def __init__(self, kernel: Any) -> None:
-        self.kernel = kernel if isinstance(kernel, InterpretedFunction) else _interpreted(kernel.fn)
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            if isinstance(tl.sum, InterpretedFunction):  # TRITON_INTERPRET=1 was set before triton loaded
-                self.kernel[grid](*args, **kwargs)
-                return
-            with _jit_calls_interpreted():
-                self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
 def kernel_for(kernel: Any, device: torch.device) -> Any:
-    """What to index with the grid for tensors on `device`: the compiled kernel on CUDA, else interpreted."""
-    if device.type == "cuda" and not isinstance(kernel, InterpretedFunction):
-        return kernel
-    return InterpretedLaunch(kernel)
+    """`kernel`, to index with the grid for tensors on `device`; `KvqError` for CPU tensors and a compiled
+    kernel (Triton was imported without its interpreter)."""
+    if device.type != "cuda" and not isinstance(kernel, InterpretedFunction):
+        raise KvqError(
+            f"the Triton kernel {kernel.__name__} got {device.type} tensors, which only Triton's "
+            "interpreter runs: set TRITON_INTERPRET=1 before the process starts (it is read when triton "
+            "is first imported), or use the torch kernels (KVQ_KERNELS=torch)"
+        )
+    return kernel
 
 
 def is_interpreted(kernel: Any) -> bool:
     """True when `kernel` (as returned by `kernel_for`) runs under Triton's interpreter."""
-    return isinstance(kernel, InterpretedLaunch)
+    return isinstance(kernel, InterpretedFunction)
 
 
 def dot_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:

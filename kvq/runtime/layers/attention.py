@@ -1,7 +1,8 @@
 """Paged attention over the KV pool: store the step's K/V into its page slots, then attend.
 
-Every device goes through `kvq.runtime.kernels` (a `PagedKVCache` per layer, made at bind), whose backend
-choice (Triton on CUDA, torch on CPU, or $KVQ_KERNELS) is the only one. Prefill reads each sequence's
+Every device goes through `kvq.runtime.kernels`: the layer's `PagedKVCache`, which the engine makes
+through the KV pool and hands to the layer (`bind`), carries the backend choice (Triton on CUDA, torch on
+CPU, or $KVQ_KERNELS). Prefill reads each sequence's
 whole context back from its pages, so a prefix hit and a fresh prefill see the same K/V.
 Imports torch and kvq.runtime.kernels.
 """
@@ -31,9 +32,9 @@ class PagedAttention:
     def v_scale(self) -> torch.Tensor:
         return self.kv.v_scale
 
-    def bind(self, kv_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-        """Pages `[2, num_pages, page_size, Hkv, D]` (K, V) and fp32 scales `[Hkv]` (FP8 pages only)."""
-        self.kv = PagedKVCache.of(kv_cache[0], kv_cache[1], k_scale, v_scale)
+    def bind(self, kv: PagedKVCache) -> None:
+        """This layer's pages and scales, from the engine's KV pool."""
+        self.kv = kv
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch

@@ -1,6 +1,6 @@
-"""RMSNorm (Llama, GLM): torch's fused rms_norm, which normalizes in fp32 and rounds once (transformers
-rounds the normalized value, then the product with the weight: a bf16 rounding step apart; equal in
-fp32). Imports torch only."""
+"""RMSNorm (Llama, GLM, MLA) and LayerNorm (GLM-5's DSA indexer). RMSNorm is torch's fused rms_norm,
+which normalizes in fp32 and rounds once (transformers rounds the normalized value, then the product
+with the weight: a bf16 rounding step apart; equal in fp32). Imports torch only."""
 
 from __future__ import annotations
 
@@ -18,3 +18,16 @@ class RMSNorm:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight]
+
+
+class LayerNorm:
+    """torch's layer_norm with weight and bias (GLM-5's DSA indexer `k_norm`), in fp32 inside."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> None:
+        self.weight, self.bias, self.eps = weight, bias, eps  # [D], [D]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.bias]

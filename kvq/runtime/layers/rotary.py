@@ -1,8 +1,11 @@
-"""Rotary position embedding on the first `rotary_dim` channels of each head (rotate-half convention).
+"""Rotary position embedding on the first `rotary_dim` channels of each head.
 
-Llama rotates the whole head; GLM-4.5 the first half (partial_rotary_factor 0.5), both as transformers'
-`apply_rotary_pos_emb` does. Frequencies come from transformers' rope initializers, so every rope type
-it knows (default, llama3, yarn, ...) gives the same inv_freq. Imports torch and transformers.
+Rotate-half (Llama the whole head, GLM-4.5 the first half: partial_rotary_factor 0.5), as transformers'
+`apply_rotary_pos_emb`; or interleaved pairs (MLA's q_pe / k_pe and GLM-5's DSA indexer), as its
+`apply_rotary_pos_emb_interleave`, which also writes the rotated pairs de-interleaved (evens, then odds).
+Frequencies and the cos/sin scaling come from transformers' rope initializers, so every rope type it
+knows (default, llama3, yarn with its attention factor, ...) gives the same tables. Imports torch and
+transformers.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class RotaryEmbedding:
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        is_interleaved: bool = False,
     ) -> None:
         params = config.rope_parameters or {}
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
@@ -44,9 +49,14 @@ class RotaryEmbedding:
         freqs = torch.outer(positions, inv_freq.float())  # [P, R/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, R]
         # tables in the activation dtype, as transformers casts them (bf16 math in the fast path)
-        self.cos = (emb.cos() * scaling).to(device=device, dtype=dtype)
-        sin = emb.sin() * scaling
-        half = self.rotary_dim // 2  # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): one op fewer
+        half, self.is_interleaved = self.rotary_dim // 2, is_interleaved
+        cos, sin = emb.cos() * scaling, emb.sin() * scaling
+        if is_interleaved:  # pair i turns by frequency i: the first half of cat(freqs, freqs)
+            self.cos = cos[:, :half].to(device=device, dtype=dtype)
+            self.sin_signed = sin[:, :half].to(device=device, dtype=dtype)
+            return
+        self.cos = cos.to(device=device, dtype=dtype)
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): one op fewer
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device=device, dtype=dtype)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +67,10 @@ class RotaryEmbedding:
         """Heads `[T, H, D]` (q and k heads side by side) rotated, in x.dtype."""
         cos, sin_signed = cos_sin
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.addcmul(rot * cos, torch.cat([x2, x1], dim=-1), sin_signed)
+        if self.is_interleaved:  # sin_signed holds plain sin here
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.cat([x1 * cos - x2 * sin_signed, x2 * cos + x1 * sin_signed], dim=-1)
+        else:
+            x1, x2 = rot.chunk(2, dim=-1)
+            rotated = torch.addcmul(rot * cos, torch.cat([x2, x1], dim=-1), sin_signed)
         return rotated if rest.shape[-1] == 0 else torch.cat([rotated, rest], dim=-1)

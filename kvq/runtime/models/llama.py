@@ -1,20 +1,24 @@
 """Llama (SmolLM2 and other `model_type: llama` checkpoints) over paged KV and stored-form weights.
 
-Read top to bottom: attention, MLP, decoder layer, model. glm4_moe reuses all of it and swaps the MLP.
+Read top to bottom: attention, MLP, decoder layer, model. The other families reuse all of it and swap
+parts through the model's `make_*` hooks: glm4_moe the MLP, the MLA models also the rotary, the attention
+and the KV layout.
 Weights come from a `WeightLoader` by their checkpoint names. Imports torch and kvq.runtime.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.config import LM_HEAD_GROUP_SIZE
+from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.layers.attention import PagedAttention
-from kvq.runtime.layers.linear import DenseLinear, Linear
+from kvq.runtime.layers.linear import DenseLinear, Linear, int4_copy
 from kvq.runtime.layers.norm import RMSNorm
 from kvq.runtime.layers.rotary import RotaryEmbedding
 from kvq.runtime.loader import WeightLoader
@@ -26,6 +30,19 @@ class FeedForward(Protocol):
     """What a decoder layer's MLP slot holds: Llama's MLP, GLM's MoE."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+class SelfAttention(Protocol):
+    """What a decoder layer's attention slot holds: GQA `Attention`, MLA `MLAttention`. The engine reads
+    its checkpoint scales and hands it its cache object over the KV pool (`kv_layout`)."""
+
+    kv_scales: dict[str, torch.Tensor | None]
+
+    def __call__(self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def bind_kv(self, kv: Any) -> None: ...
 
     def tensors(self) -> list[torch.Tensor]: ...
 
@@ -57,12 +74,13 @@ class Attention:
         if getattr(config, "use_qk_norm", False):  # GLM-4.5 option: RMSNorm per head before rotary
             self.q_norm = RMSNorm(loader.tensor(f"{prefix}.q_norm.weight", (d,)), config.rms_norm_eps)
             self.k_norm = RMSNorm(loader.tensor(f"{prefix}.k_norm.weight", (d,)), config.rms_norm_eps)
-        self.k_scale, self.v_scale = (
-            loader.optional(f"{prefix}.k_scale"),
-            loader.optional(f"{prefix}.v_scale"),
-        )
+        self.kv_scales = {name: loader.optional(f"{prefix}.{name}") for name in ("k_scale", "v_scale")}
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+
+    def bind_kv(self, kv: PagedKVCache) -> None:
+        """The layer's cache object over the engine's KV pool (`GqaLayout`)."""
+        self.attn.bind(kv)
 
     def __call__(self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch) -> torch.Tensor:
         num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
@@ -107,12 +125,12 @@ class DecoderLayer:
         config: PretrainedConfig,
         prefix: str,
         loader: WeightLoader,
-        rotary: RotaryEmbedding,
+        attention: SelfAttention,
         mlp: FeedForward,
     ) -> None:
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(loader.tensor(f"{prefix}.input_layernorm.weight", (hidden,)), eps)
-        self.self_attn = Attention(config, f"{prefix}.self_attn", loader, rotary)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(
             loader.tensor(f"{prefix}.post_attention_layernorm.weight", (hidden,)), eps
         )
@@ -132,7 +150,8 @@ class DecoderLayer:
 
 
 class LlamaForCausalLM:
-    """Embedding, decoder layers, final norm, lm_head (tied to the embedding when the config says so)."""
+    """Embedding, decoder layers, final norm, lm_head (tied to the embedding when the config says so; an
+    INT4 runtime copy of a dense one with `lm_head_weights="int4"`)."""
 
     def __init__(self, config: PretrainedConfig, loader: WeightLoader) -> None:
         self.config = config
@@ -140,21 +159,28 @@ class LlamaForCausalLM:
         hidden, vocab = config.hidden_size, config.vocab_size
         self.max_positions = config.max_position_embeddings
         self.embed_tokens = loader.tensor("model.embed_tokens.weight", (vocab, hidden))  # [V, H]
-        self.rotary = rotary = RotaryEmbedding(
-            config, self.head_dim, self.max_positions, loader.dtype, loader.device
-        )
-        self.layers = [
-            DecoderLayer(
-                config, f"model.layers.{i}", loader, rotary, self.make_mlp(f"model.layers.{i}.mlp", i, loader)
+        self.rotary = self.make_rotary(loader)
+        self.layers: list[DecoderLayer] = []  # in order: a layer may refer to the ones before it
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            attention = self.make_attention(f"{prefix}.self_attn", i, loader)
+            self.layers.append(
+                DecoderLayer(config, prefix, loader, attention, self.make_mlp(f"{prefix}.mlp", i, loader))
             )
-            for i in range(config.num_hidden_layers)
-        ]
         self.norm = RMSNorm(loader.tensor("model.norm.weight", (hidden,)), config.rms_norm_eps)
         if config.tie_word_embeddings:
             loader.optional("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
             self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
         else:
             self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)])
+        if loader.config.lm_head_weights == "int4" and isinstance(self.lm_head, DenseLinear):
+            self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE)
+
+    def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
+        return RotaryEmbedding(self.config, self.head_dim, self.max_positions, loader.dtype, loader.device)
+
+    def make_attention(self, prefix: str, layer_idx: int, loader: WeightLoader) -> SelfAttention:
+        return Attention(self.config, prefix, loader, self.rotary)
 
     def make_mlp(self, prefix: str, layer_idx: int, loader: WeightLoader) -> FeedForward:
         return MLP(prefix, loader, self.config.hidden_size, self.config.intermediate_size)
@@ -171,7 +197,7 @@ class LlamaForCausalLM:
         """`[B, H]` -> fp32 logits `[B, V]`."""
         return self.lm_head(hidden).float()
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[SelfAttention]:
         return [layer.self_attn for layer in self.layers]
 
     def tensors(self) -> list[torch.Tensor]:

@@ -40,7 +40,7 @@ def test_a_hit_prefill_requeues_who_shares_its_unwritten_pages() -> None:
     assert y.block_table[:2] == x.block_table[:2]  # sealed by x this step, its K/V not yet written
     x_own_last, y_last = x.block_table[2], y.block_table[2]
     x.block_table[2] = y_last  # an off-by-one slip: x would read and write y's page
-    runner = ModelRunner(NoModel(), P, NUM_PAGES, torch.device("cpu"))  # type: ignore[arg-type]
+    runner = ModelRunner(NoModel(), P, NUM_PAGES, 1, torch.device("cpu"))  # type: ignore[arg-type]
     mismatches = tracker.check(seqs, runner.prepare(seqs, is_prefill))
     assert {m.seq.seq_id for m in mismatches} == {0}
 

@@ -1,6 +1,7 @@
 """The integrity check kernels: the Triton tag compare and sampled-bytes hash give the torch reference's
-values bit for bit on irregular shapes (under Triton's interpreter here, `kernel_for` runs CPU tensors
-there), the reference agrees with a plain loop, and a change of any one sampled byte changes the hash."""
+values bit for bit on irregular shapes (under Triton's interpreter here: tests/conftest.py sets
+TRITON_INTERPRET=1), the reference agrees with a plain loop, and a change of any one sampled byte
+changes the hash."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import torch
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
+from kvq.runtime.kv_layout import GqaLayout
 from kvq.runtime.kv_pool import page_bytes
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.sequence import Sequence
@@ -43,7 +44,9 @@ def requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
 
 def test_full_mode_stops_nothing_over_10k_decode_steps(tiny_checkpoint) -> None:
     path = tiny_checkpoint("llama", "bf16")
-    size = page_bytes(2, PAGE_SIZE, 2, 64, torch.float32)  # the tiny llama: 2 layers, 2 KV heads of 64
+    size = page_bytes(
+        GqaLayout(2, 64, torch.float32), 2, PAGE_SIZE
+    )  # the tiny llama: 2 layers, 2 KV heads of 64
     engine = Engine(
         EngineConfig(
             model=str(path),

@@ -34,7 +34,7 @@ def manager(num_pages: int = 8) -> tuple[BlockManager, TagTracker]:
 
 def prepare(seqs: list[Sequence], is_prefill: bool, num_pages: int = 8) -> ForwardBatch:
     """The batch the engine would check (a runner without a model: only `prepare` is used)."""
-    return ModelRunner(SimpleNamespace(num_kv_heads=1), P, num_pages, CPU).prepare(seqs, is_prefill)  # type: ignore[arg-type]
+    return ModelRunner(SimpleNamespace(), P, num_pages, 1, CPU).prepare(seqs, is_prefill)  # type: ignore[arg-type]
 
 
 def assert_consistent(tracker: TagTracker, *seqs: Sequence) -> None:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 from kvq.formats.pack_quantized import pack_int4
-from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX
+from kvq.runtime.kernels.latent_cache import PagedLatentCache
+from kvq.runtime.kv_layout import LatentLayout
 
 # Tolerances, as a fraction of max |expected|, by the dtype the kernel computes and returns in.
 REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -113,3 +115,63 @@ def random_paged_kv(
         k_real,
         v_real,
     )
+
+
+@dataclass
+class PagedLatent:
+    """One MLA layer's latent pages (views of the pool's slot bytes, index keys beside them), tables, the
+    scale, and the real (unquantized) rows of each sequence."""
+
+    cache: PagedLatentCache
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+    rows: list[torch.Tensor]  # per sequence [L, R + rope] fp32 values the pages encode
+
+
+def random_paged_latent(
+    seq_lens: list[int],
+    page_size: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    cache_dtype: torch.dtype,
+    gen: torch.Generator,
+    index_head_dim: int = 0,
+) -> PagedLatent:
+    """Sequences on shuffled pages of a `LatentLayout` pool (strided slots when index_head_dim > 0), as in
+    `random_paged_kv`: 2 spare pages, seq 1 sharing seq 0's first page, NaN in every unowned slot."""
+    layout = LatentLayout(kv_lora_rank, rope_dim, cache_dtype, index_head_dim)
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_seq) + 2
+    latent, _ = layout.views(layout.allocate(1, num_pages, page_size, torch.device("cpu"))[0])
+    real = torch.full((num_pages, page_size, kv_lora_rank + rope_dim), float("nan"))
+    perm = torch.randperm(num_pages, generator=gen)
+    block_tables = torch.full((len(seq_lens), max(pages_per_seq) + 2), -1, dtype=torch.int32)
+    block_tables[::2, -1] = 10**6  # padding may be garbage, not only -1
+    rows, used = [], 0
+    for b, (seq_len, num) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
+        pages = perm[used : used + num].clone()
+        used += num
+        if b == 1 and num and pages_per_seq[0] and seq_lens[0] >= page_size:
+            pages[0] = block_tables[0, 0]  # prefix sharing: same full first page
+        block_tables[b, :num] = pages.to(torch.int32)
+        dense = real[pages].flatten(0, 1)  # [num * page_size, W]
+        fresh = torch.randn(seq_len, kv_lora_rank + rope_dim, generator=gen) * 2
+        dense[:seq_len] = torch.where(torch.isnan(dense[:seq_len]), fresh, dense[:seq_len])
+        real[pages] = dense.view(num, page_size, kv_lora_rank + rope_dim)
+        rows.append(dense[:seq_len].clone())
+    owned = torch.cat(rows) if sum(seq_lens) else torch.ones(1)
+    k_scale = (owned.abs().amax() / FP8_E4M3_MAX).float()
+    latent.copy_(
+        (real / k_scale).to(cache_dtype) if cache_dtype == torch.float8_e4m3fn else real.to(cache_dtype)
+    )
+    cache = PagedLatentCache.of(latent, kv_lora_rank, k_scale, None)
+    return PagedLatent(cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), rows)
+
+
+def random_selection(seq_lens: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """DSA-like `[B, k]` int32 positions: a random subset of each sequence (all of a short one), -1 padded."""
+    rows = []
+    for n in seq_lens.tolist():
+        chosen = torch.randperm(n, generator=gen)[:k]
+        rows.append(torch.cat([chosen, torch.full((k - chosen.numel(),), -1)]))
+    return torch.stack(rows).to(torch.int32)

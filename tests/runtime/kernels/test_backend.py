@@ -1,7 +1,9 @@
-"""Backend choice (argument > $KVQ_KERNELS > auto) and the Triton-free import of kvq.runtime.kernels."""
+"""Backend choice (argument > $KVQ_KERNELS > auto), the Triton-free import of kvq.runtime.kernels, and
+Triton on CPU tensors only under Triton's own interpreter."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -62,14 +64,18 @@ def test_package_imports_and_runs_without_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_interpreted_launches_leave_triton_language_unpatched() -> None:
-    import triton.language as tl
-
-    before = {name: value for name, value in vars(tl.core).items() if callable(value)}
-    gen = torch.Generator().manual_seed(2)
-    packed, scale = random_w4a16(
-        40, 256, 32, gen
-    )  # split-K launch: the kernel calls tl.cdiv, a @jit function
-    w4a16_linear(torch.randn(3, 256, generator=gen), prepare_w4a16(packed, scale, 32, backend="triton"))
-    after = {name: value for name, value in vars(tl.core).items() if callable(value)}
-    assert [name for name in before if after.get(name) is not before[name]] == []
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error() -> None:
+    # kvq patches nothing of Triton's: CPU tensors need TRITON_INTERPRET=1 at triton's first import
+    code = (
+        "import torch\n"
+        "from kvq.errors import KvqError\n"
+        "from kvq.runtime.kernels import store_kv\n"
+        "c = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16); k = torch.randn(1, 1, 64)\n"
+        "try:\n"
+        "    store_kv(k, k, c, c, torch.tensor([0]), backend='triton')\n"
+        "except KvqError as e:\n"
+        "    print(e)\n"
+    )
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "store_kv_kernel got cpu tensors" in result.stdout and "TRITON_INTERPRET=1" in result.stdout

@@ -1,9 +1,9 @@
 """The engine on the Triton kernels (interpreted on CPU) gives the same greedy tokens as on the torch path.
 
-`KVQ_KERNELS=triton` sends every kernel call to its Triton launcher; on CPU tensors the launchers run the
-kernels under Triton's interpreter themselves (`triton_launch.kernel_for`), whatever TRITON_INTERPRET was
-at triton's import, as in the other kernel tests. Spies prove each expected launcher ran. FP8 pages use
-per-tensor scales measured on the prompts (`tests/runtime/kv_scales.py`), as `kvq calibrate` would.
+`KVQ_KERNELS=triton` sends every kernel call to its Triton launcher; on CPU tensors the kernels run under
+Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), as in the other kernel tests. Spies
+prove each expected launcher ran. FP8 pages use per-tensor scales measured on the prompts
+(`tests/runtime/kv_scales.py`), as `kvq calibrate` would.
 """
 
 from __future__ import annotations

@@ -20,7 +20,16 @@ from kvq.runtime.kernels import (
     w4a16_linear,
     w4a16_reference,
 )
-from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv, random_w4a16
+from kvq.runtime.kernels.latent_attention import latent_decode_attention_reference
+from kvq.runtime.kernels.latent_cache import PagedLatentCache
+from tests.runtime.kernels.kernel_cases import (
+    REL_TOL,
+    assert_close_rel,
+    random_paged_kv,
+    random_paged_latent,
+    random_selection,
+    random_w4a16,
+)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -109,3 +118,33 @@ def test_store_kv_bf16_on_cuda_is_exact() -> None:
     actual = [torch.zeros_like(c, device=CUDA) for c in expected]
     store_kv(k.to(CUDA), k.to(CUDA), *actual, slots.to(CUDA))
     assert all(torch.equal(a.cpu(), e) for a, e in zip(actual, expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "page_size", "num_heads", "cache_dtype", "num_selected"),
+    [
+        ([1, 15, 16, 17, 300], 16, 16, torch.float8_e4m3fn, None),
+        ([1, 15, 16, 17, 300], 16, 16, BF16, None),
+        ([3000, 5, 700], 64, 64, torch.float8_e4m3fn, None),
+        ([2500, 1, 40], 32, 20, BF16, 256),  # DSA: attention over 256 selected tokens
+    ],
+)
+def test_latent_decode_attention_on_cuda(
+    seq_lens: list[int], page_size: int, num_heads: int, cache_dtype: torch.dtype, num_selected: int | None
+) -> None:
+    gen = torch.Generator().manual_seed(len(seq_lens) * num_heads)
+    rank, rope = 512, 64  # GLM-5 / DeepSeek-V3 / Kimi K2
+    pages = random_paged_latent(seq_lens, page_size, rank, rope, cache_dtype, gen, index_head_dim=128)
+    q = (torch.randn(len(seq_lens), num_heads, rank + rope, generator=gen) * 0.2).to(BF16)
+    indices = None if num_selected is None else random_selection(pages.seq_lens, num_selected, gen)
+    cache = pages.cache
+    on_cuda = PagedLatentCache.of(cache.latent_cache.to(CUDA), rank, cache.k_scale.to(CUDA))
+    assert on_cuda.backend == "triton"
+    y = on_cuda.decode_attention(
+        q.to(CUDA), pages.block_tables.to(CUDA), pages.seq_lens.to(CUDA), 0.1,
+        token_indices=None if indices is None else indices.to(CUDA),
+    )  # fmt: skip
+    expected = latent_decode_attention_reference(
+        q.float(), cache.latent_cache, rank, pages.block_tables, pages.seq_lens, 0.1, cache.k_scale, indices
+    )
+    assert_close_rel(y.cpu(), expected, REL_TOL[BF16])

@@ -71,7 +71,7 @@ def test_triton_writes_the_reference_bytes(
     expected = _empty_caches(6, 5, num_kv_heads, head_dim, cache_dtype)
     actual = tuple(c.clone() for c in expected)
     store_kv_reference(k, v, *expected, slot_mapping, k_scale, v_scale)
-    store_kv_triton(k, v, *actual, slot_mapping, k_scale, v_scale)
+    store_kv_triton(k, v, PagedKVCache.of(*actual, k_scale, v_scale, backend="triton"), slot_mapping)
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(_bytes(a), _bytes(e))
 
@@ -103,7 +103,7 @@ def test_fp8_store_rounds_every_e4m3_midpoint_to_even() -> None:
     k = probes.view(-1, 1, 8)  # [T, 1, 8]
     slot_mapping = torch.arange(k.shape[0])
     caches = _empty_caches(k.shape[0], 1, 1, 8, FP8)
-    store_kv_triton(k, k, *caches, slot_mapping, 1.0, 1.0)
+    store_kv_triton(k, k, PagedKVCache.of(*caches, 1.0, 1.0, backend="triton"), slot_mapping)
     assert torch.equal(_bytes(caches[0].view(-1)), _bytes(probes.to(FP8)))
 
 

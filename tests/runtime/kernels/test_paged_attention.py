@@ -61,16 +61,9 @@ def test_triton_matches_reference(
         _seq_lens(page_size), page_size, num_kv_heads, head_dim, cache_dtype, is_per_head, gen
     )
     q = torch.randn(len(kv.seq_lens), num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
+    cache = PagedKVCache.of(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale, backend="triton")
     y = paged_decode_attention_triton(
-        q,
-        kv.k_cache,
-        kv.v_cache,
-        kv.block_tables,
-        kv.seq_lens,
-        kv.k_scale,
-        kv.v_scale,
-        sm_scale=0.3,
-        num_splits=num_splits,
+        q, cache, kv.block_tables, kv.seq_lens, sm_scale=0.3, num_splits=num_splits
     )
     expected = paged_decode_attention_reference(
         q.float(), kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale, sm_scale=0.3
