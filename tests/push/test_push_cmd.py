@@ -15,6 +15,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from kvq.cli import build_app
+from kvq.errors import KvqError
 from tests.push.conftest import tree
 from tests.push.hub_server import HubServer
 
@@ -121,3 +122,15 @@ def test_push_refuses_an_altered_shard_and_a_missing_token(folder, tmp_path) -> 
         code, output = finish(kvq_push([str(folder), REPO, *CARD], push_env(tmp_path, hub.endpoint)))
         assert code == 2 and f"{shard}: sha256" in output and "Traceback" not in output
         assert not hub.state.repos  # refused before any request
+
+
+def test_require_engine_refuses_what_kvq_check_says_would_not_load(folder, monkeypatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # --dry-run: nothing is sent either way
+    app, base = build_app("push"), ["push", str(folder), REPO, *CARD, "--dry-run", "--require-engine", "vllm"]
+    result = CliRunner().invoke(app, [*base, "--require-engine", "sglang"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "would upload" in result.output
+    result = CliRunner().invoke(app, [*base, "--tp", "3"])  # o_proj's 256 inputs / 3 ranks: not whole groups
+    assert isinstance(result.exception, KvqError) and "would upload" not in result.output
+    assert "at tp 3, vllm would not load it, so it is not pushed" in str(result.exception)
+    assert "[vllm.wna16-tp-group] model.layers.0.self_attn.o_proj" in str(result.exception)
