@@ -48,6 +48,7 @@ def _recipe(manifest: dict) -> str:
         f"`{str((manifest.get('source') or {}).get('fingerprint'))[:16]}`; kvq {manifest.get('kvq_version')}",
     ]
     if recipe.get("text"):
+        lines += ["", "The recipe file as given (kvq compress `--group-size` overrides its `group_size`):"]
         lines += ["", "```yaml", recipe["text"].rstrip(), "```"]
     return "\n".join(lines)
 
