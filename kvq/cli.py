@@ -23,6 +23,7 @@ COMMANDS = {
     "calibrate": ("kvq.commands.calibrate_cmd", "calibrate_command"),
     "serve": ("kvq.commands.serve_cmd", "serve_command"),
     "eval": ("kvq.commands.eval_cmd", "eval_command"),
+    "push": ("kvq.commands.push_cmd", "push_command"),
 }
 BENCH_COMMANDS = {
     "compress": ("kvq.bench.compress", "bench_compress_command"),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: the main job end to end on the embedded default model (SmolLM2-135M-Instruct):
-# inspect -> plan -> compress (FP8-block -> INT4) -> calibrate FP8 KV scales -> eval -> generate.
+# inspect -> plan -> compress (FP8-block -> INT4) -> calibrate FP8 KV scales -> eval -> generate -> push
+# --dry-run (the model card printed).
 set -euo pipefail
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -33,9 +34,15 @@ kvq inspect "$INT4"
 step "kvq plan: the compressed checkpoint as it is (no recipe), 90% of a 24 GB GPU"
 kvq plan "$INT4" --tp 1 --gpu-mem 24GB --mem-fraction 0.9
 
-step "kvq eval: perplexity of the INT4 + FP8-KV model vs the BF16 source, through the runtime"
-kvq eval "$INT4" --baseline "$BF16" --num-windows 8 --seq-len 128 --threads 2 --kv-memory 64MiB
+step "kvq eval: perplexity, KL, top-1 agreement and MMLU of the INT4 + FP8-KV model vs the BF16 source"
+EVAL="$(dirname "$INT4")/int4-w4a16-linear-g64.eval.json"
+kvq eval "$INT4" --baseline "$BF16" --tasks text,mmlu --limit 20 --mmlu-shots 0 --num-windows 8 --seq-len 128 \
+    --threads 2 --kv-memory 64MiB --json "$EVAL"
 
 step "kvq generate: INT4 weights, FP8 KV pages with the calibrated scales, every page checked by tag"
 kvq generate "$INT4" "What is the capital of France?" --max-tokens 64 --require-kv-scales --kv-memory 256MiB \
     --kv-integrity tags --threads 2
+
+step "kvq push --dry-run: the model card and the files a push would upload (nothing is sent)"
+kvq push "$INT4" my-org/SmolLM2-135M-Instruct-w4a16-g64-fp8kv --eval "$EVAL" \
+    --base-model HuggingFaceTB/SmolLM2-135M-Instruct --license apache-2.0 --require-engine vllm --dry-run

@@ -49,10 +49,15 @@ def save_safetensors_atomic(
 
 
 def write_json_atomic(data: object, path: Path) -> None:
+    write_text_atomic(json.dumps(data, indent=2, sort_keys=True) + "\n", path)
+
+
+def write_text_atomic(text: str, path: Path) -> None:
+    """Write UTF-8 text under a temporary name, fsync, rename."""
     path = Path(path)
     tmp = tmp_path(path)
     try:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(text, encoding="utf-8")
         _replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

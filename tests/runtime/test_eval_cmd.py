@@ -1,31 +1,95 @@
-"""`kvq eval`: perplexity of a model and its baseline through the runtime, in a table and as JSON."""
+"""`kvq eval`: every task and run on tiny checkpoints, the report's structure and arithmetic, the table."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from kvq.checkpoint.reader import Checkpoint
 from kvq.cli import build_app
+from kvq.compress.manifest import source_fingerprint
 
-ARGS = ["--num-windows", "2", "--seq-len", "48", "--threads", "2", "--kv-memory", "16MiB"]
+ARGS = ["--limit", "3", "--gsm-limit", "2", "--gsm-max-tokens", "6", "--num-windows", "2", "--seq-len", "24"]
+ENGINE = ["--threads", "2", "--kv-memory", "4MiB"]
 
 
-def test_model_against_its_baseline(smollm2, tmp_path) -> None:
+def calibrated(path: Path, out: Path) -> Path:
+    from kvq.calibrate.config import CalibrationConfig
+    from kvq.calibrate.run import calibrate
+
+    copy = Path(shutil.copytree(path, out))
+    calibrate(copy, CalibrationConfig(num_samples=2, seq_len=32))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_checkpoint, int4_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+    """(INT4 + KV scales, its BF16 source + KV scales) of the tiny llama."""
+    parent = tmp_path_factory.mktemp("eval-pair")
+    return (
+        calibrated(int4_checkpoint("llama"), parent / "int4"),
+        calibrated(tiny_checkpoint("llama", "bf16"), parent / "bf16"),
+    )
+
+
+def test_every_task_and_run(tiny_pair, tmp_path) -> None:
+    model, baseline = tiny_pair
     out = tmp_path / "eval.json"
-    argv = ["eval", str(smollm2.fp8), "--baseline", str(smollm2.bf16), *ARGS, "--json", str(out)]
-    result = CliRunner().invoke(build_app("eval"), argv, catch_exceptions=False)
+    argv = [
+        "eval",
+        str(model),
+        "--baseline",
+        str(baseline),
+        "--kv-cache-dtype",
+        "bf16,fp8_e4m3",
+        *ARGS,
+        *ENGINE,
+    ]
+    result = CliRunner().invoke(build_app("eval"), [*argv, "--json", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    model, baseline = report["rows"]
-    assert (model["format"], baseline["format"]) == ("fp8-block", "bf16")
-    assert model["vs_baseline"] == pytest.approx(model["perplexity"] / baseline["perplexity"] - 1)
-    assert 1 < baseline["perplexity"] < 200 and abs(model["vs_baseline"]) < 0.05  # FP8 weights: close
-    assert "perplexity" in result.output and "vs baseline" in result.output
+    assert report["model"]["fingerprint"] == source_fingerprint(Checkpoint.open(model))
+    assert (report["baseline"]["kv_cache"], report["baseline"]["format"]) == ("bf16", "bf16")
+    runs = [(r["checkpoint"], r["kv_cache"]) for r in report["runs"]]
+    assert runs == [("model", "bf16"), ("model", "fp8_e4m3"), ("baseline", "fp8_e4m3")]  # + FP8 KV alone
+    assert (
+        len(report["settings"]["mmlu_items"]["index"]) == 3
+        and len(report["settings"]["gsm_problems"]["index"]) == 2
+    )
+    for run in report["runs"]:
+        metrics = {m["key"]: m for m in run["metrics"]}
+        assert list(metrics) == [
+            "perplexity",
+            "kl",
+            "top1_agreement",
+            "mmlu_0shot",
+            "mmlu_5shot",
+            "gsm_strict",
+        ]
+        for m in metrics.values():
+            if "delta" in m:
+                assert m["delta"] == pytest.approx(m["model"] - m["baseline"])
+                assert m["ci95"][0] <= m["delta"] <= m["ci95"][1]
+        assert metrics["kl"]["model"] > 0 and 0 <= metrics["top1_agreement"]["model"] <= 1
+        text = run["items"]["text"]
+        assert text["reference_nll"] == report["runs"][0]["items"]["text"]["reference_nll"]  # one reference
+        mmlu = run["items"]["mmlu"]
+        correct = [p == a for p, a in zip(mmlu["5"], report["settings"]["mmlu_items"]["answer"], strict=True)]
+        assert metrics["mmlu_5shot"]["model"] == pytest.approx(sum(correct) / 3)
+    assert "95% CI" in result.output and "KV fp8_e4m3" in result.output
 
 
 def test_a_baseline_with_another_tokenizer_is_refused(smollm2, tiny_checkpoint) -> None:
-    argv = ["eval", str(smollm2.bf16), "--baseline", str(tiny_checkpoint("llama", "bf16")), *ARGS]
-    result = CliRunner().invoke(build_app("eval"), argv)
+    argv = ["eval", str(smollm2.bf16), "--baseline", str(tiny_checkpoint("llama", "bf16")), "--tasks", "text"]
+    result = CliRunner().invoke(build_app("eval"), [*argv, "--num-windows", "2", "--seq-len", "24", *ENGINE])
     assert result.exit_code != 0 and "splits the text differently" in str(result.exception)
+
+
+def test_fp8_without_scales_is_refused(tiny_checkpoint) -> None:
+    argv = ["eval", str(tiny_checkpoint("llama", "bf16")), "--tasks", "text", "--kv-cache-dtype", "fp8_e4m3"]
+    result = CliRunner().invoke(build_app("eval"), [*argv, *ENGINE])
+    assert result.exit_code != 0 and "scale" in str(result.exception)
