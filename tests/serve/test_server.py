@@ -8,10 +8,6 @@ engine steps; bad requests get 400/404 with the reason; a client that goes away 
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +24,7 @@ from kvq.runtime.engine import Engine
 from kvq.runtime.sampling import SamplingParams
 from kvq.serve.app import make_app
 from kvq.serve.async_engine import AsyncEngine
+from tests.serve.kvq_server import kvq_serve
 
 PROMPTS = [
     "The capital of France is",
@@ -215,22 +212,7 @@ def test_a_request_the_engine_stops_gets_its_error(server: Server) -> None:
 
 def test_the_kvq_serve_command(smollm2) -> None:
     """The command line end to end: `kvq serve` answers, and stops cleanly on Ctrl-C."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    argv = [sys.executable, "-m", "kvq", "serve", str(smollm2.bf16), "--port", str(port)]
-    proc = subprocess.Popen([*argv, "--kv-memory", "16MiB", "--served-model-name", "tiny"], text=True)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{url}/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with kvq_serve(smollm2.bf16, "--kv-memory", "16MiB", "--served-model-name", "tiny") as url:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
         assert reply["model"] == "tiny" and reply["usage"]["completion_tokens"] <= 4
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0

@@ -11,23 +11,9 @@ import pytest
 
 from kvq.drill.fault_injector import FaultInjector
 from kvq.drill.workload import FAULTS, DrillRun, Fault, run_drill
-from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kv_layout import LatentLayout
-
-PAGE_SIZE = 4
-
-
-def make_engine(path: Path, kv_integrity: str) -> Engine:
-    config = EngineConfig(
-        model=str(path),
-        dtype="float32",
-        kv_memory="2MiB",
-        page_size=PAGE_SIZE,
-        kv_integrity=kv_integrity,
-        threads=1,
-    )
-    return Engine(config)
+from tests.runtime.integrity.test_faults import make_engine
 
 
 @pytest.fixture(scope="module")
