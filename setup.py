@@ -1,5 +1,5 @@
-"""Builds kvq's one C extension, the `kvq compress` quantizer (optional: without a C compiler kvq uses its
-torch quantizer, which gives the same bytes). Everything else is in pyproject.toml."""
+"""Builds kvq's C extensions, both optional: without a C compiler kvq uses torch instead (the same bytes for
+`kvq compress`; `aten._weight_int4pack_mm_for_cpu` for INT4 matmuls). Everything else is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -11,6 +11,15 @@ setup(
             # IEEE fp32 exactly as torch computes it: no FMA contraction, no fast-math reassociation
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvq.runtime.kernels._w4a16_cpu",
+            ["kvq/runtime/kernels/_w4a16_cpu.c"],
+            depends=["kvq/runtime/kernels/_w4a16_cpu_pool.h", "kvq/runtime/kernels/_w4a16_cpu_simd.h"],
+            # one build for every x86 CPU: the AVX2 and AVX-512 loops carry their own target attributes
+            extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", "-fno-fast-math"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ]
 )

@@ -18,6 +18,7 @@ COMMANDS = {
     "default-model": ("kvq.commands.default_model", "default_model_command"),
     "plan": ("kvq.commands.plan_cmd", "plan_command"),
     "compress": ("kvq.commands.compress_cmd", "compress_command"),
+    "check": ("kvq.commands.check_cmd", "check_command"),
     "generate": ("kvq.commands.generate_cmd", "generate_command"),
     "calibrate": ("kvq.commands.calibrate_cmd", "calibrate_command"),
     "serve": ("kvq.commands.serve_cmd", "serve_command"),

@@ -18,8 +18,8 @@ kvq inspect "$BF16"
 step "kvq inspect: the FP8-block source"
 kvq inspect "$FP8"
 
-step "kvq plan: FP8-block SmolLM2 -> INT4 (every Linear, group 64), one 24 GB GPU, FP8 KV"
-kvq plan "$FP8" --recipe w4a16-linear --group-size 64 --tp 1 --gpu-mem 24GB --kv-dtype fp8
+step "kvq plan: FP8-block SmolLM2 -> INT4 (every Linear, group 64), one 24 GB GPU, BF16 vs FP8 KV"
+kvq plan "$FP8" --recipe w4a16-linear --group-size 64 --tp 1 --gpu-mem 24GB
 
 step "kvq compress: FP8-block -> compressed-tensors pack-quantized INT4 (a re-run resumes)"
 kvq compress "$FP8" "$INT4" --recipe w4a16-linear --group-size 64 --workers 2
@@ -29,6 +29,9 @@ kvq calibrate "$INT4" --num-samples 16 --seq-len 512
 
 step "kvq inspect: the compressed, calibrated checkpoint"
 kvq inspect "$INT4"
+
+step "kvq plan: the compressed checkpoint as it is (no recipe), 90% of a 24 GB GPU"
+kvq plan "$INT4" --tp 1 --gpu-mem 24GB --mem-fraction 0.9
 
 step "kvq eval: perplexity of the INT4 + FP8-KV model vs the BF16 source, through the runtime"
 kvq eval "$INT4" --baseline "$BF16" --num-windows 8 --seq-len 128 --threads 2 --kv-memory 64MiB

@@ -1,7 +1,8 @@
 """Shared pytest fixtures: tiny checkpoints of each (arch, fmt), built once per session, and SmolLM2.
 
 `tiny_checkpoint(arch, fmt)` returns the directory of a `checkpoint_fixtures.build_fixture` checkpoint
-(built under the session's tmp dir on first request); `smollm2` builds the embedded model once into
+(built under the session's tmp dir on first request); `compressed` / `model_free` kvq's and llm-compressor
+model_free_ptq's outputs of them; `smollm2` builds the embedded model once into
 `kvq.paths.cache_dir()` (`$KVQ_CACHE_DIR`, else the user cache) and returns its two directories.
 """
 
@@ -19,10 +20,11 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvq.testing.checkpoint_fixtures import build_fixture  # noqa: E402
-from kvq.testing.smollm2 import SmolLM2Paths, ensure_smollm2  # noqa: E402
+from kvq.data.embedded_model import SmolLM2Paths, ensure_smollm2  # noqa: E402
+from kvq.fixtures.checkpoint_fixtures import build_fixture  # noqa: E402
 
 TinyCheckpoint = Callable[..., Path]
+Compressed = Callable[..., Path]
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +49,49 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
 def smollm2() -> SmolLM2Paths:
     """SmolLM2-135M-Instruct as BF16 and FP8-block checkpoints (first build about 20 s, then cached)."""
     return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def compressed(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Compressed:
+    """`compressed(arch, fmt, recipe="w4a16-experts", group_size=None, target="vllm") -> Path`: kvq's
+    output, built once."""
+    built: dict[tuple, Path] = {}
+
+    def get(
+        arch: str,
+        fmt: str,
+        recipe: str = "w4a16-experts",
+        group_size: int | None = None,
+        target: str = "vllm",
+    ) -> Path:
+        key = (arch, fmt, recipe, group_size, target)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"kvq-{arch}-{fmt}-{recipe}-g{group_size}-{target}") / "out"
+            from tests.compress.conftest import compress
+
+            built[key] = compress(tiny_checkpoint(arch, fmt), out, recipe, group_size, target=target)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def model_free(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Compressed:
+    """`model_free(arch, fmt, recipe, group_size) -> Path`: llm-compressor model_free_ptq's output."""
+    built: dict[tuple, Path] = {}
+
+    def get(arch: str, fmt: str, recipe: str = "w4a16-experts", group_size: int | None = None) -> Path:
+        key = (arch, fmt, recipe, group_size)
+        if key not in built:
+            from kvq.bench.compress import run_model_free_ptq
+            from tests.compress.conftest import kept_modules
+
+            src = tiny_checkpoint(arch, fmt)
+            out = tmp_path_factory.mktemp(f"mfp-{arch}-{fmt}-{recipe}-g{group_size}") / "out"
+            run_model_free_ptq(
+                str(src), str(out), recipe, 1, group_size, kept_modules(src, recipe, group_size)
+            )
+            built[key] = out
+        return built[key]
+
+    return get

@@ -75,3 +75,50 @@ def test_inspect_missing_directory(tmp_path: Path) -> None:
     assert_one_line_error(
         run_kvq("inspect", str(tmp_path / "nope")), str(tmp_path / "nope"), "no such directory"
     )
+
+
+def _kimi_with(tiny_checkpoint, tmp_path: Path, **text_fields: object) -> Path:
+    """A copy of the Kimi-native fixture whose text_config carries `text_fields`."""
+    import shutil
+
+    root = Path(shutil.copytree(tiny_checkpoint("deepseek_v3", "kimi-int4"), tmp_path / "kimi"))
+    config = json.loads((root / "config.json").read_text())
+    config["text_config"].update(text_fields)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.mark.parametrize(
+    "field, fragments",
+    [
+        ({"topk_method": "greedy"}, ("text_config.topk_method 'greedy'", "supported topk_method: noaux_tc")),
+        (
+            {"scoring_func": "softmax"},
+            ("text_config.scoring_func 'softmax'", "supported scoring_func: sigmoid"),
+        ),
+        (
+            {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+            ("'dynamic'", "supported RoPE types: default, yarn"),
+        ),
+    ],
+)
+def test_mla_settings_kvq_does_not_implement_are_one_line_errors(tiny_checkpoint, tmp_path, field, fragments):
+    root = _kimi_with(tiny_checkpoint, tmp_path, **field)
+    assert_one_line_error(run_kvq("plan", str(root), "--tp", "2", "--gpu-mem", "8GB"), *fragments)
+    assert_one_line_error(run_kvq("plan", str(root / "config.json")), *fragments)  # the bare config
+    assert_one_line_error(run_kvq("calibrate", str(root), "--num-samples", "1", "--seq-len", "8"), *fragments)
+    inspected = run_kvq("inspect", str(root))  # inspect reads any checkpoint and says why kvq won't run it
+    assert inspected.returncode == 0 and fragments[0] in inspected.stdout.replace("\n", " ")
+
+
+def test_compress_refuses_an_already_compressed_kimi_checkpoint(tiny_checkpoint, tmp_path):
+    src = str(tiny_checkpoint("deepseek_v3", "kimi-int4"))
+    result = run_kvq("compress", src, str(tmp_path / "out"), "--recipe", "w4a16-experts")
+    assert_one_line_error(result, "already compressed-tensors output", "weight_packed")
+
+
+def test_unknown_architecture_is_one_line_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 4}))
+    assert_one_line_error(
+        run_kvq("plan", str(tmp_path), "--recipe", "w4a16-experts"), "'qwen3_next'", "supported:"
+    )

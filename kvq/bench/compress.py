@@ -25,7 +25,8 @@ import typer
 from rich.table import Table
 
 from kvq.bench.measure import Measurement, run_measured
-from kvq.commands.render import console, human_bytes
+from kvq.byte_sizes import format_bytes
+from kvq.commands.render import console
 from kvq.paths import cache_dir
 
 _CHUNK = 64 * 1024**2
@@ -52,7 +53,7 @@ class Row:
 
 
 def bench_fixture(arch: str) -> Path:
-    from kvq.testing.checkpoint_fixtures import build_fixture
+    from kvq.fixtures.checkpoint_fixtures import build_fixture
 
     path = cache_dir() / "bench" / f"{arch}-fp8-block-bench"
     if not path.is_dir():
@@ -229,8 +230,8 @@ def render(rows: list[Row], workers: int) -> Table:
             row.name,
             f"{row.wall_s:.2f}",
             " ".join(f"{t:.2f}" for t in row.runs_s),
-            human_bytes(row.peak_rss_bytes),
-            human_bytes(row.output_bytes),
+            format_bytes(row.peak_rss_bytes),
+            format_bytes(row.output_bytes),
             ratio,
         )
     table.caption = (

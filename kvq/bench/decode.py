@@ -1,8 +1,10 @@
 """`kvq bench decode`: the runtime's decode speed, weight memory and KV capacity on SmolLM2, in one run.
 
-1. Concurrency 1: kvq with BF16 weights, kvq with INT4 weights (kvq compress, W4A16 group 64), and
-   transformers `generate` (BF16) on the same chat prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median;
-   concurrency 32: INT4 weights, 32 prompts decoded together, 32 (N - 1) / (t(N) - t(1)).
+1. Concurrency 1: kvq with BF16 weights, kvq with INT4 weights (kvq compress, W4A16 group 64; BF16 and
+   FP8 KV; and with the opt-in INT4 lm_head copy), and transformers `generate` (BF16) on the same chat
+   prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median (and range) over the repeats. Concurrency 32:
+   the same prompt 32 times, decoded together, BF16 vs INT4 weights. The CPU's ISA and the W4A16 path
+   that ran (KVQ_CPU_ISA) are printed with the results.
 1b. Host time per token over one long completion (INT4, 2,048 tokens): each step's wall time minus its
    model forward (`Engine.stats`), early tokens vs late ones: flat when no per-token host cost grows.
 2. Resident weights after load (fresh subprocesses, RSS delta) vs the checkpoint's tensor bytes, and
@@ -20,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -30,7 +31,9 @@ import torch
 import typer
 from rich.table import Table
 
-from kvq.commands.render import console, human_bytes
+from kvq.bench.decode_speed import decode_tok_s, kvq_generate, transformers_generate
+from kvq.byte_sizes import format_bytes
+from kvq.commands.render import console
 from kvq.errors import KvqError
 from kvq.paths import cache_dir
 
@@ -42,6 +45,11 @@ class DecodeBenchConfig:
     threads: int = 2
     repeats: int = 5
     new_tokens: int = 64  # concurrency-1 runs
+    batch_seqs: int = 32  # the concurrent-decode comparison
+    batch_new_tokens: int = 32
+    batch_kv_memory: int = 128 * 1024**2  # BF16 pages for batch_seqs full requests
+    long_tokens: int = 2048  # host time per token over one completion this long
+    long_window: int = 256  # tokens at each end of it compared
     group_size: int = 64  # SmolLM2's hidden size 576 is not a multiple of 128
     calib_samples: int = 32
     calib_seq_len: int = 512
@@ -51,22 +59,22 @@ class DecodeBenchConfig:
     admission_prompt_tokens: int = 32
     admission_max_tokens: int = 64
     page_size: int = 16
-    batch_size: int = 32  # concurrency-32 run
-    long_tokens: int = 2048  # host time per token over one completion this long
-    long_window: int = 256  # tokens at each end of it compared
 
 
 @dataclass
 class DecodeBenchResult:
     config: dict
-    tok_s: dict[str, float] = field(default_factory=dict)  # concurrency 1 (and "... c=32")
+    cpu_path: str = ""  # the CPU's ISA and the W4A16 path that ran
+    tok_s: dict[str, float] = field(default_factory=dict)  # concurrency 1, median
+    tok_s_batch: dict[str, float] = field(default_factory=dict)  # concurrency batch_seqs, median
+    tok_s_runs: dict[str, list[float]] = field(default_factory=dict)  # every repeat, both concurrencies
     host_ms: dict[str, float] = field(default_factory=dict)  # per token, early vs late in a long completion
     memory: dict[str, dict] = field(default_factory=dict)
     pool_tokens: dict[str, int] = field(default_factory=dict)
     admission: dict[str, dict] = field(default_factory=dict)
 
 
-PROMPT = "Tell me about the history of the city of Paris."
+LM_HEAD_CONTENDER = "kvq int4 weights + int4 lm_head, fp8 kv"
 _LOAD_SNIPPET = """
 import ctypes, gc, json, sys, psutil, torch
 torch.set_num_threads(1)
@@ -119,77 +127,6 @@ def engine(path: Path, config: DecodeBenchConfig, **kwargs):
     return Engine(EngineConfig(model=str(path), threads=config.threads, page_size=config.page_size, **kwargs))
 
 
-Generate = Callable[[int], object]  # generate(n): one request, n new tokens, greedy
-
-
-def decode_tok_s(contenders: dict[str, Generate], config: DecodeBenchConfig) -> dict[str, float]:
-    """Decode tokens/s of each contender: (N - 1) / (t(N) - t(1)), prefill and first token cancelling out.
-
-    Contenders take turns within every repeat (so drift on a shared machine hits all alike); median.
-    """
-    decode_times: dict[str, list[float]] = {name: [] for name in contenders}
-    for generate in contenders.values():
-        generate(8)  # warm-up
-    for _ in range(config.repeats):
-        for name, generate in contenders.items():
-            start = time.perf_counter()
-            generate(1)
-            middle = time.perf_counter()
-            generate(config.new_tokens)
-            decode_times[name].append(time.perf_counter() - middle - (middle - start))
-    return {name: (config.new_tokens - 1) / statistics.median(t) for name, t in decode_times.items()}
-
-
-def kvq_generate(path: Path, config: DecodeBenchConfig, kv_cache_dtype: str, batch_size: int = 1) -> Generate:
-    """`batch_size` copies of the chat prompt (each a little different, so no prefix page is shared)."""
-    from kvq.runtime.sampling import SamplingParams
-
-    e = engine(path, config, kv_cache_dtype=kv_cache_dtype, kv_memory="64MiB", max_num_seqs=batch_size)
-    texts = [PROMPT] if batch_size == 1 else [f"{PROMPT} ({i})" for i in range(batch_size)]
-    prompts = [e.encode_chat(text) for text in texts]
-    return lambda n: e.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-
-
-def host_ms_per_token(path: Path, config: DecodeBenchConfig) -> dict[str, float]:
-    """Median host ms per decode step (step wall time minus model forward) over the first and the last
-    `long_window` tokens of one `long_tokens`-token completion."""
-    from kvq.runtime.sampling import SamplingParams
-
-    e = engine(path, config, kv_memory="256MiB", max_num_seqs=1)
-    e.add_request(e.encode_chat(PROMPT), SamplingParams(max_tokens=config.long_tokens, ignore_eos=True))
-    host: list[float] = []
-    while e.has_unfinished_requests():
-        step, forward = e.stats.step_seconds, e.stats.forward_seconds
-        e.step()
-        host.append((e.stats.step_seconds - step) - (e.stats.forward_seconds - forward))
-    decode = host[1:]  # the first step is the prefill
-    first, last = decode[: config.long_window], decode[-config.long_window :]
-    return {"first": 1e3 * statistics.median(first), "last": 1e3 * statistics.median(last)}
-
-
-def transformers_generate(path: Path) -> Generate:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
-    )
-    input_ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
-
-    @torch.inference_mode()
-    def generate(n: int) -> object:
-        return model.generate(
-            input_ids,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=tokenizer.eos_token_id,
-        )
-
-    return generate
-
-
 def resident_after_load(kind: str, path: Path) -> dict:
     """RSS delta of loading `path` in a fresh process ("kvq" engine or "transformers"), with byte counts."""
     out = subprocess.run(
@@ -232,27 +169,59 @@ def admission_run(path: Path, config: DecodeBenchConfig, kv_cache_dtype: str, kv
     }
 
 
+def host_ms_per_token(path: Path, config: DecodeBenchConfig) -> dict[str, float]:
+    """Median host ms per decode step (step wall time minus model forward) over the first and the last
+    `long_window` tokens of one `long_tokens`-token completion."""
+    from kvq.bench.decode_speed import PROMPT
+    from kvq.runtime.sampling import SamplingParams
+
+    e = engine(path, config, kv_memory="256MiB", max_num_seqs=1)
+    e.add_request(e.encode_chat(PROMPT), SamplingParams(max_tokens=config.long_tokens, ignore_eos=True))
+    host: list[float] = []
+    while e.has_unfinished_requests():
+        step, forward = e.stats.step_seconds, e.stats.forward_seconds
+        e.step()
+        host.append((e.stats.step_seconds - step) - (e.stats.forward_seconds - forward))
+    decode = host[1:]  # the first step is the prefill
+    first, last = decode[: config.long_window], decode[-config.long_window :]
+    return {"first": 1e3 * statistics.median(first), "last": 1e3 * statistics.median(last)}
+
+
 def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchResult:
+    from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
     from kvq.runtime.kv_layout import layout_for
     from kvq.runtime.kv_pool import page_bytes
 
     torch.set_num_threads(config.threads)
-    result = DecodeBenchResult(config=asdict(config))
+    result = DecodeBenchResult(config=asdict(config), cpu_path=describe_cpu_path(resolve_cpu_isa()))
+
+    def one(path: Path, kv: str, **kwargs) -> object:
+        return engine(path, config, kv_cache_dtype=kv, kv_memory="64MiB", max_num_seqs=1, **kwargs)
+
     contenders = {
-        "kvq bf16 weights, bf16 kv": kvq_generate(bf16, config, "bf16"),
-        "kvq int4 weights, bf16 kv": kvq_generate(int4, config, "bf16"),
-        "kvq int4 weights, fp8 kv": kvq_generate(int4, config, "fp8_e4m3"),
+        "kvq bf16 weights, bf16 kv": kvq_generate(one(bf16, "bf16"), 1),
+        "kvq int4 weights, bf16 kv": kvq_generate(one(int4, "bf16"), 1),
+        "kvq int4 weights, fp8 kv": kvq_generate(one(int4, "fp8_e4m3"), 1),
+        LM_HEAD_CONTENDER: kvq_generate(one(int4, "fp8_e4m3", lm_head_weights="int4"), 1),
         "transformers generate, bf16": transformers_generate(bf16),
     }
-    result.tok_s = decode_tok_s(contenders, config)
+    runs = decode_tok_s(contenders, 1, config.new_tokens, config.repeats)
     del contenders
-    batched = {
-        f"kvq int4 weights, bf16 kv, c={config.batch_size}": kvq_generate(
-            int4, config, "bf16", config.batch_size
-        )
+    n = config.batch_seqs
+
+    def batch(path: Path, kv: str) -> object:
+        return engine(path, config, kv_cache_dtype=kv, kv_memory=config.batch_kv_memory, max_num_seqs=n)
+
+    contenders = {
+        f"c={n}: kvq bf16 weights, bf16 kv": kvq_generate(batch(bf16, "bf16"), n),
+        f"c={n}: kvq int4 weights, bf16 kv": kvq_generate(batch(int4, "bf16"), n),
+        f"c={n}: kvq int4 weights, fp8 kv": kvq_generate(batch(int4, "fp8_e4m3"), n),
     }
-    result.tok_s.update({k: v * config.batch_size for k, v in decode_tok_s(batched, config).items()})
-    del batched
+    batch_runs = decode_tok_s(contenders, n, config.batch_new_tokens, config.repeats)
+    del contenders
+    result.tok_s_runs = {**runs, **batch_runs}
+    result.tok_s = {name: statistics.median(r) for name, r in runs.items()}
+    result.tok_s_batch = {name: statistics.median(r) for name, r in batch_runs.items()}
     result.host_ms = host_ms_per_token(int4, config)
     result.memory["kvq bf16"] = resident_after_load("kvq", bf16)
     result.memory["kvq int4"] = resident_after_load("kvq", int4)
@@ -277,30 +246,35 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
 
 
 def render(result: DecodeBenchResult) -> Table:
-    table = Table(title="kvq bench decode (SmolLM2-135M-Instruct)")
+    table = Table(title=f"kvq bench decode (SmolLM2-135M-Instruct); {result.cpu_path}")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    for name, value in result.tok_s.items():
-        table.add_row(f"concurrency 1: {name}", f"{value:.1f} tok/s")
-    tok = result.tok_s
+    for name, value in (*result.tok_s.items(), *result.tok_s_batch.items()):
+        runs = result.tok_s_runs[name]
+        label = name if name.startswith("c=") else f"c=1: {name}"
+        table.add_row(label, f"{value:.1f} tok/s ({min(runs):.1f}-{max(runs):.1f})")
+    tok, n = {**result.tok_s, **result.tok_s_batch}, result.config["batch_seqs"]
+    bf16, int4, fp8 = "bf16 weights, bf16 kv", "int4 weights, bf16 kv", "int4 weights, fp8 kv"
+    ratios = {
+        "c=1: INT4 / BF16 weights (bf16 kv)": tok[f"kvq {int4}"] / tok[f"kvq {bf16}"],
+        f"c={n}: INT4 / BF16 weights (bf16 kv)": tok[f"c={n}: kvq {int4}"] / tok[f"c={n}: kvq {bf16}"],
+        "c=1: INT4 + FP8 kv / INT4 + BF16 kv": tok[f"kvq {fp8}"] / tok[f"kvq {int4}"],
+        f"c={n}: INT4 + FP8 kv / INT4 + BF16 kv": tok[f"c={n}: kvq {fp8}"] / tok[f"c={n}: kvq {int4}"],
+        "c=1: INT4 + int4 lm_head + FP8 kv / BF16 weights": tok[LM_HEAD_CONTENDER] / tok[f"kvq {bf16}"],
+        "c=1: kvq INT4 + FP8 kv / transformers": tok[f"kvq {fp8}"] / tok["transformers generate, bf16"],
+    }
+    for name, ratio in ratios.items():
+        table.add_row(name, f"{ratio:.2f}x")
+    host, window = result.host_ms, result.config["long_window"]
     table.add_row(
-        "INT4 / BF16 weights (bf16 kv)",
-        f"{tok['kvq int4 weights, bf16 kv'] / tok['kvq bf16 weights, bf16 kv']:.2f}x",
-    )
-    table.add_row(
-        "kvq INT4 + FP8 kv / transformers",
-        f"{tok['kvq int4 weights, fp8 kv'] / tok['transformers generate, bf16']:.2f}x",
-    )
-    host, long = result.host_ms, result.config["long_tokens"]
-    table.add_row(
-        f"host ms per token, tokens 1-{result.config['long_window']} / last ones of {long}",
+        f"host ms per token, first / last {window} of {result.config['long_tokens']}",
         f"{host['first']:.3f} / {host['last']:.3f} ms = {host['last'] / host['first']:.2f}x",
     )
     for name, m in result.memory.items():
         table.add_row(
             f"resident after load: {name}",
-            f"{human_bytes(m['rss_delta'])} RSS, {human_bytes(m['weight_bytes'])} "
-            f"weights, checkpoint {human_bytes(m['checkpoint_bytes'])}",
+            f"{format_bytes(m['rss_delta'])} RSS, {format_bytes(m['weight_bytes'])} "
+            f"weights, checkpoint {format_bytes(m['checkpoint_bytes'])}",
         )
     table.add_row(
         "pool tokens bf16 / fp8 (same bytes)",
@@ -309,9 +283,9 @@ def render(result: DecodeBenchResult) -> Table:
     )
     for name, a in result.admission.items():
         table.add_row(
-            f"admission {name} kv ({human_bytes(a['kv_bytes'])})",
+            f"admission {name} kv ({format_bytes(a['kv_bytes'])})",
             f"peak running {a['peak_running']}, preemptions {a['preemptions']}, {a['tok_s']:.1f} tok/s, "
-            f"RSS growth while serving {human_bytes(a['rss_growth'])}",
+            f"RSS growth while serving {format_bytes(a['rss_growth'])}",
         )
     a = result.admission
     table.add_row("FP8 / BF16 total throughput", f"{a['fp8_e4m3']['tok_s'] / a['bf16']['tok_s']:.2f}x")
@@ -328,7 +302,7 @@ def bench_decode_command(
     new_tokens: Annotated[
         int | None,
         typer.Option(
-            help="Tokens generated per timed run (default: 64; glm_moe_dsa 16).", show_default=False
+            help="Tokens generated per concurrency-1 run (default: 64; glm_moe_dsa 16).", show_default=False
         ),
     ] = None,
     int4: Annotated[
@@ -337,6 +311,12 @@ def bench_decode_command(
             help="A compressed + calibrated SmolLM2 (default: built once with kvq compress + kvq calibrate)."
         ),
     ] = None,
+    batch_seqs: Annotated[
+        int, typer.Option(help="Requests decoded together in the concurrent comparison (BF16 vs INT4).")
+    ] = DecodeBenchConfig.batch_seqs,
+    batch_new_tokens: Annotated[
+        int, typer.Option(help="Tokens generated per request in the concurrent comparison.")
+    ] = DecodeBenchConfig.batch_new_tokens,
     admission_slots: Annotated[
         int, typer.Option(help="Requests a BF16 KV budget admits (FP8 pages of the same bytes: twice).")
     ] = DecodeBenchConfig.admission_bf16_slots,
@@ -354,10 +334,11 @@ def bench_decode_command(
         ),
     ] = "smollm2",
 ) -> None:
-    """Decode speed (INT4 vs BF16 weights vs transformers), resident weight memory, FP8 vs BF16 KV capacity
-    and admission throughput on the embedded SmolLM2-135M-Instruct; all ratios from one run. With
+    """Decode speed (INT4 vs BF16 weights vs transformers, at concurrency 1 and --batch-seqs), resident
+    weight memory, FP8 vs BF16 KV capacity and admission throughput on the embedded SmolLM2-135M-Instruct;
+    all ratios from one run. KVQ_CPU_ISA picks the CPU W4A16 path (printed with the results). With
     `--model glm_moe_dsa`: MLA decode on a GLM-5-shaped bench fixture."""
-    from kvq.testing.smollm2 import ensure_smollm2
+    from kvq.data.embedded_model import ensure_smollm2
 
     if model == "glm_moe_dsa":
         from kvq.bench.decode_mla import MlaBenchConfig, render_mla, run_mla_bench
@@ -377,6 +358,8 @@ def bench_decode_command(
         threads=threads,
         repeats=repeats,
         new_tokens=new_tokens or DecodeBenchConfig.new_tokens,
+        batch_seqs=batch_seqs,
+        batch_new_tokens=batch_new_tokens,
         admission_bf16_slots=admission_slots,
         admission_requests=admission_requests,
     )

@@ -1,6 +1,6 @@
 """`kvq bench decode --model glm_moe_dsa`: MLA decode speed on the glm_moe_dsa bench fixture, in one run.
 
-The fixture (`kvq.testing` size "bench": 10 layers, hidden 1024, 64 experts top-4, MLA with kv_lora 256,
+The fixture (`kvq.fixtures` size "bench": 10 layers, hidden 1024, 64 experts top-4, MLA with kv_lora 256,
 GLM-5's DSA indexer with index_topk 64; random weights) stored as GLM-5-FP8 ships (FP8 128x128 blocks),
 and kvq's `w4a16-experts` output of it (INT4 experts, FP8-block attention); both calibrated (`kvq
 calibrate`: one k_scale per layer on the latent). Contenders: each weight form with BF16 and with FP8
@@ -12,13 +12,14 @@ latent come from the same run. Built once under `kvq.paths.cache_dir()/bench`.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from rich.table import Table
 
-from kvq.bench.decode import DecodeBenchConfig, Generate, decode_tok_s
+from kvq.bench.decode_speed import Generate, decode_tok_s
 from kvq.paths import cache_dir
 
 WEIGHTS = ("fp8-block", "int4")
@@ -50,7 +51,7 @@ def bench_models(config: MlaBenchConfig) -> dict[str, Path]:
     from kvq.calibrate.run import calibrate
     from kvq.compress.recipe import load_recipe
     from kvq.compress.runner import prepare, run
-    from kvq.testing.checkpoint_fixtures import build_fixture
+    from kvq.fixtures.checkpoint_fixtures import build_fixture
 
     root = cache_dir() / "bench"
     paths = {
@@ -101,14 +102,14 @@ def run_mla_bench(config: MlaBenchConfig) -> MlaBenchResult:
     torch.set_num_threads(config.threads)
     result = MlaBenchResult(config=asdict(config))
     paths = bench_models(config)
-    timing = DecodeBenchConfig(threads=config.threads, repeats=config.repeats, new_tokens=config.new_tokens)
     for batch_size in (1, config.batch_size):
         contenders = {
             name(weights, latent, batch_size): mla_generate(paths[weights], config, latent, batch_size)
             for weights in WEIGHTS
             for latent in LATENTS
         }
-        result.tok_s.update(decode_tok_s(contenders, timing))
+        runs = decode_tok_s(contenders, 1, config.new_tokens, config.repeats)  # tok/s per sequence
+        result.tok_s.update({contender: statistics.median(r) for contender, r in runs.items()})
         del contenders
     model = read_text_model(paths["int4"])
     spec = kv_cache_spec(model.fields, model.at)

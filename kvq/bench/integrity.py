@@ -34,6 +34,7 @@ from rich.table import Table
 
 from kvq.bench.integrity_drill import drill_rows, drill_table
 from kvq.bench.integrity_lockstep import TrackerTimer, lockstep_round, summarize
+from kvq.byte_sizes import SIZE_HELP
 from kvq.commands.render import console
 
 if TYPE_CHECKING:
@@ -186,7 +187,9 @@ def bench_integrity_command(
         int, typer.Option(help="Prompt tokens every request shares.")
     ] = IntegrityBenchConfig.shared_prefix_tokens,
     threads: Annotated[int, typer.Option(help="torch threads.")] = IntegrityBenchConfig.threads,
-    kv_memory: Annotated[str, typer.Option(help="KV pool of each engine.")] = IntegrityBenchConfig.kv_memory,
+    kv_memory: Annotated[
+        str, typer.Option(help=f"KV pool of each engine, e.g. 256MiB. {SIZE_HELP}")
+    ] = IntegrityBenchConfig.kv_memory,
     drill: Annotated[
         bool, typer.Option(help="Also inject every fault and report what was caught.")
     ] = IntegrityBenchConfig.drill,
@@ -216,7 +219,7 @@ def bench_integrity_command(
         drill=drill,
     )
     if model is None:
-        from kvq.testing.smollm2 import ensure_smollm2
+        from kvq.data.embedded_model import ensure_smollm2
 
         model = ensure_smollm2().bf16
     result = run_bench(config, model)

@@ -3,7 +3,8 @@
 GQA models (llama, glm4_moe, ...) cache post-RoPE K and V per KV head. MLA models (glm_moe_dsa,
 DeepSeek-V3, Kimi K2: any config with `kv_lora_rank`) cache one latent per token: `kv_c` (the
 `kv_a_layernorm` output, `kv_lora_rank` wide) next to `k_pe` (the RoPE'd key part, `qk_rope_head_dim`
-wide), and vLLM / SGLang quantize that whole entry with the layer's single `k_scale`. Pure functions of
+wide), and vLLM / SGLang quantize that whole entry with the layer's single `k_scale`. The geometry is
+`kvq.checkpoint.kv_cache_spec`'s (the one source the plan and the runtime pool use). Pure functions of
 the config and the checkpoint's tensor names; imports kvq.checkpoint and kvq.errors only.
 """
 
@@ -13,6 +14,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+from kvq.checkpoint.kv_cache_spec import kv_cache_spec
+from kvq.checkpoint.model_config import positive_int
 from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
 
@@ -42,28 +45,24 @@ class KvLayout:
         return ("kv_c", "k_pe") if self.is_mla else ("k", "v")
 
 
-def kv_layout(config: dict, where: str) -> KvLayout:
-    """The KV layout declared by a config.json dict; `where` names the file in errors."""
-    text = config
-    num_layers = int(text.get("num_hidden_layers") or 0)
-    max_positions = int(text.get("max_position_embeddings") or 0)
-    if num_layers < 1:
-        raise KvqError(
-            f"{where}: num_hidden_layers is {num_layers}: this model has no attention layers, "
-            "so it has no KV cache to calibrate"
+def kv_layout(config: dict, at: str) -> KvLayout:
+    """The KV layout of the language model whose config.json fields are `config` (`kvq.checkpoint.
+    kv_cache_spec` reads them); `at` starts error messages ("path/config.json: text_config.")."""
+    spec = kv_cache_spec(config, at)
+    max_positions = int(config.get("max_position_embeddings") or 0)
+    if spec.is_mla:
+        nope = positive_int(config, "qk_nope_head_dim", at, "it splits the MLA key into k_nope and k_pe")
+        return KvLayout(
+            "mla",
+            spec.num_layers,
+            1,
+            spec.head_dim,
+            max_positions,
+            spec.kv_lora_rank,
+            spec.qk_rope_head_dim,
+            nope,
         )
-    if text.get("kv_lora_rank"):
-        rank, rope, nope = (int(text[k]) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"))
-        return KvLayout("mla", num_layers, 1, rank + rope, max_positions, rank, rope, nope)
-    if not text.get("num_attention_heads"):
-        raise KvqError(
-            f"{where}: no num_attention_heads and no kv_lora_rank: kvq cannot tell what the KV "
-            "cache of this model holds; is it a decoder-only transformer?"
-        )
-    num_heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // num_heads)
-    num_kv_heads = int(text.get("num_key_value_heads") or num_heads)
-    return KvLayout("gqa", num_layers, num_kv_heads, head_dim, max_positions)
+    return KvLayout("gqa", spec.num_layers, spec.num_kv_heads, spec.head_dim, max_positions)
 
 
 def layer_tensor_names(ckpt: Checkpoint, num_layers: int) -> list[list[str]]:

@@ -1,10 +1,12 @@
 """Run calibration samples through a model one decoder layer at a time, never holding the whole model.
 
-The model is built on the meta device (no memory) from config.json so each transformers decoder layer
-class is used as is. Embeddings turn every sample into hidden states; then for each layer: load only
-that layer's weights from the shards (dequantizing FP8 / INT4), run every sample through it with the
-model's rotary embedding and causal mask and a `KvRecorder` as its cache, free it, and carry the
-hidden states on. Peak memory: one layer plus the hidden states of all samples.
+The model is built on the meta device (no memory) from config.json's language model
+(`kvq.checkpoint.model_config`) so each transformers decoder layer class is used as is; the checkpoint is
+read through `Checkpoint.under(weight_prefix)`, in transformers' tensor names. Embeddings turn every
+sample into hidden states; then for each layer: load only that layer's weights from the shards
+(dequantizing FP8 / INT4), run every sample through it with the model's rotary embedding and causal mask
+and a `KvRecorder` as its cache, free it, and carry the hidden states on. Peak memory: one layer plus
+the hidden states of all samples.
 Imports torch, transformers and kvq (checkpoint, calibrate).
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
 from kvq.calibrate.layer_weights import load_layer_weights
@@ -41,21 +43,6 @@ class StreamState:
 
     hidden: list[torch.Tensor]  # each [1, S, hidden] in the compute dtype
     topk: list[torch.Tensor | None]  # per sample, the previous full-indexer layer's top-k (glm_moe_dsa)
-
-
-def hf_config(ckpt: Checkpoint) -> PretrainedConfig:
-    """The transformers config of `ckpt` without its quantization_config (weights arrive dense)."""
-    try:
-        config = AutoConfig.from_pretrained(ckpt.root)
-    except (ValueError, KeyError, OSError) as e:
-        raise KvqError(
-            f"{ckpt.root / 'config.json'}: transformers cannot build this model ({e}); kvq "
-            "calibrate runs transformers' own decoder layers, so the model type must be one "
-            "transformers knows"
-        ) from e
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    return config
 
 
 def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:

@@ -17,11 +17,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from kvq import __version__
 from kvq.calibrate.config import CalibrationConfig
 from kvq.calibrate.kv_layout import KvLayout, kv_layout, layer_tensor_names
-from kvq.calibrate.layer_stream import embed, hf_config, meta_model, run_layers
+from kvq.calibrate.layer_stream import embed, meta_model, run_layers
 from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.samples import CalibrationSamples, build_samples
 from kvq.calibrate.scales import layer_scales
 from kvq.calibrate.write_scales import SCALES_FILE, apply_update, plan_update
+from kvq.checkpoint.model_config import TextModel, pretrained_config, text_model
 from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint
 from kvq.data.texts import load_texts, source_name
 from kvq.errors import KvqError
@@ -40,7 +41,7 @@ class CalibrationResult:
     layout: KvLayout
     samples: CalibrationSamples
     recorder: KvRecorder
-    scales: dict[str, torch.Tensor]  # tensor name -> bf16 scale, as written
+    scales: dict[str, torch.Tensor]  # tensor name (as stored, with the weight prefix) -> bf16 scale
     record: dict  # the manifest's kv_calibration entry
 
 
@@ -52,9 +53,11 @@ def calibrate(
 ) -> CalibrationResult:
     """Calibrate FP8 KV scales for the checkpoint at `path` and write them into it."""
     ckpt = Checkpoint.open(path)
-    layout = kv_layout(ckpt.config, str(ckpt.root / CONFIG_NAME))
+    model = text_model(ckpt.config, str(ckpt.root / CONFIG_NAME))
+    lm = ckpt.under(model.weight_prefix)  # the language model, in transformers' tensor names
+    layout = kv_layout(model.fields, model.at)
     check_run(layout, config, str(ckpt.root / CONFIG_NAME))
-    layer_names = layer_tensor_names(ckpt, layout.num_layers)
+    layer_names = layer_tensor_names(lm, layout.num_layers)
     samples = build_samples(
         load_texts(config.dataset, config.split),
         load_tokenizer(ckpt.root),
@@ -67,11 +70,14 @@ def calibrate(
     plan_update(ckpt, {}, config.strategy, {})
     if on_start is not None:
         on_start(layout.num_layers)
-    recorder = measure_kv(ckpt, layout, layer_names, samples.input_ids, DTYPES[config.dtype], on_layer_done)
+    recorder = measure_kv(
+        lm, model, layout, layer_names, samples.input_ids, DTYPES[config.dtype], on_layer_done
+    )
     scales: dict[str, torch.Tensor] = {}
     for i in range(layout.num_layers):
         scales |= layer_scales(layout, config.strategy, i, recorder.amax[i])
     record = run_record(layout, config, samples, recorder, scales)
+    scales = {model.checkpoint_name(name): scale for name, scale in scales.items()}
     apply_update(ckpt, scales, plan_update(ckpt, scales, config.strategy, record))
     return CalibrationResult(layout, samples, recorder, scales, record)
 
@@ -102,17 +108,19 @@ def load_tokenizer(root: Path) -> PreTrainedTokenizerBase:
 
 def measure_kv(
     ckpt: Checkpoint,
+    model: TextModel,
     layout: KvLayout,
     layer_names: list[list[str]],
     input_ids: torch.Tensor,
     dtype: torch.dtype,
     on_layer_done: LayerDone | None = None,
 ) -> KvRecorder:
-    """Stream the layers over `input_ids` `[N, S]` and return the running maxima (no writing)."""
-    model = meta_model(hf_config(ckpt), dtype)
-    state = embed(model, ckpt, input_ids)
+    """Stream the layers of `ckpt` (the language model, in transformers' names) over `input_ids` `[N, S]`
+    and return the running maxima (no writing)."""
+    hf_model = meta_model(pretrained_config(model), dtype)
+    state = embed(hf_model, ckpt, input_ids)
     recorder = KvRecorder(layout)
-    run_layers(model, ckpt, layer_names, state, recorder, on_layer_done)
+    run_layers(hf_model, ckpt, layer_names, state, recorder, on_layer_done)
     return recorder
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvq.calibrate.kv_layout import KvLayout
-from kvq.formats.fp8_block import FP8_E4M3_MAX
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 
 SCALE_DTYPE = torch.bfloat16
 

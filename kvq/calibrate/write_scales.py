@@ -15,6 +15,7 @@ import torch
 from compressed_tensors.quantization import QuantizationConfig
 from pydantic import ValidationError
 
+from kvq.checkpoint.model_config import with_quantization_config
 from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint, read_json
 from kvq.checkpoint.write import save_safetensors_atomic, write_index, write_json_atomic
 from kvq.errors import KvqError
@@ -93,9 +94,9 @@ def plan_update(
     weight_map = {n: info.file.relative_to(ckpt.root).as_posix() for n, info in kept.items()}
     weight_map |= {name: SCALES_FILE for name in scales}
     total_size = sum(info.nbytes for info in kept.values()) + sum(t.nbytes for t in scales.values())
-    config = dict(ckpt.config)
-    config["quantization_config"] = quantization_config_with_kv(
-        ckpt.quantization_config, strategy, str(ckpt.root / CONFIG_NAME)
+    config = with_quantization_config(
+        ckpt.config,
+        quantization_config_with_kv(ckpt.quantization_config, strategy, str(ckpt.root / CONFIG_NAME)),
     )
     manifest_path = ckpt.root / MANIFEST_NAME
     manifest = read_json(manifest_path, "kvq manifest") if manifest_path.exists() else {}

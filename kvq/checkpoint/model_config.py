@@ -158,6 +158,27 @@ def quantization_config_of(config: dict) -> dict:
     return (nested.get("quantization_config") or {}) if isinstance(nested, dict) else {}
 
 
+def weight_prefix_of(config: dict) -> str:
+    """The tensor-name prefix of a config.json's language model ("" unless nested). No validation:
+    `kvq compress` works on tensor names of any architecture."""
+    wrapper = WRAPPERS.get(config.get("model_type"))  # type: ignore[arg-type]
+    return wrapper.weight_prefix if wrapper else ""
+
+
+def with_quantization_config(config: dict, quant: dict) -> dict:
+    """A copy of config.json with `quant` as its quantization_config, where the checkpoint keeps it: inside
+    `text_config` for a Kimi K2.5 / K2.6 wrapper (as the release does; vLLM and compressed-tensors look
+    there after the top level), else at the top level."""
+    out = dict(config)
+    wrapper = WRAPPERS.get(config.get("model_type"))  # type: ignore[arg-type]
+    if wrapper is None or not isinstance(config.get(wrapper.text_key), dict):
+        out["quantization_config"] = quant
+        return out
+    out.pop("quantization_config", None)
+    out[wrapper.text_key] = {**config[wrapper.text_key], "quantization_config": quant}
+    return out
+
+
 def pretrained_config(model: TextModel) -> PretrainedConfig:
     """The transformers config of the language model (DeepseekV3Config for kimi_k2), without its
     quantization_config: kvq's readers hand transformers dense weights."""
@@ -258,23 +279,29 @@ def _check_router(fields: dict, at: str) -> None:
         )
 
 
-def rope_type(fields: dict) -> tuple[str, dict]:
-    """(The RoPE type, its parameters) from `rope_parameters` (transformers 5) or `rope_scaling` (the
-    checkpoints' own configs, DeepSeek-V3 and Kimi: `type: yarn`); "default" when neither scales."""
-    params = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+def rope_type(params: object) -> str:
+    """The RoPE type of a `rope_parameters` (transformers 5) or `rope_scaling` (the checkpoints' own
+    configs, DeepSeek-V3 and Kimi: `type: yarn`) value; "default" when it does not scale."""
+    if not params:
+        return "default"
     if not isinstance(params, dict):
-        return repr(params), {}
-    return str(params.get("rope_type") or params.get("type") or "default"), params
+        return repr(params)
+    return str(params.get("rope_type") or params.get("type") or "default")
 
 
 def _check_rope(fields: dict, at: str, allowed: tuple[str, ...]) -> None:
-    kind, params = rope_type(fields)
-    key = "rope_parameters" if fields.get("rope_parameters") else "rope_scaling"
-    if kind not in allowed:
-        raise KvqError(
-            f"{at}{key} type {kind!r} is not implemented for this architecture; supported RoPE "
-            f"types: {', '.join(allowed)}"
-        )
-    factor = params.get("factor")
-    if kind == "yarn" and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):
-        raise KvqError(f"{at}{key}.factor is {factor!r}; YaRN needs its scaling factor, a positive number")
+    """Both keys, when a config carries both (transformers reads either)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params, kind = fields.get(key), rope_type(fields.get(key))
+        if kind not in allowed:
+            raise KvqError(
+                f"{at}{key} type {kind!r} is not implemented for this architecture; supported RoPE "
+                f"types: {', '.join(allowed)}"
+            )
+        factor = params.get("factor") if isinstance(params, dict) else None
+        if kind == "yarn" and (
+            isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0
+        ):
+            raise KvqError(
+                f"{at}{key}.factor is {factor!r}; YaRN needs its scaling factor, a positive number"
+            )

@@ -7,6 +7,7 @@ and the `kvq compress` parent only read headers).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -93,6 +94,15 @@ class Checkpoint:
     def tensor_bytes(self) -> int:
         return sum(info.nbytes for info in self.tensors.values())
 
+    def under(self, prefix: str) -> Checkpoint:
+        """The tensors named `prefix...`, known without the prefix: a multimodal checkpoint's language model
+        (`language_model.model.layers.0...` -> `model.layers.0...`, the transformers names) with its vision
+        tower left out. Reads still use the stored names (`TensorInfo.name`)."""
+        if not prefix:
+            return self
+        tensors = {n.removeprefix(prefix): i for n, i in self.tensors.items() if n.startswith(prefix)}
+        return dataclasses.replace(self, tensors=tensors)
+
     def info(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]
@@ -113,7 +123,7 @@ class Checkpoint:
         for file, file_names in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for name in file_names:
-                    out[name] = f.get_tensor(name)
+                    out[name] = f.get_tensor(self.tensors[name].name)  # the stored name (see `under`)
         return out
 
 

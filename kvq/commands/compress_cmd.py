@@ -8,11 +8,13 @@ from typing import Annotated
 
 import typer
 
-from kvq.commands.recipe_options import GroupSizeOption, RecipeOption
-from kvq.commands.render import console, human_bytes
+from kvq.byte_sizes import format_bytes
+from kvq.commands.recipe_options import GroupSizeOption, RecipeOption, TargetOption
+from kvq.commands.render import console
 from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import load_recipe
 from kvq.compress.runner import CompressReport, PreparedJob, peak_rss_bound, prepare, run
+from kvq.compress.tensor_plan import VLLM, KeptTensor
 
 _SHOWN_KEPT = 8
 
@@ -31,6 +33,7 @@ def compress_command(
     ],
     recipe: RecipeOption,
     group_size: GroupSizeOption = None,
+    target: TargetOption = VLLM,
     workers: Annotated[
         int, typer.Option("--workers", help="Shards compressed in parallel, one process each.")
     ] = default_workers(),
@@ -45,19 +48,23 @@ def compress_command(
     compressed-tensors quantization_config), tokenizer/generation files and kvq_manifest.json.
 
     Memory: tensors are streamed one at a time, so peak RSS is bounded by the workers, not by the model
-    or shard size: about 0.5 GB + workers x (0.25 GB + the largest weight quantized as stored plus 2
-    bytes per element and 32 MiB, or the largest FP8 weight kept plus 32 MiB, at least 64 MiB); printed
-    at start.
+    or shard size: about 0.5 GB + workers x (0.25 GB + the largest weight quantized, or FP8 weight
+    written as BF16, as stored plus 2 bytes per element and 32 MiB, or the largest FP8 weight kept plus
+    32 MiB, at least 64 MiB); printed at start.
+    Target: vllm keeps FP8-block weights FP8, except those no engine runs in that form (a partial input
+    block; a fused layer with partial output blocks), written as BF16; sglang writes every FP8 weight
+    not quantized as BF16. Both are listed. After writing, `kvq check` runs on OUT and prints which
+    engine loads it.
     Resume: re-run the same command on the same OUT; shards whose size and sha256 match the manifest are
     kept. SRC is never modified.
     """
-    job = prepare(src, out, load_recipe(recipe, group_size))
+    job = prepare(src, out, load_recipe(recipe, group_size), target)
     workers = max(1, workers)  # a few shards are cut into parts, so every worker has work
     console.print(
         f"kvq compress: {job.ckpt.root} ({job.ckpt.format}, {len(job.jobs)} shards, "
-        f"{human_bytes(job.input_bytes)}) -> {job.out}, recipe {job.recipe.name} "
-        f"(group {job.recipe.group_size}), {workers} workers, peak memory <= ~"
-        f"{human_bytes(peak_rss_bound(job.plan, workers))}"
+        f"{format_bytes(job.input_bytes)}) -> {job.out}, recipe {job.recipe.name} "
+        f"(group {job.recipe.group_size}), target {target}, {workers} workers, peak memory <= ~"
+        f"{format_bytes(peak_rss_bound(job.plan, workers))}"
     )
     try:
         report = _run(job, workers, quiet)
@@ -68,6 +75,10 @@ def compress_command(
         )
         raise typer.Exit(130) from None
     _print_report(report, job.input_bytes)
+    from kvq.check import check_checkpoint
+    from kvq.commands.check_cmd import print_report
+
+    print_report(check_checkpoint(job.out))
 
 
 def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:
@@ -97,12 +108,18 @@ def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:
 def _print_report(report: CompressReport, input_bytes: int) -> None:
     resumed = f", {len(report.shards_resumed)} kept from an earlier run" if report.shards_resumed else ""
     console.print(
-        f"wrote {len(report.shards_written)} shard(s){resumed}: {human_bytes(input_bytes)} -> "
-        f"{human_bytes(report.output_bytes)} in {report.wall_s:.1f} s -> {report.out}"
+        f"wrote {len(report.shards_written)} shard(s){resumed}: {format_bytes(input_bytes)} -> "
+        f"{format_bytes(report.output_bytes)} in {report.wall_s:.1f} s -> {report.out}"
     )
-    if report.kept:
-        console.print(f"kept at source precision ({len(report.kept)}):")
-        for kept in report.kept[:_SHOWN_KEPT]:
-            console.print(f"  {kept.name} {list(kept.shape)}: {kept.reason}")
-        if len(report.kept) > _SHOWN_KEPT:
-            console.print(f"  ... and {len(report.kept) - _SHOWN_KEPT} more (listed in kvq_manifest.json)")
+    _print_tensors("kept at source precision", report.kept)
+    _print_tensors("FP8-block written as BF16", report.dequantized)
+
+
+def _print_tensors(title: str, tensors: list[KeptTensor]) -> None:
+    if not tensors:
+        return
+    console.print(f"{title} ({len(tensors)}):")
+    for kept in tensors[:_SHOWN_KEPT]:
+        console.print(f"  {kept.name} {list(kept.shape)}: {kept.reason}")
+    if len(tensors) > _SHOWN_KEPT:
+        console.print(f"  ... and {len(tensors) - _SHOWN_KEPT} more (listed in {MANIFEST_NAME})")

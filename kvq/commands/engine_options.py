@@ -7,18 +7,17 @@ from typing import Annotated
 
 import typer
 
+from kvq.byte_sizes import SIZE_HELP
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPE_HELP, kv_cache_dtype_flag
+
 ModelArgument = Annotated[
     Path, typer.Argument(help="Checkpoint directory (BF16, FP8-block or compressed-tensors).")
 ]
-KvCacheDtypeOption = Annotated[
-    str,
-    typer.Option(
-        help="auto (fp8_e4m3 when the checkpoint has kv scales, else the activation dtype), bf16 or fp8_e4m3."
-    ),
-]
+KvCacheDtypeOption = Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP, callback=kv_cache_dtype_flag)]
 PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page.")]
 KvMemoryOption = Annotated[
-    str | None, typer.Option(help="KV pool size, e.g. 512MiB (default: a fraction of free memory).")
+    str | None,
+    typer.Option(help=f"KV pool size, e.g. 512MiB (default: a fraction of free memory). {SIZE_HELP}"),
 ]
 RequireKvScalesOption = Annotated[
     bool,
@@ -36,5 +35,12 @@ KvIntegrityOption = Annotated[
         "catches freed, reused, misdirected and stale pages); full (tags, plus a hash of sampled "
         "bytes of every full page, taken when it was written: catches bytes changed in place). A "
         "failed check stops the request with an error naming the page."
+    ),
+]
+LmHeadWeightsOption = Annotated[
+    str,
+    typer.Option(
+        help="stored (the lm_head as the checkpoint has it; a tied embedding stays BF16) or int4 (a W4A16 "
+        "copy made at load, group 32: faster decode on CPU, some quality cost: measure it with kvq eval)."
     ),
 ]

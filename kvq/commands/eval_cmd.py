@@ -19,6 +19,7 @@ from kvq.commands.engine_options import (
     DtypeOption,
     KvCacheDtypeOption,
     KvMemoryOption,
+    LmHeadWeightsOption,
     ModelArgument,
     ThreadsOption,
 )
@@ -46,6 +47,7 @@ def eval_command(
     kv_memory: KvMemoryOption = None,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
 ) -> None:
     """Perplexity of MODEL (and of --baseline) on held-out text, computed by the kvq runtime itself."""
@@ -66,6 +68,7 @@ def eval_command(
             kv_cache_dtype=kv_cache_dtype,
             kv_memory=kv_memory,
             threads=threads,
+            lm_head_weights=lm_head_weights,
             max_num_seqs=num_windows,
         )
         engine = Engine(config)

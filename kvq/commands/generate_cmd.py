@@ -12,6 +12,7 @@ from kvq.commands.engine_options import (
     KvCacheDtypeOption,
     KvIntegrityOption,
     KvMemoryOption,
+    LmHeadWeightsOption,
     ModelArgument,
     PageSizeOption,
     RequireKvScalesOption,
@@ -38,6 +39,7 @@ def generate_command(
     require_kv_scales: RequireKvScalesOption = False,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
 ) -> None:
@@ -60,6 +62,7 @@ def generate_command(
         kv_memory=kv_memory,
         require_kv_scales=require_kv_scales,
         threads=threads,
+        lm_head_weights=lm_head_weights,
         max_num_seqs=1,
         kv_integrity=kv_integrity,
     )

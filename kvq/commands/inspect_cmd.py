@@ -9,8 +9,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from kvq.byte_sizes import format_bytes
 from kvq.checkpoint.reader import Checkpoint
-from kvq.commands.render import console, human_bytes, human_count
+from kvq.commands.render import console, human_count
 from kvq.inspect import InspectReport, summarize
 
 
@@ -21,7 +22,7 @@ def render(report: InspectReport) -> Table:
         table.add_column(col, justify="left" if col in ("module kind", "dtypes") else "right")
     for kind, row in report.kinds.items():
         table.add_row(
-            kind, str(row.tensors), human_count(row.parameters), ",".join(row.dtypes), human_bytes(row.bytes)
+            kind, str(row.tensors), human_count(row.parameters), ",".join(row.dtypes), format_bytes(row.bytes)
         )
     t = report.total
     table.add_row(
@@ -29,7 +30,7 @@ def render(report: InspectReport) -> Table:
         str(t.tensors),
         human_count(t.parameters),
         ",".join(t.dtypes),
-        f"{human_bytes(t.bytes)} ({t.bytes} B)",
+        f"{format_bytes(t.bytes)} ({t.bytes} B)",
         end_section=True,
     )
     return table

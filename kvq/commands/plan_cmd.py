@@ -13,15 +13,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from kvq.byte_sizes import SIZE_HELP, format_bytes, parse_bytes
 from kvq.checkpoint.kv_cache_spec import kv_cache_spec
+from kvq.checkpoint.model_config import weight_prefix_of
 from kvq.commands.inspect_cmd import render as render_stored
 from kvq.commands.recipe_options import GroupSizeOption
-from kvq.commands.render import console, human_bytes, human_count
+from kvq.commands.render import console, human_count
 from kvq.compress.recipe import available_recipes, load_recipe
-from kvq.compress.serving_memory import ServingMemory, parse_bytes, serving_memory, weight_bytes
+from kvq.compress.serving_memory import KV_CACHE_DTYPES, ServingMemory, serving_memory, weight_bytes
 from kvq.compress.size_plan import SizePlan, size_plan
 from kvq.compress.source import PlanSource, open_source
-from kvq.compress.tensor_plan import build_plan
+from kvq.compress.tensor_plan import TARGETS, build_plan
 from kvq.errors import KvqError
 from kvq.inspect import summarize_tensors
 
@@ -53,7 +55,7 @@ def plan_command(
         ),
     ] = None,
     gpu_mem: Annotated[
-        str | None, typer.Option("--gpu-mem", help="Memory per GPU, e.g. 80GB (10^9 B) or 141GiB (2^30 B).")
+        str | None, typer.Option("--gpu-mem", help=f"Memory per GPU, e.g. 80GB or 141GiB. {SIZE_HELP}")
     ] = None,
     mem_fraction: Annotated[
         float,
@@ -65,10 +67,18 @@ def plan_command(
         ),
     ] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    old_kv_dtype: Annotated[
+        str | None, typer.Option("--kv-dtype", "--kv-cache-dtype", hidden=True, help="Not needed: see below.")
+    ] = None,
 ) -> None:
     """Plan a compression: per module kind, tensors, parameters and bytes before and after, the exact output
     size; for an already-compressed checkpoint, what it stores. With --tp/--gpu-mem: the weight memory per
     GPU and the KV-cache tokens that fit, BF16 vs FP8 (e4m3). Reads headers only; writes nothing."""
+    if old_kv_dtype is not None:
+        raise KvqError(
+            "kvq plan shows the KV tokens of every KV cache dtype side by side "
+            f"({', '.join(KV_CACHE_DTYPES)}, vLLM's names): drop --kv-dtype / --kv-cache-dtype"
+        )
     source = open_source(src)
     if tp is not None or gpu_mem is not None:
         if tp is None or gpu_mem is None:
@@ -88,8 +98,15 @@ def plan_command(
             "or a YAML path) to plan what kvq compress would write"
         )
     the_recipe = load_recipe(recipe, group_size)
-    plan = build_plan(source.tensors, the_recipe, source.block)
+    prefix = weight_prefix_of(source.config)
+    plan = build_plan(source.tensors, the_recipe, source.block, weight_prefix=prefix)
     sizes = size_plan(plan, source.file_bytes)
+    target_bytes = {  # the same plan for each --target of kvq compress (the table is vllm's)
+        target: size_plan(
+            build_plan(source.tensors, the_recipe, source.block, target, prefix), 0
+        ).output_file_bytes
+        for target in TARGETS
+    }
     memory = before = None
     if tp is not None and gpu_mem is not None:
         outputs = ((out.name, out.nbytes) for task in plan.tasks for out in task.outputs)
@@ -105,6 +122,7 @@ def plan_command(
                     "is_bare_config": source.is_bare_config,
                     "recipe": the_recipe.identity(),
                     "plan": sizes.to_json(),
+                    "output_file_bytes_by_target": target_bytes,
                     "serving": memory.to_json() if memory else None,
                     "serving_source": before.to_json() if before else None,
                 },
@@ -114,6 +132,10 @@ def plan_command(
         return
     console.print(render(source, sizes))
     _print_kept(sizes)
+    console.print(
+        "output by --target: "
+        + ", ".join(f"{target} {format_bytes(n)} ({n} B)" for target, n in target_bytes.items())
+    )
     if memory is not None and before is not None:
         console.print(_render_memory([("source as stored", before), (f"after {the_recipe.name}", memory)]))
 
@@ -151,7 +173,7 @@ def _serving(
     model = source.model
     spec = kv_cache_spec(model.fields, model.at)
     weights = weight_bytes(tensors, int(model.fields["num_hidden_layers"]))
-    return serving_memory(spec, weights, tp, parse_bytes(gpu_mem), mem_fraction)
+    return serving_memory(spec, weights, tp, parse_bytes(gpu_mem, "--gpu-mem"), mem_fraction)
 
 
 def render(source: PlanSource, sizes: SizePlan) -> Table:
@@ -165,13 +187,13 @@ def render(source: PlanSource, sizes: SizePlan) -> Table:
             f"[bold]{kind}[/bold]" if kind == "total" else kind,
             f"{row.tensors_before} -> {row.tensors_after}",
             human_count(row.parameters),
-            human_bytes(row.bytes_before),
-            human_bytes(row.bytes_after),
+            format_bytes(row.bytes_before),
+            format_bytes(row.bytes_after),
             ratio,
             end_section=kind == "total" or kind == list(sizes.kinds)[-1],
         )
     table.caption = (
-        f"files: {human_bytes(sizes.source_file_bytes)} -> predicted {human_bytes(sizes.output_file_bytes)}"
+        f"files: {format_bytes(sizes.source_file_bytes)} -> predicted {format_bytes(sizes.output_file_bytes)}"
         f" ({sizes.output_file_bytes} B); {sizes.num_int4} Linears to INT4, "
         f"{sizes.num_fp8_kept} kept FP8-block, {len(sizes.kept)} kept at source precision"
     )
@@ -192,7 +214,7 @@ def _render_memory(columns: list[tuple[str, ServingMemory]]) -> Table:
     """One column per way of serving the model (the source as stored, the recipe's output)."""
     first = columns[0][1]
     fraction = f"--mem-fraction {first.mem_fraction:g}"
-    table = Table(title=f"serving on {first.tp} GPU(s) of {human_bytes(first.gpu_mem_bytes)}, {fraction}")
+    table = Table(title=f"serving on {first.tp} GPU(s) of {format_bytes(first.gpu_mem_bytes)}, {fraction}")
     table.add_column("per GPU", justify="left")
     for label, _ in columns:
         table.add_column(label, justify="right")
@@ -200,14 +222,14 @@ def _render_memory(columns: list[tuple[str, ServingMemory]]) -> Table:
     def row(label: str, value: Callable[[ServingMemory], str]) -> None:
         table.add_row(label, *(value(memory) for _, memory in columns))
 
-    row("weights", lambda m: human_bytes(m.weight_bytes_per_gpu))
+    row("weights", lambda m: format_bytes(m.weight_bytes_per_gpu))
     row(
         f"  replicated + split/{first.tp}",
-        lambda m: f"{human_bytes(m.weights.replicated)} + {human_bytes(m.weights.split)}",
+        lambda m: f"{format_bytes(m.weights.replicated)} + {format_bytes(m.weights.split)}",
     )
     if any(m.weights.mtp for _, m in columns):
-        row("MTP layers (loaded only to speculate)", lambda m: human_bytes(m.weights.mtp))
-    row("KV pool: fraction x memory - weights", lambda m: human_bytes(m.kv_budget_bytes))
+        row("MTP layers (loaded only to speculate)", lambda m: format_bytes(m.weights.mtp))
+    row("KV pool: fraction x memory - weights", lambda m: format_bytes(m.kv_budget_bytes))
     for i, fit in enumerate(first.kv):
         indexer = f" ({fit.indexer_bytes_per_token} indexer)" if fit.indexer_bytes_per_token else ""
         table.add_row(

@@ -1,19 +1,11 @@
-"""Shared terminal rendering for commands: human-readable sizes and a rich console on stdout."""
+"""Shared terminal rendering for commands: a rich console on stdout and human-readable counts (sizes:
+`kvq.byte_sizes.format_bytes`)."""
 
 from __future__ import annotations
 
 from rich.console import Console
 
 console = Console(highlight=False)
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def human_count(n: float) -> str:

@@ -11,6 +11,7 @@ from kvq.commands.engine_options import (
     KvCacheDtypeOption,
     KvIntegrityOption,
     KvMemoryOption,
+    LmHeadWeightsOption,
     ModelArgument,
     PageSizeOption,
     RequireKvScalesOption,
@@ -39,6 +40,7 @@ def serve_command(
     require_kv_scales: RequireKvScalesOption = False,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
 ) -> None:
     """Serve MODEL over HTTP: /v1/completions and /v1/chat/completions (OpenAI's API, `stream: true` as
@@ -65,6 +67,7 @@ def serve_command(
         kv_memory=kv_memory,
         require_kv_scales=require_kv_scales,
         threads=threads,
+        lm_head_weights=lm_head_weights,
         max_num_seqs=max_num_seqs,
         kv_integrity=kv_integrity,
     )

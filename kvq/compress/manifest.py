@@ -31,8 +31,13 @@ def source_fingerprint(ckpt: Checkpoint) -> str:
     return digest.hexdigest()
 
 
-def job_identity(recipe_identity: dict, fingerprint: str) -> dict:
-    return {"recipe": recipe_identity, "source_fingerprint": fingerprint, "kvq_version": __version__}
+def job_identity(recipe_identity: dict, fingerprint: str, target: str) -> dict:
+    return {
+        "recipe": recipe_identity,
+        "source_fingerprint": fingerprint,
+        "target": target,
+        "kvq_version": __version__,
+    }
 
 
 def read_manifest(out: Path) -> dict | None:
@@ -51,7 +56,8 @@ def write_manifest(out: Path, updates: dict) -> dict:
 def describe_identity(identity: dict) -> str:
     recipe = identity.get("recipe", {})
     return (
-        f"recipe {recipe.get('name')!r} (group {recipe.get('group_size')}), source fingerprint "
+        f"recipe {recipe.get('name')!r} (group {recipe.get('group_size')}), target "
+        f"{identity.get('target')}, source fingerprint "
         f"{str(identity.get('source_fingerprint'))[:12]}, kvq {identity.get('kvq_version')}"
     )
 

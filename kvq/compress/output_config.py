@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from kvq.checkpoint.fused_layers import FUSED_LAYERS
 from kvq.compress.recipe import Recipe, matches_target
 from kvq.compress.tensor_plan import CompressPlan
 
@@ -85,14 +86,6 @@ def _scheme(targets: list[str], weights: dict, fmt: str, input_activations: dict
         "output_activations": None,
         "format": fmt,
     }
-
-
-# Fused layers of vLLM's / SGLang's llama, glm4_moe and deepseek_v2 (GLM-5) models: `packed_modules_mapping`.
-FUSED_LAYERS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
-}
 
 
 def fp8_targets(modules: list[str]) -> list[str]:

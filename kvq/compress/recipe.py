@@ -19,7 +19,7 @@ import yaml
 from kvq.errors import KvqError
 from kvq.formats.shapes import GROUP_SIZES
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: installed with kvq
 _MODIFIER = "QuantizationModifier"
 _MODIFIER_KEYS = {"targets", "scheme", "config_groups", "ignore"}
 _GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
@@ -48,10 +48,13 @@ class Recipe:
     ignore: tuple[str, ...]
     group_size: int
 
-    def matches(self, module: str) -> bool:
-        """True if the Linear `module` is targeted and not ignored (compressed-tensors semantics)."""
-        return any(matches_target(module, t) for t in self.targets) and not any(
-            matches_target(module, i) for i in self.ignore
+    def matches(self, *names: str) -> bool:
+        """True if the Linear known by `names` is targeted and not ignored (compressed-tensors semantics).
+
+        `names`: its stored name and, in a multimodal checkpoint, its name without the language-model
+        prefix, so `lm_head` in `ignore` also covers Kimi K2.5's `language_model.lm_head`."""
+        return any(matches_target(n, t) for n in names for t in self.targets) and not any(
+            matches_target(n, i) for n in names for i in self.ignore
         )
 
     def with_group_size(self, group_size: int | None) -> Recipe:
@@ -104,7 +107,7 @@ def available_recipes() -> list[str]:
 
 
 def resolve_recipe_path(recipe: str) -> Path:
-    """A recipe name from `recipes/` (e.g. `w4a16-experts`) or a path to a YAML file."""
+    """A recipe name from `kvq/recipes/` (e.g. `w4a16-experts`) or a path to a YAML file."""
     path = Path(recipe)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():

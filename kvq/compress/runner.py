@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvq import __version__
+from kvq.checkpoint.model_config import weight_prefix_of, with_quantization_config
 from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint, block_size
 from kvq.checkpoint.write import TMP_SUFFIX, tmp_path, write_index, write_json_atomic
 from kvq.compress.jobs import CommitJob, Committed, Outcome, PartDone, ShardJob, ShardResult
@@ -32,7 +33,7 @@ from kvq.compress.parts import Parts
 from kvq.compress.pool import run_jobs
 from kvq.compress.recipe import Recipe
 from kvq.compress.shard_files import COPY_CHUNK_BYTES, publish
-from kvq.compress.tensor_plan import FP8_BLOCK, INT4, CompressPlan, KeptTensor, build_plan
+from kvq.compress.tensor_plan import DEQUANTIZE, FP8_BLOCK, INT4, VLLM, CompressPlan, KeptTensor, build_plan
 from kvq.errors import KvqError
 
 
@@ -65,7 +66,7 @@ def peak_rss_bound(plan: CompressPlan, workers: int) -> int:
     """Upper estimate of the process tree's peak RSS: CLI, forkserver, and each worker at its largest task."""
     largest = COPY_CHUNK_BYTES
     for task in plan.tasks:
-        if task.action == INT4:
+        if task.action in (INT4, DEQUANTIZE):  # a BF16 result is 2 bytes per element, like INT4's outputs
             need = task.source.nbytes + INT4_EXTRA_BYTES_PER_ELEMENT * task.source.numel + SCRATCH_BYTES
             largest = max(largest, need)
         elif task.action == FP8_BLOCK:
@@ -80,16 +81,18 @@ class CompressReport:
     shards_resumed: list[str] = field(default_factory=list)
     output_bytes: int = 0
     kept: list[KeptTensor] = field(default_factory=list)
+    dequantized: list[KeptTensor] = field(default_factory=list)
     wall_s: float = 0.0
 
 
-def prepare(src: str | Path, out: str | Path, recipe: Recipe) -> PreparedJob:
-    """Open SRC (all headers), plan and validate every tensor, check OUT; raise `KvqError` on any problem."""
+def prepare(src: str | Path, out: str | Path, recipe: Recipe, target: str = VLLM) -> PreparedJob:
+    """Open SRC (all headers), plan and validate every tensor for the serving `target`, check OUT; raise
+    `KvqError` on any problem."""
     ckpt = Checkpoint.open(src)
     out = Path(out)
     _check_out_outside_src(ckpt.root, out)
-    plan = build_plan(ckpt.tensors, recipe, block_size(ckpt))
-    identity = job_identity(recipe.identity(), source_fingerprint(ckpt))
+    plan = build_plan(ckpt.tensors, recipe, block_size(ckpt), target, weight_prefix_of(ckpt.config))
+    identity = job_identity(recipe.identity(), source_fingerprint(ckpt), target)
     recorded = _recorded_shards(out, identity)
     jobs = [
         ShardJob(shard, out / shard, tuple(tasks), recipe.group_size, plan.block, recorded.get(shard))
@@ -109,7 +112,7 @@ def run(job: PreparedJob, workers: int, progress: Callable[[int], None] | None =
     shards = dict((previous or {}).get("shards", {}))
     if previous is None:
         write_manifest(out, _manifest_header(job, shards, is_complete=False))
-    report = CompressReport(out, kept=list(job.plan.kept))
+    report = CompressReport(out, kept=list(job.plan.kept), dequantized=list(job.plan.dequantized))
     weight_map: dict[str, str] = {}
 
     def on_done(result: ShardResult) -> None:
@@ -150,10 +153,9 @@ def _finish(job: PreparedJob, weight_map: dict[str, str], shards: dict) -> None:
     out, src = job.out, job.ckpt.root
     total = sum(shards[name]["tensor_bytes"] for name in set(weight_map.values()))
     write_index(out, weight_map, total)
-    config = dict(job.ckpt.config)
     kv_cache_scheme = job.ckpt.quantization_config.get("kv_cache_scheme")
-    config["quantization_config"] = quantization_config(job.recipe, job.plan, kv_cache_scheme)
-    write_json_atomic(config, out / CONFIG_NAME)
+    quant = quantization_config(job.recipe, job.plan, kv_cache_scheme)
+    write_json_atomic(with_quantization_config(job.ckpt.config, quant), out / CONFIG_NAME)
     for path in sorted(src.iterdir()):
         if _is_side_file(path):
             tmp = tmp_path(out / path.name)
@@ -190,11 +192,15 @@ def _manifest_header(job: PreparedJob, shards: dict, *, is_complete: bool) -> di
             "format": job.ckpt.format,
         },
         "shards": dict(sorted(shards.items())),
-        "kept_at_source_precision": [
-            {"name": k.name, "shape": list(k.shape), "reason": k.reason} for k in job.plan.kept
-        ],
+        "target": job.plan.target,
+        "kept_at_source_precision": _listed(job.plan.kept),
+        "fp8_dequantized_to_bf16": _listed(job.plan.dequantized),
         "complete": is_complete,
     }
+
+
+def _listed(tensors: list[KeptTensor]) -> list[dict]:
+    return [{"name": k.name, "shape": list(k.shape), "reason": k.reason} for k in tensors]
 
 
 def _check_out_outside_src(src: Path, out: Path) -> None:

@@ -25,19 +25,9 @@ from dataclasses import asdict, dataclass
 from kvq.checkpoint.kv_cache_spec import KvCacheSpec, kv_cache_bytes
 from kvq.checkpoint.module_kind import module_kind
 from kvq.errors import KvqError
+from kvq.kv_cache_dtypes import BF16, FP8_E4M3
 
-KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")  # what `kvq plan` compares
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+KV_CACHE_DTYPES = (BF16, FP8_E4M3)  # what `kvq plan` compares
 _REPLICATED_KINDS = {"norms", "router", "kv_scales"}
 _REPLICATED = re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.|\.indexer\.")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -85,15 +75,6 @@ class ServingMemory:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def parse_bytes(text: str) -> int:
-    """'80GB' -> 80e9, '141GiB' -> 141 * 2^30; a unit is required (GB and GiB differ by 7%)."""
-    # TODO(lead): unify with the byte-size parser of the cleanup (vocab branch)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)\s*", text.upper())
-    if match is None:
-        raise KvqError(f"--gpu-mem {text!r}: give a size with a unit, e.g. 80GB, 141GiB or 96GiB")
-    return int(float(match[1]) * _UNITS[match[2]])
 
 
 def weight_bytes(tensors: Iterable[tuple[str, int]], num_layers: int) -> WeightBytes:

@@ -6,7 +6,7 @@ holds it), copies stream in 64 MiB chunks, and outputs go straight to their offs
 A shard can also be done as `PartJob`s on several workers (into the file the parent created), then a
 `CommitJob` that fsyncs and hashes it: `run_work` runs any of the three. Tensors go through the C
 quantizer (`native`) where it applies, else through `torch_quantize`; this module itself needs no torch,
-so the workers start without importing it.
+so the workers start without importing it (an FP8 weight written as BF16 goes through torch).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kvq.compress.jobs import (
 )
 from kvq.compress.shard_files import COPY_CHUNK_BYTES, Bytes, commit_shard_file, file_sha256
 from kvq.compress.shard_writer import ShardWriter
-from kvq.compress.tensor_plan import COPY, FP8_BLOCK, INT4, TensorTask
+from kvq.compress.tensor_plan import COPY, DEQUANTIZE, FP8_BLOCK, INT4, TensorTask
 from kvq.errors import KvqError
 
 Progress = Callable[[int], None]
@@ -80,6 +80,10 @@ def _write_tasks(
             _copy(task.source, writer)
         elif task.action == INT4:
             _quantize(task, writer, group_size, block)
+        elif task.action == DEQUANTIZE:
+            from kvq.compress import torch_quantize
+
+            writer.write(task.outputs[0].name, torch_quantize.dequantize_task(task, block))
         else:
             assert task.action == FP8_BLOCK, task.action
             _keep_fp8(task, writer)

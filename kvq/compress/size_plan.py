@@ -33,6 +33,7 @@ class SizePlan:
     num_int4: int
     num_fp8_kept: int
     kept: list[KeptTensor] = field(default_factory=list)
+    dequantized: list[KeptTensor] = field(default_factory=list)  # FP8-block weights written as BF16
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -64,4 +65,5 @@ def size_plan(plan: CompressPlan, source_file_bytes: int) -> SizePlan:
         len(plan.int4_modules),
         len(plan.fp8_modules),
         list(plan.kept),
+        list(plan.dequantized),
     )

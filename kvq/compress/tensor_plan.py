@@ -1,9 +1,16 @@
 """Decide from tensor names, dtypes and shapes alone what every stored tensor becomes; validate it up front.
 
 Per stored tensor: `int4` (a targeted Linear weight -> `weight_packed` + `weight_scale` + `weight_shape`),
-`fp8_block` (an FP8-block weight kept as FP8 -> compressed-tensors `weight` + block `weight_scale`), or
-`copy` (bytes unchanged). `weight_scale_inv` tensors are consumed by their weight wherever they are
-stored. Each task lands in the output shard named like its weight's source shard. Pure: no tensor data.
+`fp8_block` (an FP8-block weight kept as FP8 -> compressed-tensors `weight` + block `weight_scale`),
+`dequantize` (an FP8-block weight written as BF16, exactly as compressed-tensors' FP8BlockDequantizer
+computes it), or `copy` (bytes unchanged). Which FP8 weights are dequantized depends on the serving
+target (`TARGETS`): `sglang` dequantizes every FP8 weight it does not quantize (SGLang main loads no FP8
+block weights beside INT4 experts); `vllm` only those whose input dimension is not a multiple of the
+block, which compressed-tensors' dynamic per-group activation quantization cannot run, and the parts of a
+fused layer (q/k/v, gate/up, q_a/kv_a) whose outputs but the last are not whole blocks, which vLLM's
+`validate_fp8_block_shape` refuses for a merged GEMM (the parts go together). `weight_scale_inv`
+tensors are consumed by their weight wherever they are stored. Each task lands in the output shard named
+like its weight's source shard. Pure: no tensor data.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvq.checkpoint.dtypes import FLOAT_CODES, itemsize
+from kvq.checkpoint.fused_layers import fused_layer
 from kvq.checkpoint.header import TensorInfo
 from kvq.compress.recipe import Recipe
 from kvq.errors import KvqError
 from kvq.formats.shapes import PACK_FACTOR, scale_inv_shape
 
-INT4, FP8_BLOCK, COPY = "int4", "fp8_block", "copy"
+INT4, FP8_BLOCK, DEQUANTIZE, COPY = "int4", "fp8_block", "dequantize", "copy"
+VLLM, SGLANG = "vllm", "sglang"
+TARGETS = (VLLM, SGLANG)  # the layouts `kvq compress --target` writes; vllm first: the default
 _EMBEDDING_MODULES = ("embed_tokens", "wte", "word_embeddings")
 _COMPRESSED_SUFFIXES = ("weight_packed", "weight_shape", "weight_zero_point")
 
@@ -57,7 +67,7 @@ class TensorTask:
 
 @dataclass(frozen=True)
 class KeptTensor:
-    """A targeted Linear weight left at source precision, and why."""
+    """A weight not written as INT4, or an FP8 one written as BF16, and why."""
 
     name: str
     shape: tuple[int, ...]
@@ -70,12 +80,15 @@ class CompressPlan:
 
     group_size: int
     block: tuple[int, int]
+    target: str = VLLM
     shards: dict[str, list[TensorTask]] = field(default_factory=dict)
-    kept: list[KeptTensor] = field(default_factory=list)
+    kept: list[KeptTensor] = field(default_factory=list)  # targeted Linears left at source precision
+    dequantized: list[KeptTensor] = field(default_factory=list)  # FP8-block weights written as BF16
     int4_modules: list[str] = field(default_factory=list)
     fp8_modules: list[str] = field(default_factory=list)
     dense_linear_modules: list[str] = field(default_factory=list)
     has_lm_head: bool = True
+    misaligned_fused: frozenset[str] = frozenset()  # FP8 parts of fused layers with partial output blocks
 
     @property
     def tasks(self) -> list[TensorTask]:
@@ -94,16 +107,35 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
     )
 
 
-def build_plan(tensors: Mapping[str, TensorInfo], recipe: Recipe, block: tuple[int, int]) -> CompressPlan:
-    """Plan the whole job; raise `KvqError` naming the tensor for anything that cannot be compressed."""
-    plan = CompressPlan(recipe.group_size, block, has_lm_head="lm_head.weight" in tensors)
+def build_plan(
+    tensors: Mapping[str, TensorInfo],
+    recipe: Recipe,
+    block: tuple[int, int],
+    target: str = VLLM,
+    weight_prefix: str = "",
+) -> CompressPlan:
+    """Plan the whole job for a serving `target`; raise `KvqError` naming the tensor for anything that
+    cannot be compressed.
+
+    Only the language model (tensors under `weight_prefix`, e.g. Kimi K2.5's `language_model.`) is
+    quantized; a multimodal wrapper's vision tower and projector are kept at source precision.
+    """
+    if target not in TARGETS:
+        raise KvqError(f"--target {target!r} is not known; use one of {', '.join(TARGETS)}")
+    plan = CompressPlan(
+        recipe.group_size, block, target, has_lm_head=f"{weight_prefix}lm_head.weight" in tensors
+    )
+    plan.misaligned_fused = _misaligned_fused(tensors, block)
     consumed: set[str] = set()
     for name in sorted(tensors):
         info = tensors[name]
         if name.endswith(".weight_scale_inv") or name.rpartition(".")[2] in _COMPRESSED_SUFFIXES:
             _check_not_compressed(info)
             continue
-        task = _task(info, tensors, recipe, block, plan)
+        hf_module = (
+            name.rpartition(".")[0].removeprefix(weight_prefix) if name.startswith(weight_prefix) else None
+        )
+        task = _task(info, tensors, recipe, block, plan, hf_module)
         if task.scale_inv is not None:
             consumed.add(task.scale_inv.name)
         plan.shards.setdefault(info.file.name, []).append(task)
@@ -134,6 +166,7 @@ def _task(
     recipe: Recipe,
     block: tuple[int, int],
     plan: CompressPlan,
+    hf_module: str | None,  # the module's name without the language-model prefix; None outside it
 ) -> TensorTask:
     module = info.name.rpartition(".")[0]
     is_linear = is_linear_weight(info.name, info.shape)
@@ -154,7 +187,7 @@ def _task(
             )
         return TensorTask(COPY, info, None, (OutputTensor(info.name, info.dtype, info.shape),))
     is_float = scale_inv is not None or info.dtype in FLOAT_CODES
-    if is_float and recipe.matches(module):
+    if is_float and hf_module is not None and recipe.matches(module, hf_module):
         if info.shape[1] % recipe.group_size == 0:
             plan.int4_modules.append(module)
             return _int4_task(info, scale_inv, recipe.group_size)
@@ -166,6 +199,11 @@ def _task(
             )
         )
     if scale_inv is not None:
+        reason = _dequantize_reason(info.shape, block, plan.target, module in plan.misaligned_fused)
+        if reason:
+            plan.dequantized.append(KeptTensor(info.name, info.shape, reason))
+            plan.dense_linear_modules.append(module)
+            return TensorTask(DEQUANTIZE, info, scale_inv, (OutputTensor(info.name, "BF16", info.shape),))
         plan.fp8_modules.append(module)
         return TensorTask(
             FP8_BLOCK,
@@ -178,6 +216,40 @@ def _task(
         )
     plan.dense_linear_modules.append(module)
     return TensorTask(COPY, info, None, (OutputTensor(info.name, info.dtype, info.shape),))
+
+
+def _dequantize_reason(
+    shape: tuple[int, ...], block: tuple[int, int], target: str, is_misaligned_fused: bool
+) -> str | None:
+    """Why an FP8-block weight kept out of INT4 is written as BF16 for `target`, or None to keep it FP8."""
+    if target == SGLANG:
+        return "target sglang: SGLang main does not load FP8-block Linears beside INT4 experts"
+    if shape[1] % block[1]:
+        return (
+            f"in_features {shape[1]} is not a multiple of the {block[1]} FP8 block: dynamic per-group "
+            "activation quantization cannot run it"
+        )
+    if is_misaligned_fused:
+        return (
+            f"part of a fused layer whose outputs are not whole {block[0]}-row FP8 blocks: vLLM's "
+            "validate_fp8_block_shape refuses the merged GEMM"
+        )
+    return None
+
+
+def _misaligned_fused(tensors: Mapping[str, TensorInfo], block: tuple[int, int]) -> frozenset[str]:
+    """Stored FP8 Linears of fused layers in which a part other than the last has out % block rows."""
+    fp8 = {
+        n.removesuffix(".weight")
+        for n, i in tensors.items()
+        if i.dtype == "F8_E4M3" and n.endswith(".weight")
+    }
+    out: set[str] = set()
+    for module in fp8:
+        _, parts = fused_layer(module, fp8)
+        if any(tensors[f"{p}.weight"].shape[0] % block[0] for p in parts[:-1]):
+            out.update(parts)
+    return frozenset(out)
 
 
 def _int4_task(info: TensorInfo, scale_inv: TensorInfo | None, group_size: int) -> TensorTask:

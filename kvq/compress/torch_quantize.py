@@ -7,14 +7,17 @@ lazily by the workers, which otherwise never load torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from kvq.checkpoint.header import TensorInfo
 from kvq.checkpoint.torch_dtypes import SAFETENSORS_DTYPES
-from kvq.compress.fp8_decode import decode_fp8_block, first_nan, fp8_bits, has_nan
 from kvq.compress.shard_writer import read_bytes
 from kvq.compress.tensor_plan import TensorTask
 from kvq.errors import KvqError
+from kvq.formats.fp8_block import decode_fp8_block
+from kvq.formats.fp8_e4m3 import first_nan, fp8_bits_to, has_nan
 from kvq.formats.pack_quantized import quantize_pack_int4_, round_to_
 from kvq.formats.shapes import PACK_FACTOR
 
@@ -61,16 +64,43 @@ def quantize_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A BF16/FP16/FP32 weight, or an FP8 one with its block `scale_inv`, -> (weight_packed, weight_scale).
 
-    Works through about `CHUNK_ELEMENTS` at a time (whole FP8 block rows), so the ~10 elementwise passes
-    stay in the CPU cache: 4x faster than whole-tensor passes on GLM-5's 2048 x 7168 experts.
+    Works through `dense_chunks`, so the ~10 elementwise passes stay in the CPU cache: 4x faster than
+    whole-tensor passes on GLM-5's 2048 x 7168 experts.
     """
     rows, cols = weight.shape
     dtype = torch.bfloat16 if scale_inv is not None else weight.dtype
+    weight_packed = torch.empty(rows, cols // PACK_FACTOR, dtype=torch.int32)
+    weight_scale = torch.empty(rows, cols // group_size, dtype=dtype)
+    for r, x in dense_chunks(weight, scale_inv, block):
+        if scale_inv is not None:  # as FP8BlockDequantizer: the fp32 product, rounded to bf16, is quantized
+            round_to_(x, torch.bfloat16)
+        end = r + x.shape[0]
+        weight_packed[r:end], weight_scale[r:end] = quantize_pack_int4_(x, group_size, dtype)
+    return weight_packed, weight_scale
+
+
+def dequantize_task(task: TensorTask, block: tuple[int, int]) -> memoryview:
+    """An FP8-block weight as BF16 bytes: compressed-tensors' FP8BlockDequantizer (fp32 product, one
+    rounding to bf16), bit for bit."""
+    weight = read_tensor(task.source)
+    check_fp8(task.source, weight)
+    assert task.scale_inv is not None
+    scale_inv = read_scale_inv(task.scale_inv)
+    out = torch.empty(weight.shape, dtype=torch.bfloat16)  # [M, N]
+    for r, x in dense_chunks(weight, scale_inv, block):
+        out[r : r + x.shape[0]] = x  # round to nearest even, as `.to(torch.bfloat16)`
+    return tensor_bytes(out)
+
+
+def dense_chunks(
+    weight: torch.Tensor, scale_inv: torch.Tensor | None, block: tuple[int, int]
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, fp32 rows) of a weight, about `CHUNK_ELEMENTS` at a time (whole FP8 block rows), FP8
+    blocks dequantized: one reused buffer, so memory stays at the weight plus a cache-sized chunk."""
+    rows, cols = weight.shape
     step = max(1, CHUNK_ELEMENTS // max(cols, 1))
     if scale_inv is not None:
         step = max(block[0], step // block[0] * block[0])
-    weight_packed = torch.empty(rows, cols // PACK_FACTOR, dtype=torch.int32)
-    weight_scale = torch.empty(rows, cols // group_size, dtype=dtype)
     buffer = torch.empty(min(step, rows) * cols)  # fp32, reused by every chunk
     for r in range(0, rows, step):
         part = weight[r : r + step]
@@ -78,11 +108,9 @@ def quantize_rows(
         if scale_inv is None:
             x.copy_(part)
         else:
-            # as compressed-tensors' FP8BlockDequantizer: the fp32 product, rounded to bf16, is quantized
             block_rows = scale_inv[r // block[0] : -(-(r + step) // block[0])]
-            round_to_(decode_fp8_block(fp8_bits(part), block_rows, block, out=x), torch.bfloat16)
-        weight_packed[r : r + step], weight_scale[r : r + step] = quantize_pack_int4_(x, group_size, dtype)
-    return weight_packed, weight_scale
+            decode_fp8_block(fp8_bits_to(part), block_rows, block, out=x)
+        yield r, x
 
 
 def read_scale_inv(info: TensorInfo) -> torch.Tensor:
@@ -112,7 +140,7 @@ def raise_non_finite(task: TensorTask, block: tuple[int, int]) -> None:
     dense = read_tensor(info)
     if task.scale_inv is not None:
         check_fp8(info, dense)
-        dense = decode_fp8_block(fp8_bits(dense), read_scale_inv(task.scale_inv), block)
+        dense = decode_fp8_block(fp8_bits_to(dense), read_scale_inv(task.scale_inv), block)
     bad = [int(i) for i in torch.nonzero(~torch.isfinite(dense.float()))[0]]
     after = " after FP8 dequantization" if task.scale_inv is not None else ""
     raise KvqError(

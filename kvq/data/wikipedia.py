@@ -2,17 +2,17 @@
 
 `gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2` holds wiki
 markup; gensim's own `extract_pages` + `filter_wiki` turn it into plain text. Redirect pages and stubs are
-dropped. Imports gensim lazily (it pulls in scipy); nothing from kvq but the error type.
+dropped. Imports gensim lazily (it pulls in scipy); from kvq only kvq.data.packages and kvq.errors.
 """
 
 from __future__ import annotations
 
 import bz2
 import functools
-import importlib.util
 import re
 from pathlib import Path
 
+from kvq.data.packages import package_dir
 from kvq.errors import KvqError
 
 DUMP_NAME = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -22,13 +22,8 @@ _EMPHASIS = re.compile(r"'{2,}")  # wiki ''italic'' / '''bold''' quotes left by 
 
 def dump_path() -> Path:
     """The bz2 Wikipedia dump inside the installed gensim package (found without importing gensim)."""
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        raise KvqError(
-            "gensim is not installed; it ships the default calibration text (Wikipedia articles): "
-            "pip install 'gensim>=4.3.3', or pass --dataset FILE"
-        )
-    path = Path(spec.submodule_search_locations[0]) / "test" / "test_data" / DUMP_NAME
+    root = package_dir("gensim", "gensim", "the default text (Wikipedia articles)", "pass --dataset FILE")
+    path = root / "test" / "test_data" / DUMP_NAME
     if not path.is_file():
         raise KvqError(f"{path}: missing from the gensim install; reinstall gensim or pass --dataset FILE")
     return path

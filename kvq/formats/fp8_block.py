@@ -2,15 +2,15 @@
 
 `real = weight.float() * weight_scale_inv[block]` over 128x128 blocks; edge blocks are partial.
 Pure functions over tensors; used by fixtures (quantize), compress, calibrate and the runtime (dequantize).
+`dequantize_fp8_block` is the spec; `decode_fp8_block` the fast path (bit moves), bit-identical to it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_BITS_SCALE, FP8_E4M3_MAX
 from kvq.formats.shapes import DEFAULT_BLOCK, scale_inv_shape
-
-FP8_E4M3_MAX = 448.0
 
 
 def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
@@ -35,6 +35,35 @@ def dequantize_fp8_block(
         )
     scale = _expand_blocks(weight_scale_inv.to(torch.float32), (rows, cols), block)
     return (weight.to(torch.float32) * scale).to(dtype)
+
+
+def decode_fp8_block(
+    bits: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fp8_bits_to(weight, bf16)` `[M, N]` x scale `[ceil(M/bm), ceil(N/bn)]` -> fp32 `[M, N]`, equal to
+    `dequantize_fp8_block` bit for bit (~10x faster), written into `out` if given.
+
+    `bf16 -> fp32` is a shift; one multiply by `scale_inv * 2^120` per block row (no `[M, N]` scale
+    tensor) rounds once, as `value * scale_inv` does.
+    """
+    rows, cols = bits.shape
+    bm, bn = block
+    if out is None:
+        out = torch.empty(rows, cols)
+    x = out.copy_(bits)  # value * 2^-120, exact
+    scale = weight_scale_inv.to(torch.float32)
+    is_safe = bool((scale.abs() < 2.0**7).all())  # then scale * 2^120 is exact (finite)
+    if not is_safe:
+        x.mul_(FP8_BITS_SCALE)  # exact: back to the value itself
+    col_scale = scale.repeat_interleave(bn, dim=1)[:, :cols]  # [ceil(M/bm), N]
+    if is_safe:
+        col_scale = col_scale * FP8_BITS_SCALE
+    for r in range(col_scale.shape[0]):
+        x[r * bm : (r + 1) * bm].mul_(col_scale[r])
+    return x
 
 
 def quantize_fp8_block(

@@ -39,11 +39,11 @@ def _pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(weight_packed: torch.Tensor, in_features: int | None = None) -> torch.Tensor:
-    """int32 `[N, K/8]` -> int8 `[N, K]` in [-8, 7] (cropped to `in_features` if given)."""
-    rows, words = weight_packed.shape
-    nibbles = (weight_packed.unsqueeze(-1) >> _SHIFTS.to(weight_packed.device)) & 0xF  # [N, K/8, 8]
-    q = (nibbles - 8).to(torch.int8).reshape(rows, words * PACK_FACTOR)
-    return q if in_features is None else q[:, :in_features]
+    """int32 `[..., N, K/8]` -> int8 `[..., N, K]` in [-8, 7] (cropped to `in_features` if given); leading
+    dims are stacked experts."""
+    nibbles = (weight_packed.unsqueeze(-1) >> _SHIFTS.to(weight_packed.device)) & 0xF  # [..., N, K/8, 8]
+    q = (nibbles - 8).to(torch.int8).flatten(-2)  # [..., N, K]
+    return q if in_features is None else q[..., :in_features]
 
 
 def dequantize_pack_quantized(
@@ -52,17 +52,19 @@ def dequantize_pack_quantized(
     weight_shape: Sequence[int] | torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Packed INT4 + group scales -> dense `[N, K]` in `dtype` (default: the scale's dtype)."""
-    rows = weight_packed.shape[0]
-    in_features = int(weight_shape[1]) if weight_shape is not None else weight_packed.shape[1] * PACK_FACTOR
+    """Packed INT4 `[..., N, K/8]` + group scales `[..., N, K/G]` -> dense `[..., N, K]` = q * scale,
+    computed in fp32 and returned in `dtype` (default: the scale's dtype). The one INT4 dequantizer:
+    checkpoints, the runtime's references and its dense fallbacks all use it."""
+    in_features = int(weight_shape[-1]) if weight_shape is not None else weight_packed.shape[-1] * PACK_FACTOR
     q = unpack_int4(weight_packed, in_features)
-    num_groups = weight_scale.shape[1]
-    if in_features % num_groups or weight_scale.shape[0] != rows:
+    num_groups = weight_scale.shape[-1]
+    if in_features % num_groups or weight_scale.shape[:-1] != weight_packed.shape[:-1]:
         raise ValueError(
-            f"weight_scale shape {tuple(weight_scale.shape)} does not fit weight shape {(rows, in_features)}"
+            f"weight_scale shape {tuple(weight_scale.shape)} does not fit weight shape "
+            f"{(*weight_packed.shape[:-1], in_features)}"
         )
     group_size = in_features // num_groups
-    scale = weight_scale.to(torch.float32).repeat_interleave(group_size, dim=1)  # [N, K]
+    scale = weight_scale.to(torch.float32).repeat_interleave(group_size, dim=-1)  # [..., N, K]
     return (q.to(torch.float32) * scale).to(dtype or weight_scale.dtype)
 
 

@@ -1,11 +1,10 @@
 """The engine's settings: one flat dataclass, validated on creation, whose defaults the CLI reads.
 
-Imports torch, psutil and kvq.errors only.
+Imports torch, psutil, kvq.byte_sizes, kvq.kv_cache_dtypes and kvq.errors only.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,14 +12,17 @@ from pathlib import Path
 import psutil
 import torch
 
+from kvq.byte_sizes import parse_bytes
 from kvq.errors import KvqError
+from kvq.kv_cache_dtypes import AUTO, BF16, FP8_E4M3, check_kv_cache_dtype
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
-KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+KV_TORCH_DTYPES = {BF16: torch.bfloat16, FP8_E4M3: torch.float8_e4m3fn}  # names: kvq.kv_cache_dtypes
 FP8_WEIGHT_MODES = ("per-use", "bf16")
+LM_HEAD_WEIGHT_MODES = ("stored", "int4")
+LM_HEAD_GROUP_SIZE = 32  # the int4 copy's group size: the finest the kernels run
 DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 
 
 @dataclass
@@ -31,14 +33,18 @@ class EngineConfig:
       "float32" is the reference mode: every weight dequantized to fp32, KV pages fp32 unless set.
     kv_cache_dtype: "auto" is fp8_e4m3 when the checkpoint has a `kv_cache_scheme` (calibrated scales),
       else the activation dtype; "bf16" / "fp8_e4m3" force it (names as in vLLM / SGLang).
-    kv_memory: bytes for the KV pool ("512MiB", "2G" or an integer); unset: kv_memory_fraction of the free
-      memory of the device.
+    kv_memory: bytes for the KV pool ("512MiB", "2GB" = 2 * 10^9 or an integer: `kvq.byte_sizes`); unset:
+      kv_memory_fraction of the free memory of the device.
     decode_reserve_ratio: a request is admitted only when its prompt pages plus this fraction of the
       pages its remaining max_tokens may need (for it and every running request) are free. 1.0 never
       preempts a request that runs to max_tokens; 0.0 admits on prompt pages alone (vLLM) and relies on
       preemption by recompute when decode runs out of pages.
     fp8_weights: FP8-block weights dequantized at every use ("per-use", memory as stored) or once at
       load to BF16 ("bf16", faster, twice the memory).
+    lm_head_weights: "stored" runs the lm_head as the checkpoint stores it (a tied embedding: dense);
+      "int4" makes a runtime W4A16 copy (group 32, round to nearest) of a dense lm_head at load, so the
+      largest matmul of a small model's decode step reads a quarter of the bytes (opt-in: it costs some
+      quality, `kvq eval --lm-head-weights int4` measures how much). Not in reference mode.
     kv_integrity: checked KV pages (`kvq.runtime.integrity`). "off" builds no tracker and does no work;
       "tags" checks, once per step before any page is read, that every page a request reads or writes
       carries the tag its own state expects; "full" also re-hashes sampled bytes of every sealed page
@@ -47,7 +53,7 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = AUTO
     page_size: int = 16
     kv_memory: str | int | None = None
     kv_memory_fraction: float = 0.3
@@ -61,15 +67,22 @@ class EngineConfig:
     device: str = "auto"
     threads: int | None = None
     kv_integrity: str = "off"
+    lm_head_weights: str = "stored"
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
             raise KvqError(f"{self.model}: no such model directory; pass a checkpoint directory")
         _choice("dtype", self.dtype, DTYPES)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_kv_cache_dtype(self.kv_cache_dtype, "kv_cache_dtype")
         _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
         _choice("device", self.device, DEVICES)
         _choice("kv_integrity", self.kv_integrity, KV_INTEGRITY_MODES)
+        _choice("lm_head_weights", self.lm_head_weights, LM_HEAD_WEIGHT_MODES)
+        if self.lm_head_weights != "stored" and self.is_reference:
+            raise KvqError(
+                f"lm_head_weights {self.lm_head_weights!r} quantizes the lm_head, but dtype float32 is the "
+                "reference mode (every weight dense fp32); use dtype auto, or lm_head_weights stored"
+            )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise KvqError("device 'cuda' was requested but torch sees no CUDA device; use --device cpu")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -103,9 +116,8 @@ class EngineConfig:
 
     def kv_torch_dtype(self, has_kv_cache_scheme: bool) -> torch.dtype:
         """The KV page dtype: the explicit choice, else FP8 for calibrated checkpoints, else activations."""
-        explicit = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        if explicit is not None:
-            return explicit
+        if self.kv_cache_dtype != AUTO:
+            return KV_TORCH_DTYPES[self.kv_cache_dtype]
         return torch.float8_e4m3fn if has_kv_cache_scheme else self.activation_dtype
 
     def kv_pool_bytes(self) -> int:
@@ -117,21 +129,6 @@ class EngineConfig:
             torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
         )
         return int(free * self.kv_memory_fraction)
-
-
-def parse_bytes(value: str | int, what: str) -> int:
-    """'512MiB', '1.5G', '4096' -> bytes (K/M/G/T are powers of 1024); raises `KvqError` otherwise."""
-    if isinstance(value, int):
-        number, unit = float(value), ""
-    else:
-        match = _SIZE.match(value)
-        if match is None:
-            raise KvqError(f"{what} is {value!r}; expected a size like 512MiB, 2G or 1073741824")
-        number, unit = float(match[1]), match[2].upper()
-    size = int(number * 1024 ** "_KMGT".index(unit or "_"))
-    if size <= 0:
-        raise KvqError(f"{what} must be positive, got {value!r}")
-    return size
 
 
 def _choice(name: str, value: str, choices: Collection[str]) -> None:

@@ -12,15 +12,12 @@ Imports nothing but the tokenizer it is given.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder gives for the bytes of a character not yet complete
-
-
-class Tokenizer(Protocol):
-    def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = ...) -> list[str]: ...
-
-    def convert_tokens_to_string(self, tokens: list[str]) -> str: ...
+# a transformers tokenizer: `convert_ids_to_tokens(ids, skip_special_tokens=True)` and
+# `convert_tokens_to_string(tokens)` are all this file uses
+Tokenizer = Any
 
 
 class IncrementalDetokenizer:

@@ -9,6 +9,7 @@ Imports torch, transformers (config, tokenizer) and kvq.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
@@ -26,6 +27,7 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
+from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
 from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.loader import WeightLoader
@@ -39,6 +41,7 @@ Prompt = str | list[int]
 # Called after each step's sampling with (the step's sequences, their fp32 logits [B, V], the sampled
 # token ids): a hook may read the logits and replace token ids (teacher forcing, `kvq.runtime.scoring`).
 TokenHook = Callable[[list[Sequence], torch.Tensor, list[int]], None]
+logger = logging.getLogger("kvq")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Engine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        cpu_path = describe_cpu_path(resolve_cpu_isa()) if config.torch_device.type == "cpu" else None
         self.ckpt = Checkpoint.open(config.model)
         self.text_model = read_text_model(self.ckpt.root)  # the language model (Kimi: under text_config)
         cls = model_class(self.text_model)
@@ -81,6 +85,8 @@ class Engine:
         with WeightLoader(self.ckpt, config, self.text_model) as loader:
             self.model = cls(hf_config, loader)
             loader.finish()
+        if cpu_path is not None:
+            logger.info(cpu_path)
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids()
         self.kv_pool = self._kv_pool()

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from kvq.checkpoint.model_config import TextModel
 from kvq.checkpoint.reader import Checkpoint, block_size
 from kvq.errors import KvqError
+from kvq.formats.shapes import GROUP_SIZES
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.kernels.w4a16 import GROUP_SIZES
 from kvq.runtime.layers.linear import DENSE, FP8, INT4, Linear, StoredLinear, build_linear
 from kvq.runtime.layers.moe import Experts, build_experts
 

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from kvq.calibrate.kv_layout import KvLayout
 from kvq.checkpoint.dense import read_dense
@@ -25,6 +25,13 @@ def cache_amax(
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Per layer, per KV head amax of what transformers caches (`k`, `v`; MLA: `kv_c`, `k_pe`)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    return model_cache_amax(model, input_ids, layout)
+
+
+def model_cache_amax(
+    model: PreTrainedModel, input_ids: torch.Tensor, layout: KvLayout
+) -> dict[int, dict[str, torch.Tensor]]:
+    """`cache_amax` of a model already in memory."""
     amax: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(layout.num_layers)}
 
     def keep(i: int, name: str, value: torch.Tensor) -> None:

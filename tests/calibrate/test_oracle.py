@@ -20,9 +20,11 @@ from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.run import load_tokenizer, measure_kv
 from kvq.calibrate.samples import build_samples
 from kvq.calibrate.scales import layer_scales
+from kvq.checkpoint.model_config import text_model
 from kvq.checkpoint.reader import Checkpoint
 from kvq.data.texts import load_texts
-from tests.calibrate.references import cache_amax, dense_copy, oneshot_scales
+from kvq.fixtures.kimi_fixture import kimi_oracle_model
+from tests.calibrate.references import cache_amax, dense_copy, model_cache_amax, oneshot_scales
 from tests.conftest import TinyCheckpoint
 
 BF16_ULP = 2.0**-8
@@ -43,9 +45,11 @@ def streamed(
     model_dir: Path, input_ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[KvLayout, KvRecorder]:
     ckpt = Checkpoint.open(model_dir)
-    layout = kv_layout(ckpt.config, "config.json")
-    names = layer_tensor_names(ckpt, layout.num_layers)
-    return layout, measure_kv(ckpt, layout, names, input_ids, dtype)
+    model = text_model(ckpt.config, "config.json")
+    layout = kv_layout(model.fields, model.at)
+    lm = ckpt.under(model.weight_prefix)
+    names = layer_tensor_names(lm, layout.num_layers)
+    return layout, measure_kv(lm, model, layout, names, input_ids, dtype)
 
 
 def all_scales(
@@ -101,9 +105,11 @@ def test_running_max_covers_every_sample(tiny_checkpoint: TinyCheckpoint) -> Non
     assert any(last_is_smaller)  # else this test could not tell a running max from a last-batch max
 
 
-def test_mla_latent_matches_transformers_cache(tiny_checkpoint: TinyCheckpoint) -> None:
-    """glm_moe_dsa, unpatched: kv_c and k_pe maxima equal the hooked/cached ones of a whole-model forward."""
-    model_dir = tiny_checkpoint("glm_moe_dsa", "bf16")
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v3"])
+def test_mla_latent_matches_transformers_cache(tiny_checkpoint: TinyCheckpoint, arch: str) -> None:
+    """glm_moe_dsa / deepseek_v3 (YaRN, interleaved RoPE), unpatched: kv_c and k_pe maxima equal the
+    hooked/cached ones of a whole-model forward."""
+    model_dir = tiny_checkpoint(arch, "bf16")
     ids = sample_ids(model_dir)
     layout, recorder = streamed(model_dir, ids)
     assert layout.is_mla and layout.observed == ("kv_c", "k_pe")
@@ -131,6 +137,17 @@ def test_int4_checkpoint_matches_forward_of_its_dequantized_weights(
     ids = sample_ids(model_dir)
     layout, recorder = streamed(model_dir, ids)
     reference = cache_amax(dense_copy(model_dir, tmp_path / "dense"), ids, layout)
+    assert_same_scales(all_scales(layout, "tensor", recorder.amax), all_scales(layout, "tensor", reference))
+
+
+def test_kimi_native_int4_latent_matches_its_deepseek_v3_oracle(tiny_checkpoint: TinyCheckpoint) -> None:
+    """Kimi K2.6's layout (kimi_k25 text_config, language_model. prefix, INT4 group-32 experts): streaming
+    its language model equals a forward of the DeepSeek-V3 oracle on the dequantized weights."""
+    model_dir = tiny_checkpoint("deepseek_v3", "kimi-int4")
+    ids = sample_ids(model_dir)
+    layout, recorder = streamed(model_dir, ids)
+    assert layout.is_mla and layout.num_layers == 3
+    reference = model_cache_amax(kimi_oracle_model(model_dir, torch.bfloat16), ids, layout)
     assert_same_scales(all_scales(layout, "tensor", recorder.amax), all_scales(layout, "tensor", reference))
 
 

@@ -79,6 +79,29 @@ def test_transformers_loads_the_scales(
         assert torch.equal(loaded[name].detach().flatten(), scale.flatten()), name
 
 
+def test_kimi_native_checkpoint_gets_prefixed_scales_and_a_nested_scheme(
+    tiny_checkpoint: TinyCheckpoint, tmp_path: Path, small_dataset: Path
+) -> None:
+    root = writable(tiny_checkpoint("deepseek_v3", "kimi-int4"), tmp_path)
+    result = calibrate(root, small(small_dataset))
+    assert sorted(result.scales) == sorted(
+        f"language_model.model.layers.{i}.self_attn.{s}_scale" for i in range(3) for s in "kv"
+    )
+    assert sorted(load_file(root / SCALES_FILE)) == sorted(result.scales)
+    config = json.loads((root / "config.json").read_text())
+    assert "quantization_config" not in config  # still where Kimi keeps it, with the KV scheme added
+    nested = config["text_config"]["quantization_config"]
+    assert nested["format"] == "pack-quantized" and nested["kv_cache_scheme"]["strategy"] == "tensor"
+    assert nested["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    ckpt = Checkpoint.open(root)
+    assert ckpt.quantization_config == nested and ckpt.format == "pack-quantized"
+    latent = torch.maximum(result.recorder.amax[2]["kv_c"], result.recorder.amax[2]["k_pe"])
+    assert (
+        result.scales["language_model.model.layers.2.self_attn.k_scale"].item()
+        == (latent / 448).bfloat16().item()
+    )
+
+
 def test_recalibration_replaces_previous_scales(
     tiny_checkpoint: TinyCheckpoint, tmp_path: Path, small_dataset: Path
 ) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from kvq.calibrate.samples import build_samples, token_fingerprint, token_stream
 from kvq.errors import KvqError
-from kvq.testing.tiny_tokenizer import tiny_tokenizer
+from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
 
 TEXTS = [f"Document {i} talks about the history of the river and its {i} bridges. " * 20 for i in range(6)]
 

@@ -56,7 +56,7 @@ def test_layout_from_config() -> None:
             "hidden_size": 512,
             "max_position_embeddings": 2048,
         },
-        "c",
+        "c: ",
     )
     assert (gqa.kind, gqa.num_kv_heads, gqa.head_dim, gqa.observed) == ("gqa", 2, 64, ("k", "v"))
     mla = kv_layout(
@@ -68,6 +68,6 @@ def test_layout_from_config() -> None:
             "qk_nope_head_dim": 128,
             "max_position_embeddings": 2048,
         },
-        "c",
+        "c: ",
     )
     assert (mla.kind, mla.num_kv_heads, mla.head_dim, mla.observed) == ("mla", 1, 576, ("kv_c", "k_pe"))

@@ -1,5 +1,11 @@
-"""kvq's output against the oracles: llm-compressor model_free_ptq (same packed weights and scales), the
-source (everything not quantized is carried over unchanged), and compressed-tensors' own decompressors."""
+"""kvq's output against the oracles: llm-compressor model_free_ptq (same packed weights and scales, and the
+same BF16 for FP8-block weights kvq writes as BF16), the source (everything else not quantized is carried
+over unchanged), and compressed-tensors' own decompressors.
+
+model_free_ptq dequantizes every FP8-block weight it does not quantize to BF16 (FP8BlockDequantizer);
+kvq's `vllm` target keeps those FP8 except the ones no engine runs (a partial input block, or a fused
+layer with partial output blocks), and its `sglang` target writes them all as BF16: for both targets,
+every BF16 weight kvq dequantized is byte-identical to model_free_ptq's."""
 
 from __future__ import annotations
 
@@ -20,14 +26,18 @@ CASES = [
     ("glm4_moe", "bf16", "w4a16-experts", None),
     ("glm_moe_dsa", "fp8-block", "w4a16-experts", None),
     ("glm_moe_dsa", "bf16", "w4a16-experts", None),
+    ("deepseek_v3", "fp8-block", "w4a16-experts", None),
+    ("deepseek_v3", "bf16", "w4a16-experts", None),
     ("glm_moe_dsa", "fp8-block", "w4a16-linear", 64),
 ]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["vllm", "sglang"])
 @pytest.mark.parametrize(("arch", "fmt", "recipe", "group_size"), CASES)
-def test_packed_weights_match_model_free_ptq(compressed, model_free, arch, fmt, recipe, group_size):
-    ours = load_all(compressed(arch, fmt, recipe, group_size))
+def test_packed_weights_match_model_free_ptq(compressed, model_free, arch, fmt, recipe, group_size, target):
+    out = compressed(arch, fmt, recipe, group_size, target)
+    ours = load_all(out)
     theirs = load_all(model_free(arch, fmt, recipe, group_size))
     packed = sorted(n for n in ours if n.endswith(".weight_packed") and n in theirs)
     assert len(packed) >= 6
@@ -38,6 +48,15 @@ def test_packed_weights_match_model_free_ptq(compressed, model_free, arch, fmt, 
     # Both quantize the same set, except Linears whose in_features the group does not divide: model_free
     # cannot quantize those either (it raises), so kvq keeps them and lists them.
     assert packed == sorted(n for n in theirs if n.endswith(".weight_packed"))
+    dequantized = [
+        d["name"] for d in json.loads((out / "kvq_manifest.json").read_text())["fp8_dequantized_to_bf16"]
+    ]
+    if recipe == "w4a16-experts":  # the FP8 fixtures' dense MLP (576) and q_lora (192) are partial blocks
+        assert bool(dequantized) == (fmt == "fp8-block")
+    for name in dequantized:
+        assert ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], theirs[name]), name
+    if target == "sglang":  # nothing FP8 is left: every kept FP8 weight is BF16, as model_free_ptq writes
+        assert not any(t.dtype == torch.float8_e4m3fn for t in ours.values())
 
 
 @pytest.mark.parametrize(("arch", "fmt", "recipe", "group_size"), CASES[:6])
@@ -52,6 +71,8 @@ def test_everything_else_is_carried_over_unchanged(
             assert f"{module}.weight" in source
         elif param == "weight_scale":  # FP8 kept: the block scale is the source weight_scale_inv
             assert torch.equal(tensor, source[f"{module}.weight_scale_inv"])
+        elif source[name].dtype == torch.float8_e4m3fn and tensor.dtype == torch.bfloat16:
+            assert f"{name}_scale_inv" in source  # written as BF16: compared with model_free_ptq above
         else:
             assert torch.equal(tensor.view(torch.uint8), source[name].view(torch.uint8)), name
     dropped = {n for n in source if n.endswith(".weight_scale_inv")} | {

@@ -53,6 +53,14 @@ def test_plan_json_per_kind(tiny_checkpoint):
     assert plan["total"]["parameters"] == sum(k["parameters"] for k in plan["kinds"].values())
 
 
+def test_plan_lists_fp8_weights_written_as_bf16(tiny_checkpoint):
+    plan = plan_json(str(tiny_checkpoint("glm_moe_dsa", "fp8-block")), "--recipe", "w4a16-experts")["plan"]
+    names = {d["name"] for d in plan["dequantized"]}  # q_lora 192 and the dense MLP's 576 are partial blocks
+    assert (
+        "model.layers.0.self_attn.q_b_proj.weight" in names and "model.layers.0.mlp.down_proj.weight" in names
+    )
+
+
 def test_bare_config_matches_the_published_glm_5_1_checkpoint():
     # GLM-5.1 (BF16) as published: 59,870 tensors, 753,864,139,008 parameters, 1404.18 GiB of tensors.
     plan = plan_json(str(DATA / "glm-5.1-config.json"), "--recipe", "w4a16-experts")
@@ -87,7 +95,10 @@ def test_glm5_fp8_plan_and_serving_memory(tmp_path):
     plan, serving, source = out["plan"], out["serving"], out["serving_source"]
     assert round(plan["source_file_bytes"] / GiB) == 704  # the "705 GB" GLM-5-FP8
     assert 360 * GiB < plan["output_file_bytes"] < 380 * GiB
-    assert plan["num_fp8_kept"] > 500 and not plan["kept"]
+    assert plan["num_fp8_kept"] > 500 and not plan["kept"] and not plan["dequantized"]  # all 128-aligned
+    by_target = out["output_file_bytes_by_target"]  # sglang: FP8 attention and dense MLPs as BF16
+    assert by_target["vllm"] == plan["output_file_bytes"]
+    assert by_target["vllm"] + 10 * GiB < by_target["sglang"] < by_target["vllm"] + 20 * GiB
     weights = serving["weights"]
     # The MTP layer (78) is not loaded; the rest is either on every GPU or split over 8.
     assert weights["replicated"] + weights["split"] + weights["mtp"] == plan["total"]["bytes_after"]
@@ -189,12 +200,17 @@ def test_kimi_k2_model_type_is_planned_as_deepseek_v3():
     ("args", "match"),
     [
         (["--recipe", "w4a16-linear", "--tp", "8"], "--tp and --gpu-mem go together"),
-        (["--recipe", "w4a16-linear", "--tp", "8", "--gpu-mem", "80"], "give a size with a unit"),
+        (
+            ["--recipe", "w4a16-linear", "--tp", "8", "--gpu-mem", "80 gigs"],
+            "--gpu-mem: '80 gigs' is not a size",
+        ),
         (
             ["--recipe", "w4a16-linear", "--tp", "8", "--gpu-mem", "80GB", "--mem-fraction", "1.5"],
             r"must be in \(0, 1\]",
         ),
         ([], "not compressed yet; pass --recipe"),
+        (["--recipe", "w4a16-linear", "--kv-dtype", "fp8"], "drop --kv-dtype / --kv-cache-dtype"),
+        (["--recipe", "w4a16-linear", "--kv-cache-dtype", "fp8_e4m3"], "every KV cache dtype side by side"),
     ],
 )
 def test_bad_serving_flags(tiny_checkpoint, args, match):

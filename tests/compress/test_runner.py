@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvq.checkpoint.hf_checkpoint import write_checkpoint
 from kvq.checkpoint.reader import Checkpoint, block_size
 from kvq.checkpoint.specs import checkpoint_specs
 from kvq.compress.manifest import MANIFEST_NAME
-from kvq.compress.recipe import load_recipe
+from kvq.compress.recipe import RECIPES_DIR, load_recipe
 from kvq.compress.runner import prepare, run
 from kvq.compress.size_plan import size_plan
 from kvq.compress.tensor_plan import build_plan
 from kvq.errors import KvqError
-from kvq.testing.checkpoint_fixtures import write_checkpoint
-from kvq.testing.tiny_models import random_tensor, tiny_config
-from kvq.testing.tiny_tokenizer import tiny_tokenizer
+from kvq.fixtures.tiny_models import random_tensor, tiny_config
+from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
 from tests.compress.conftest import FIXTURES, compress
 from tests.compress.synthetic import EXPERT, fp8_expert, read_json, snapshot, write_shards
 
@@ -243,7 +243,7 @@ def test_nan_or_inf_is_named_and_nothing_incomplete_is_left(tmp_path, where):
 def test_unknown_recipe_key(tiny_checkpoint, tmp_path):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text(
-        (Path("recipes") / "w4a16-experts.yaml")
+        (RECIPES_DIR / "w4a16-experts.yaml")
         .read_text()
         .replace("      ignore:", "      smoothing_strength: 0.8\n      ignore:")
     )

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvq.checkpoint.kv_cache_spec import kv_cache_spec
-from kvq.compress.serving_memory import parse_bytes, serving_memory, weight_bytes
+from kvq.compress.serving_memory import serving_memory, weight_bytes
 from kvq.errors import KvqError
 
 LLAMA = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 MLA = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 128}
-
-
-def test_parse_bytes():
-    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("141GiB") == 141 * 2**30
-    assert parse_bytes("1.5 TiB") == int(1.5 * 2**40)
-    with pytest.raises(KvqError, match="unit"):
-        parse_bytes("80G")
 
 
 def test_weights_are_replicated_split_or_mtp():

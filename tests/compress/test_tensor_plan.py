@@ -8,11 +8,20 @@ import pytest
 
 from kvq.checkpoint.header import TensorInfo
 from kvq.compress.recipe import load_recipe
-from kvq.compress.tensor_plan import COPY, FP8_BLOCK, INT4, build_plan, is_linear_weight, virtual_tensors
+from kvq.compress.tensor_plan import (
+    COPY,
+    DEQUANTIZE,
+    FP8_BLOCK,
+    INT4,
+    build_plan,
+    is_linear_weight,
+    virtual_tensors,
+)
 from kvq.errors import KvqError
 
 EXPERT = "model.layers.1.mlp.experts.3.down_proj"
 ATTN = "model.layers.1.self_attn.q_b_proj"
+PARTIAL = "model.layers.1.self_attn.o_proj"
 
 
 def fp8(name: str, shape: tuple[int, int], scale_shape: tuple[int, int] | None = None) -> list:
@@ -21,15 +30,16 @@ def fp8(name: str, shape: tuple[int, int], scale_shape: tuple[int, int] | None =
     return [(f"{name}.weight", "F8_E4M3", shape), (f"{name}.weight_scale_inv", "F32", scale_shape)]
 
 
-def plan_of(specs: list, recipe: str = "w4a16-experts", group_size: int | None = None):
-    return build_plan(virtual_tensors(specs), load_recipe(recipe, group_size), (128, 128))
+def plan_of(specs: list, recipe: str = "w4a16-experts", group_size: int | None = None, target: str = "vllm"):
+    return build_plan(virtual_tensors(specs), load_recipe(recipe, group_size), (128, 128), target)
 
 
 def test_actions_and_outputs():
     plan = plan_of(
         [
             *fp8(EXPERT, (256, 384)),
-            *fp8(ATTN, (512, 192)),
+            *fp8(ATTN, (512, 256)),
+            *fp8(PARTIAL, (256, 192)),
             ("model.layers.1.mlp.gate.weight", "BF16", (8, 256)),
             ("model.norm.weight", "BF16", (256,)),
             ("model.embed_tokens.weight", "BF16", (100, 256)),
@@ -48,9 +58,32 @@ def test_actions_and_outputs():
         f"{ATTN}.weight",
         f"{ATTN}.weight_scale",
     ]
+    partial = tasks[f"{PARTIAL}.weight"]  # in_features 192: a partial FP8 block, written as BF16
+    assert partial.action == DEQUANTIZE and partial.scale_inv.name == f"{PARTIAL}.weight_scale_inv"
+    assert [(o.name, o.dtype, o.shape) for o in partial.outputs] == [
+        (f"{PARTIAL}.weight", "BF16", (256, 192))
+    ]
+    assert [(d.name, d.shape) for d in plan.dequantized] == [(f"{PARTIAL}.weight", (256, 192))]
+    assert "in_features 192 is not a multiple of the 128 FP8 block" in plan.dequantized[0].reason
     assert tasks["model.layers.1.mlp.gate.weight"].action == COPY
     assert plan.int4_modules == [EXPERT] and plan.fp8_modules == [ATTN]
-    assert plan.dense_linear_modules == ["model.layers.1.mlp.gate"] and not plan.kept and not plan.has_lm_head
+    assert plan.dense_linear_modules == ["model.layers.1.mlp.gate", PARTIAL]
+    assert not plan.kept and not plan.has_lm_head
+
+
+def test_sglang_target_writes_every_fp8_weight_not_quantized_as_bf16():
+    specs = [*fp8(EXPERT, (256, 384)), *fp8(ATTN, (512, 256)), *fp8(PARTIAL, (256, 192))]
+    plan = plan_of(specs, target="sglang")
+    actions = {t.source.name: t.action for t in plan.tasks}
+    assert actions == {
+        f"{EXPERT}.weight": INT4,
+        f"{ATTN}.weight": DEQUANTIZE,
+        f"{PARTIAL}.weight": DEQUANTIZE,
+    }
+    assert not plan.fp8_modules and plan.dense_linear_modules == [PARTIAL, ATTN]
+    assert all("target sglang" in d.reason for d in plan.dequantized)
+    with pytest.raises(KvqError, match="--target 'tgi' is not known; use one of vllm, sglang"):
+        plan_of(specs, target="tgi")
 
 
 def test_group_size_decides_what_is_kept():

@@ -1,12 +1,12 @@
-"""transformers (through compressed-tensors) loads kvq's output, holds kvq's dequantized weights, generates.
+"""transformers (through compressed-tensors) loads both targets of kvq's output of every fixture, holds
+kvq's dequantized weights, and generates.
 
-FP8-block parts are kept as compressed-tensors block FP8 with dynamic per-group (128) input activations,
-as the FP8 source is served; transformers holds their fp32 block scales in the model dtype (bf16), so
-those weights are compared with bf16-rounded scales. compressed-tensors decompresses them on load, but its
-fake-quantized forward
-cannot run a Linear whose in_features is not a multiple of that group (`compute_dynamic_scales_and_zp`
-unflattens the input into groups of 128): the fixtures' partial blocks (in 192, 576). So generation is
-tested on BF16-source outputs and on an FP8 source whose Linears are block-aligned, as real models are.
+In the `vllm` target FP8-block parts are kept as compressed-tensors block FP8 with dynamic per-group (128)
+input activations, as the FP8 source is served; transformers holds their fp32 block scales in the model
+dtype (bf16), so those weights are compared with bf16-rounded scales. compressed-tensors' fake-quantized
+forward cannot run such a Linear whose in_features is not a multiple of that group
+(`compute_dynamic_scales_and_zp` unflattens the input into groups of 128), so kvq writes the fixtures'
+partial blocks (in 192, 576) as BF16, in both targets: every output generates.
 """
 
 from __future__ import annotations
@@ -19,18 +19,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsC
 
 from kvq.checkpoint.dense import read_dense
 from kvq.checkpoint.expert_layout import fuse_experts
+from kvq.checkpoint.hf_checkpoint import write_checkpoint
 from kvq.checkpoint.reader import Checkpoint
 from kvq.checkpoint.specs import checkpoint_specs
+from kvq.fixtures.tiny_models import random_tensor, tiny_config
+from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
 from kvq.formats.fp8_block import dequantize_fp8_block
-from kvq.testing.checkpoint_fixtures import write_checkpoint
-from kvq.testing.tiny_models import random_tensor, tiny_config
-from kvq.testing.tiny_tokenizer import tiny_tokenizer
 from tests.compress.conftest import compress
 
 # Passing dequantize= overrides only that loading attribute of the config; transformers warns anyway.
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 PROMPT = torch.tensor([[1, 40, 41, 42, 43, 44]])
-RECIPES = {"llama": "w4a16-linear", "glm4_moe": "w4a16-experts", "glm_moe_dsa": "w4a16-experts"}
+RECIPES = {
+    "llama": "w4a16-linear",
+    "glm4_moe": "w4a16-experts",
+    "glm_moe_dsa": "w4a16-experts",
+    "deepseek_v3": "w4a16-experts",
+}
 
 
 def load(path: Path, *, dequantize: bool = True):
@@ -71,27 +76,21 @@ def generate(model) -> torch.Tensor:
     return out
 
 
+# A BF16 source gives the same bytes for both targets (nothing is FP8): one of them is enough.
+OUTPUTS = [(arch, "bf16", "vllm") for arch in RECIPES] + [
+    (arch, "fp8-block", target) for arch in RECIPES for target in ("vllm", "sglang")
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", list(RECIPES))
-def test_bf16_source_output_loads_and_generates(compressed, arch):
-    out = compressed(arch, "bf16", RECIPES[arch])
+@pytest.mark.parametrize(("arch", "fmt", "target"), OUTPUTS)
+def test_output_loads_with_kvqs_weights_and_generates(compressed, arch, fmt, target):
+    out = compressed(arch, fmt, RECIPES[arch], target=target)
     model = load(out)
     assert_holds_kvqs_weights(model, out)
-    assert torch.equal(generate(model), generate(load(out, dequantize=False)))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", list(RECIPES))
-def test_fp8_source_output_loads_with_kvqs_weights(compressed, arch):
-    out = compressed(arch, "fp8-block", RECIPES[arch])
-    assert_holds_kvqs_weights(load(out), out)
-
-
-@pytest.mark.slow
-def test_partial_fp8_blocks_load_but_compressed_tensors_cannot_run_them(compressed):
-    model = load(compressed("glm_moe_dsa", "fp8-block"))  # q_b_proj / indexer.wq_b: in_features 192
-    with pytest.raises(RuntimeError, match="unflatten"):
-        model(PROMPT)
+    ids = generate(model)
+    if fmt == "bf16":  # decompressing on load or on the first forward: the same model
+        assert torch.equal(ids, generate(load(out, dequantize=False)))
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import pytest
 # Imports of calibrate/compress (compressed-tensors, llm-compressor) stay inside the fixtures: the kernel
 # tests under tests/runtime/kernels must collect on a GPU machine that has only torch, triton and
 # transformers (scripts/gpu_check.sh).
-from kvq.testing.smollm2 import SmolLM2Paths
+from kvq.data.embedded_model import SmolLM2Paths
+from tests.runtime.cpu_isa import cpu_isa  # noqa: F401  (a fixture: every CPU W4A16 path in turn)
 
 Int4Checkpoint = Callable[..., Path]
 # (arch, source format) -> (recipe, group size): llama all-INT4 (group 64: SmolLM2's 576 needs it);
@@ -29,26 +30,28 @@ def model_free_ptq(source: Path, out: Path, recipe: str, group_size: int) -> Pat
     return out
 
 
-def compress(source: Path, out: Path, recipe: str, group_size: int) -> Path:
+def compress(source: Path, out: Path, recipe: str, group_size: int, target: str = "vllm") -> Path:
     from kvq.compress.recipe import load_recipe
     from kvq.compress.runner import prepare, run
 
-    run(prepare(source, out, load_recipe(recipe, group_size)), workers=1)
+    run(prepare(source, out, load_recipe(recipe, group_size), target), workers=1)
     return out
 
 
 @pytest.fixture(scope="session")
 def int4_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Int4Checkpoint:
     """`int4_checkpoint(arch, writer="kvq")`: the tiny llama (from BF16) or glm4_moe (from FP8-block)
-    compressed by kvq, or by llm-compressor's `model_free_ptq` with the same recipe."""
+    compressed by kvq (`kvq`: target vllm, `kvq-sglang`: target sglang), or by llm-compressor's
+    `model_free_ptq` with the same recipe."""
     built: dict[str, Path] = {}
 
     def get(arch: str, writer: str = "kvq") -> Path:
         if (arch, writer) not in built:
             source = tiny_checkpoint(arch, "fp8-block" if arch == "glm4_moe" else "bf16")
             out = tmp_path_factory.mktemp(f"{arch}-int4-{writer}") / "model"
-            if writer == "kvq":
-                built[arch, writer] = compress(source, out, *RECIPES[arch])
+            if writer in ("kvq", "kvq-sglang"):
+                target = "sglang" if writer == "kvq-sglang" else "vllm"
+                built[arch, writer] = compress(source, out, *RECIPES[arch], target)
             else:  # llm-compressor's own: FP8 attention dequantized to bf16, experts INT4
                 assert writer == "model_free_ptq", writer
                 built[arch, writer] = model_free_ptq(source, out, *RECIPES[arch])

@@ -27,6 +27,9 @@ from tests.runtime.reference import (
 
 FIXTURES = [(arch, fmt) for arch in ("llama", "glm4_moe") for fmt in ("bf16", "fp8-block", "int4")]
 FIXTURES.append(("glm4_moe", "int4-llm-compressor"))  # files kvq did not write: model_free_ptq's
+# kvq's `sglang` target of the FP8 glm4_moe: INT4 experts, everything else BF16 (llama's BF16 source gives
+# the same bytes for both targets)
+REFERENCE_FIXTURES = [*FIXTURES, ("glm4_moe", "int4-sglang")]
 NUM_TOKENS = 32
 
 
@@ -45,10 +48,14 @@ def checkpoint(tiny_checkpoint, int4_checkpoint, request: pytest.FixtureRequest)
         return int4_checkpoint(arch)
     if fmt == "int4-llm-compressor":
         return int4_checkpoint(arch, "model_free_ptq")
+    if fmt == "int4-sglang":
+        return int4_checkpoint(arch, "kvq-sglang")
     return tiny_checkpoint(arch, fmt)
 
 
-@pytest.mark.parametrize("checkpoint", FIXTURES, indirect=True, ids=[f"{a}-{f}" for a, f in FIXTURES])
+@pytest.mark.parametrize(
+    "checkpoint", REFERENCE_FIXTURES, indirect=True, ids=[f"{a}-{f}" for a, f in REFERENCE_FIXTURES]
+)
 def test_reference_mode_greedy_matches_transformers(checkpoint: Path) -> None:
     hf = hf_reference(checkpoint)
     expected = [hf_greedy(hf, p, NUM_TOKENS) for p in PROMPTS]

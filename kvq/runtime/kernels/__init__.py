@@ -24,6 +24,8 @@ Public API
   calls on bare tensors, checked and dispatched at every call.
 Prepared weights and KV caches carry the backend they were made for; the bare-tensor calls resolve it
 per call. Either way it comes from `backend=`, else $KVQ_KERNELS (auto|torch|triton), else the device.
+On CPU, W4A16 weights also carry the path chosen at prepare by `resolve_cpu_isa` ($KVQ_CPU_ISA:
+auto|avx512|avx2|scalar|torch; `describe_cpu_path` says which runs, for logs and benchmarks).
 """
 
 from __future__ import annotations
@@ -43,18 +45,19 @@ from kvq.runtime.kernels.w4a16 import (
     W4A16Weight,
     check_w4a16_tensors,
     compressed_tensors_weight,
-    dequantize_w4a16,
     prepare_w4a16_torch,
     w4a16_linear_torch,
     w4a16_reference,
 )
+from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, describe_cpu_path, resolve_cpu_isa
 
 __all__ = [
+    "CPU_ISA_ENV",
     "KVQ_KERNELS_ENV",
     "PagedDecodePlan",
     "PagedKVCache",
     "W4A16Weight",
-    "dequantize_w4a16",
+    "describe_cpu_path",
     "fused_moe_reference",
     "fused_moe_w4a16",
     "paged_decode_attention",
@@ -62,6 +65,7 @@ __all__ = [
     "plan_paged_decode",
     "prepare_w4a16",
     "resolve_backend",
+    "resolve_cpu_isa",
     "store_kv",
     "store_kv_reference",
     "w4a16_linear",
@@ -81,6 +85,8 @@ def prepare_w4a16(
 
 def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     """y = x @ W^T for x `[..., K]` -> `[..., N]` in x.dtype, on the backend `w` was prepared for."""
+    if w.native is not None and x.dim() == 2 and x.shape[1] == w.in_features:
+        return w.native(x)  # the CPU kernel's short path (decode calls it ~100 times per token)
     if w.num_experts is not None:
         raise ValueError(f"w holds {w.num_experts} stacked experts: use fused_moe_w4a16")
     if x.shape[-1] != w.in_features:

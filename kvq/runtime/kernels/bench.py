@@ -4,7 +4,8 @@
 (bytes = 2 x size, read + write), W4A16 GEMV vs BF16 matmul at GLM-5 expert shapes (bytes = packed
 N*K/2 + scales N*K/G*2 + activations M*K*2 + M*N*2), the fused MoE, and FP8 vs BF16 paged decode
 attention at 1K/8K/32K context. Exit 1 on any mismatch or error, 3 on a missed H100/H200 target.
-`--cpu --threads 2`: copy bandwidth and the CPU int4 op vs a BF16 matmul only. Nothing runs at import.
+`--cpu --threads 2`: copy bandwidth and the CPU W4A16 path (KVQ_CPU_ISA) vs a BF16 matmul only. Nothing
+runs at import.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
+from kvq.formats.pack_quantized import dequantize_pack_quantized
 from kvq.runtime.kernels import (
-    dequantize_w4a16,
     fused_moe_reference,
     fused_moe_w4a16,
     paged_decode_attention,
@@ -32,7 +34,6 @@ from kvq.runtime.kernels import (
     prepare_w4a16,
     w4a16_linear,
 )
-from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX
 
 EXIT_MISMATCH, EXIT_TARGET_MISSED = 1, 3
 
@@ -122,7 +123,7 @@ def bench_gemv(
     for name, n, k in cfg.gemv_shapes:
         packed, scale = random_w4a16(None, n, k, cfg.group_size, device)
         w = prepare_w4a16(packed, scale, cfg.group_size)
-        dense = dequantize_w4a16(packed, scale, cfg.group_size)  # [N, K] fp32, the reference weight
+        dense = dequantize_pack_quantized(packed, scale, dtype=torch.float32)  # [N, K] fp32, the reference
         dense_bf16 = dense.to(torch.bfloat16)
         for m in cfg.batches:
             x = gen_x[:m, :k].to(torch.bfloat16)
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
-    parser.add_argument("--cpu", action="store_true", help="CPU int4 op vs bf16 matmul only")
+    parser.add_argument("--cpu", action="store_true", help="CPU W4A16 path vs bf16 matmul only")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (pin for CPU numbers)")
     parser.add_argument("--no-enforce-targets", action="store_true", help="report H100/H200 targets only")
     args = parser.parse_args(argv)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels.w4a16 import W4A16Weight, dequantize_w4a16, w4a16_linear_torch
+from kvq.formats.pack_quantized import dequantize_pack_quantized
+from kvq.runtime.kernels.w4a16 import W4A16Weight, w4a16_linear_torch
 
 
 def check_moe_inputs(
@@ -64,8 +65,8 @@ def fused_moe_reference(
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     for e in topk_ids.unique().tolist():
         token_idx, slot_idx = (topk_ids == e).nonzero(as_tuple=True)
-        w13 = dequantize_w4a16(w13_packed[e], w13_scale[e], group_size)  # [2I, H]
-        w2 = dequantize_w4a16(w2_packed[e], w2_scale[e], group_size)  # [H, I]
+        w13 = dequantize_pack_quantized(w13_packed[e], w13_scale[e], dtype=torch.float32)  # [2I, H]
+        w2 = dequantize_pack_quantized(w2_packed[e], w2_scale[e], dtype=torch.float32)  # [H, I]
         a = silu_and_mul(x[token_idx].float() @ w13.T, x.dtype)  # [n, I]
         out = (a.float() @ w2.T) * topk_weights[token_idx, slot_idx].float()[:, None]
         y.index_add_(0, token_idx, out)

@@ -6,21 +6,17 @@ float8_e4m3fn (fp16/fp32 work too), innermost dim contiguous. `k_scale`/`v_scale
 FP8 pages store clamp(k / k_scale, +-448) cast to fp8 and read fp8.float() * k_scale; other pages
 ignore the scales. `block_tables` int32 `[B, max_pages]` (only the first ceil(seq_len / page_size)
 entries are read; padding may be -1 or anything), `seq_lens` int32 `[B]`, `slot_mapping` int64 `[T]`
-= page * page_size + offset, negative = skip. Also what the torch paths share: FP8 pages read by moving
-bits, K and V as one view of slot rows. Imports torch only.
+= page * page_size + offset, negative = skip. Also what the torch paths share: K and V as one view of
+slot rows (FP8 pages are read by `kvq.formats.fp8_e4m3.fp8_bits_to`). Imports torch and kvq.formats.
 """
 
 from __future__ import annotations
 
 import torch
 
-FP8_E4M3_MAX = 448.0
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
+
 KV_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-FP8_BITS_SCALE = 2.0**120  # `fp8_bits_to` reads e4m3 values 2^(127 - 7) too small
-# (int type, shift, mask) moving e4m3 bits into a float of that width: the int8 sign-extended and shifted
-# puts the sign in the top bit and exponent + mantissa right below the float's exponent/mantissa border;
-# the mask (0x87F0, 0x87F00000) clears the sign's other copies.
-_FP8_BIT_MOVES = {torch.bfloat16: (torch.int16, 4, -30736), torch.float32: (torch.int32, 20, -2014314496)}
 
 
 def is_fp8(cache: torch.Tensor) -> bool:
@@ -83,13 +79,6 @@ def dequantize_kv(pages: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if pages.dtype != torch.float8_e4m3fn:
         return pages.float()
     return pages.float() * scale[:, None]
-
-
-def fp8_bits_to(pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 values -> (value * 2^-120) in bf16 or fp32, exactly (subnormals included), by moving bits: 2-4x
-    faster than torch's fp8 conversion on CPU. Multiply by scale * FP8_BITS_SCALE for the real value."""
-    int_dtype, shift, mask = _FP8_BIT_MOVES[dtype]
-    return ((pages.view(torch.int8).to(int_dtype) << shift) & mask).view(dtype)
 
 
 def kv_slot_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX, is_fp8
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.kv_store import check_new_kv
 from kvq.runtime.kernels.triton_launch import is_interpreted, kernel_for, next_pow2
 

@@ -17,14 +17,9 @@ from functools import cached_property
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_BITS_SCALE, fp8_bits_to
 from kvq.runtime.kernels.backend import Backend, resolve_backend
-from kvq.runtime.kernels.kv_cache_layout import (
-    FP8_BITS_SCALE,
-    KV_CACHE_DTYPES,
-    fp8_bits_to,
-    is_fp8,
-    quantize_kv,
-)
+from kvq.runtime.kernels.kv_cache_layout import KV_CACHE_DTYPES, is_fp8, quantize_kv
 from kvq.runtime.kernels.paged_attention import PagedDecodePlan
 
 INDEX_KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -16,13 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from kvq.runtime.kernels.kv_cache_layout import (
-    check_kv_cache,
-    dequantize_kv,
-    fp8_bits_to,
-    is_fp8,
-    per_head_scale,
-)
+from kvq.formats.fp8_e4m3 import fp8_bits_to
+from kvq.runtime.kernels.kv_cache_layout import check_kv_cache, dequantize_kv, is_fp8, per_head_scale
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged_kv_cache import PagedKVCache

@@ -15,8 +15,9 @@ from functools import cached_property
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_BITS_SCALE
 from kvq.runtime.kernels.backend import Backend, resolve_backend
-from kvq.runtime.kernels.kv_cache_layout import FP8_BITS_SCALE, check_kv_cache, kv_slot_rows, per_head_scale
+from kvq.runtime.kernels.kv_cache_layout import check_kv_cache, kv_slot_rows, per_head_scale
 from kvq.runtime.kernels.kv_store import store_kv_torch
 from kvq.runtime.kernels.paged_attention import PagedDecodePlan, paged_decode_attention_torch
 from kvq.runtime.kernels.paged_prefill import paged_prefill_attention

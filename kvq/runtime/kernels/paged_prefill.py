@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels.kv_cache_layout import fp8_bits_to, is_fp8
+from kvq.formats.fp8_e4m3 import fp8_bits_to
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.paged_attention import default_sm_scale
 
 if TYPE_CHECKING:

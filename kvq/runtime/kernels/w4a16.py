@@ -4,8 +4,9 @@ Layout (the contract): `weight_packed` int32 `[N, K/8]` (or `[E, N, K/8]` for st
 (bits 4j..4j+3) of word k holds `q[n, 8k+j] + 8` (first element in the lowest bits); `weight_scale`
 `[N, K/group_size]` in bf16 (any float dtype is accepted); symmetric: real weight = q * scale;
 y = x @ W^T with fp32 accumulation. group_size in {32, 64, 128}.
-This file holds the reference (the spec), the prepared-weight type and the torch (CPU) path; the
-Triton kernel is in `w4a16_triton.py`. Imports torch and kvq.formats (the shared INT4 unpack).
+This file holds the reference (the spec), the prepared-weight type and the torch (CPU) path, which runs
+kvq's native kernel (`w4a16_cpu.py`) or `aten._weight_int4pack_mm_for_cpu`; the Triton kernel is in
+`w4a16_triton.py`. Imports torch, kvq.formats (the shared INT4 unpack) and kvq.runtime.kernels.w4a16_cpu.
 """
 
 from __future__ import annotations
@@ -14,37 +15,25 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvq.formats.pack_quantized import unpack_int4
+from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
+from kvq.formats.shapes import GROUP_SIZES
+from kvq.runtime.kernels.w4a16_cpu import NativeW4A16, native_scale, resolve_cpu_isa, w4a16_native
 
-GROUP_SIZES = (32, 64, 128)
 LAYOUT_COMPRESSED_TENSORS = "compressed-tensors"
 LAYOUT_INT4PACK_CPU = "int4pack-cpu"
+LAYOUT_NATIVE_CPU = "native-cpu"
 _INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` needs N % 16 == 0
-
-
-def unpack_stacked_int4(weight_packed: torch.Tensor) -> torch.Tensor:
-    """int32 `[..., N, K/8]` -> int8 q `[..., N, K]` in -8..7 (the shared 2-D unpack on a flat view)."""
-    flat = unpack_int4(weight_packed.reshape(-1, weight_packed.shape[-1]))  # [(E*)N, K]
-    return flat.reshape(*weight_packed.shape[:-1], flat.shape[-1])
-
-
-def dequantize_w4a16(
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    group_size: int,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Dense weight `[..., N, K]` = q * scale, computed in fp32 and returned in `dtype`."""
-    q = unpack_stacked_int4(weight_packed).float()  # [..., N, K]
-    scale = weight_scale.float().repeat_interleave(group_size, dim=-1)  # [..., N, K]
-    return (q * scale).to(dtype)
 
 
 def w4a16_reference(
     x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """The spec: fp32 `[..., N]` = x.float() @ (q * scale)^T for x `[..., K]`."""
-    return x.float() @ dequantize_w4a16(weight_packed, weight_scale, group_size).T
+    """The spec: fp32 `[..., N]` = x.float() @ (q * scale)^T for x `[..., K]` (`group_size` is checked)."""
+    assert weight_packed.shape[-1] * 8 == weight_scale.shape[-1] * group_size, (
+        weight_scale.shape,
+        group_size,
+    )
+    return x.float() @ dequantize_pack_quantized(weight_packed, weight_scale, dtype=torch.float32).T
 
 
 @dataclass(frozen=True)
@@ -54,6 +43,9 @@ class W4A16Weight:
     `layout` says which tensors are set:
     - "compressed-tensors": `weight_packed` int32 `[(E,) N, K/8]` and `weight_scale` `[(E,) N, K/G]` as
       loaded (Triton on any device; the torch path off-CPU dequantizes per call).
+    - "native-cpu": `weight_packed` as loaded and `weight_scale` (bf16 as loaded, other dtypes as fp32)
+      for kvq's CPU kernel; `cpu_isa` names its path ("avx512", "avx2" or "scalar") and `native` (plain
+      weights only) is the kernel call with the weight's arguments bound.
     - "int4pack-cpu": `int4pack` uint8 `[(E,) N16, K/2]` for `aten._weight_int4pack_mm_for_cpu` and
       `scales_and_zeros` `[(E,) K/G, N16, 2]` (zeros are 0); N16 = N rounded up to a multiple of 16.
     """
@@ -68,6 +60,8 @@ class W4A16Weight:
     weight_scale: torch.Tensor | None = None
     int4pack: torch.Tensor | None = None
     scales_and_zeros: torch.Tensor | None = None
+    cpu_isa: str | None = None
+    native: NativeW4A16 | None = None
 
     @property
     def device(self) -> torch.device:
@@ -143,10 +137,19 @@ def compressed_tensors_weight(
 def prepare_w4a16_torch(
     weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int
 ) -> W4A16Weight:
-    """Torch-path weight: repacked for the CPU int4 op on CPU; kept as loaded elsewhere."""
+    """Torch-path weight on CPU: for the native kernel of $KVQ_CPU_ISA (kept as loaded) or repacked for
+    the CPU int4 op (KVQ_CPU_ISA=torch, or no native path); kept as loaded on other devices."""
     loaded = compressed_tensors_weight("torch", weight_packed, weight_scale, group_size)
     if weight_packed.device.type != "cpu":
         return loaded
+    isa = resolve_cpu_isa()
+    if isa != "torch":
+        assert loaded.weight_packed is not None
+        scale = native_scale(weight_scale)
+        native = (
+            NativeW4A16(loaded.weight_packed, scale, group_size, isa) if weight_packed.dim() == 2 else None
+        )
+        return replace(loaded, layout=LAYOUT_NATIVE_CPU, weight_scale=scale, cpu_isa=isa, native=native)
     stacked_packed = weight_packed.reshape(-1, *weight_packed.shape[-2:])
     stacked_scale = weight_scale.reshape(-1, *weight_scale.shape[-2:])
     pairs = [to_int4pack_cpu(p, s) for p, s in zip(stacked_packed, stacked_scale, strict=True)]
@@ -167,10 +170,16 @@ def prepare_w4a16_torch(
 def w4a16_linear_torch(x: torch.Tensor, w: W4A16Weight, expert: int | None = None) -> torch.Tensor:
     """Torch path: `[M, K]` -> `[M, N]` in x.dtype; `expert` picks one of stacked experts.
 
-    On CPU the int4 op runs in the dtype of its scales: bf16 is the fast path; other activation dtypes
-    get the scales cast per call and take the op's slow path (fp16 is ~35x slower than bf16 there).
+    On CPU the native kernel takes fp32, bf16 and fp16 alike. The int4 op runs in the dtype of its
+    scales: bf16 is its fast path; other activation dtypes get the scales cast per call and take the
+    op's slow path (fp16 is ~35x slower than bf16 there).
     """
     assert (expert is None) == (w.num_experts is None), "pass expert= exactly for stacked experts"
+    if w.layout == LAYOUT_NATIVE_CPU:
+        assert w.weight_packed is not None and w.weight_scale is not None and w.cpu_isa is not None
+        packed = w.weight_packed if expert is None else w.weight_packed[expert]
+        scale = w.weight_scale if expert is None else w.weight_scale[expert]
+        return w4a16_native(x, packed, scale, w.group_size, w.cpu_isa)
     if w.layout == LAYOUT_COMPRESSED_TENSORS:
         assert w.weight_packed is not None and w.weight_scale is not None
         packed = w.weight_packed if expert is None else w.weight_packed[expert]

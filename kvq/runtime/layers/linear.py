@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from kvq.checkpoint.dense import dequantize_float_quantized
-from kvq.runtime.kernels import W4A16Weight, dequantize_w4a16, prepare_w4a16, w4a16_linear
+from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
+from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
 
 DENSE, FP8, INT4 = "dense", "fp8", "int4"
 
@@ -40,7 +41,7 @@ class StoredLinear:
         """The real-valued weight `[N, K]` in `dtype` (dequantized in fp32 first)."""
         t = self.tensors
         if self.kind == INT4:
-            return dequantize_w4a16(t["weight_packed"], t["weight_scale"], self.group_size, dtype)
+            return dequantize_pack_quantized(t["weight_packed"], t["weight_scale"], dtype=dtype)
         if self.kind == FP8:
             return dequantize_float_quantized(t["weight"], t["weight_scale"], self.block, dtype)
         return t["weight"].to(dtype)
@@ -100,6 +101,13 @@ class Int4Linear(Linear):
         w = self.weight
         held = (w.weight_packed, w.weight_scale, w.int4pack, w.scales_and_zeros, self.bias)
         return [t for t in held if t is not None]
+
+
+def int4_copy(weight: torch.Tensor, group_size: int) -> Int4Linear:
+    """A W4A16 runtime copy of a dense weight `[N, K]`: symmetric round-to-nearest INT4 groups, the
+    arithmetic of `kvq compress` (compressed-tensors'), prepared for the kernels on weight's device."""
+    weight_packed, weight_scale = quantize_pack_int4(weight, group_size)
+    return Int4Linear(prepare_w4a16(weight_packed, weight_scale, group_size), None)
 
 
 class ConcatLinear(Linear):

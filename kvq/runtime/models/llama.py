@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.config import LM_HEAD_GROUP_SIZE
 from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.layers.attention import PagedAttention
-from kvq.runtime.layers.linear import DenseLinear, Linear
+from kvq.runtime.layers.linear import DenseLinear, Linear, int4_copy
 from kvq.runtime.layers.norm import RMSNorm
 from kvq.runtime.layers.rotary import RotaryEmbedding
 from kvq.runtime.loader import WeightLoader
@@ -149,7 +150,8 @@ class DecoderLayer:
 
 
 class LlamaForCausalLM:
-    """Embedding, decoder layers, final norm, lm_head (tied to the embedding when the config says so)."""
+    """Embedding, decoder layers, final norm, lm_head (tied to the embedding when the config says so; an
+    INT4 runtime copy of a dense one with `lm_head_weights="int4"`)."""
 
     def __init__(self, config: PretrainedConfig, loader: WeightLoader) -> None:
         self.config = config
@@ -171,6 +173,8 @@ class LlamaForCausalLM:
             self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
         else:
             self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)])
+        if loader.config.lm_head_weights == "int4" and isinstance(self.lm_head, DenseLinear):
+            self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE)
 
     def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
         return RotaryEmbedding(self.config, self.head_dim, self.max_positions, loader.dtype, loader.device)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 from kvq.formats.pack_quantized import pack_int4
-from kvq.runtime.kernels.kv_cache_layout import FP8_E4M3_MAX
 from kvq.runtime.kernels.latent_cache import PagedLatentCache
 from kvq.runtime.kv_layout import LatentLayout
 

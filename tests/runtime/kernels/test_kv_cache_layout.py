@@ -1,23 +1,13 @@
-"""What the torch paths share from the KV cache layout: FP8 pages read by moving bits (exact), and K and V
-as one slot-row view only when they are the halves of one tensor."""
+"""What the torch paths share from the KV cache layout: K and V as one slot-row view only when they are the
+halves of one tensor (the FP8 bit move is tested in tests/formats/test_fp8_e4m3.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvq.runtime.kernels.kv_cache_layout import FP8_BITS_SCALE, fp8_bits_to, kv_slot_rows
+from kvq.runtime.kernels.kv_cache_layout import kv_slot_rows
 
 FP8 = torch.float8_e4m3fn
-
-
-def test_fp8_bit_move_is_exact() -> None:
-    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
-    codes = codes[torch.isfinite(codes.float())]  # 254 finite codes, subnormals included
-    for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(fp8_bits_to(codes, dtype).float() * FP8_BITS_SCALE, codes.float()), dtype
-    for scale in (1.0, 0.0371, 3.5e-4):  # value * 2^-120 * (scale * 2^120) rounds once, like fp8 * scale
-        found = fp8_bits_to(codes, torch.float32) * (torch.tensor(scale) * FP8_BITS_SCALE)
-        assert torch.equal(found, codes.float() * scale), scale
 
 
 def test_kv_slot_rows_views_the_halves_of_one_tensor() -> None:

@@ -1,43 +1,18 @@
-"""W4A16: the pack layout against compressed-tensors, and both backends against `w4a16_reference`.
+"""W4A16: both backends against `w4a16_reference` (the spec).
 
-compressed-tensors is imported only by the layout tests (skipped without it), so the rest runs on a GPU
-machine that has only torch and triton (scripts/gpu_check.sh)."""
+The pack layout against compressed-tensors is in test_w4a16_layout.py, so this file imports neither
+compressed-tensors nor llm-compressor and runs on the GPU machine (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvq.formats.pack_quantized import pack_int4, unpack_int4
+from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
 from kvq.runtime.kernels import prepare_w4a16, w4a16_linear
-from kvq.runtime.kernels.w4a16 import dequantize_w4a16, unpack_stacked_int4, w4a16_reference
+from kvq.runtime.kernels.w4a16 import w4a16_reference
 from kvq.runtime.kernels.w4a16_triton import W4A16LaunchConfig, w4a16_linear_triton
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
-
-
-def compressed_tensors_pack():
-    return pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
-
-
-def test_unpack_matches_compressed_tensors_both_ways() -> None:
-    ct = compressed_tensors_pack()
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randint(-8, 8, (37, 96), generator=gen, dtype=torch.int8)
-    packed = ct.pack_to_int32(q, 4)
-    assert packed.dtype == torch.int32 and packed.shape == (37, 12)
-    assert torch.equal(pack_int4(q), packed)  # what kernel_cases packs the tests' weights with
-    assert torch.equal(unpack_stacked_int4(packed), q)
-    assert torch.equal(unpack_stacked_int4(torch.stack([packed, packed])), torch.stack([q, q]))
-    assert torch.equal(ct.unpack_from_int32(packed, 4, torch.Size([37, 96])), q)
-
-
-def test_pack_layout_first_element_in_lowest_bits() -> None:
-    ct = compressed_tensors_pack()
-    q = torch.tensor([[-8, -7, -6, -5, -4, -3, -2, 7]], dtype=torch.int8)  # nibbles 0..6, 15
-    word = sum((int(v) + 8) << (4 * j) for j, v in enumerate(q[0]))
-    expected = torch.tensor([[word - (1 << 32)]], dtype=torch.int32)  # top nibble 15 sets the sign bit
-    assert torch.equal(ct.pack_to_int32(q, 4), expected)
-    assert torch.equal(unpack_stacked_int4(expected), q)
 
 
 def test_reference_is_dense_matmul_of_q_times_scale() -> None:
@@ -45,7 +20,7 @@ def test_reference_is_dense_matmul_of_q_times_scale() -> None:
     packed, scale = random_w4a16(24, 128, 32, gen)
     q = unpack_int4(packed).float()
     dense = q * scale.float().repeat_interleave(32, dim=1)
-    assert torch.equal(dequantize_w4a16(packed, scale, 32), dense)
+    assert torch.equal(dequantize_pack_quantized(packed, scale, dtype=torch.float32), dense)
     x = torch.randn(3, 128, generator=gen)
     assert_close_rel(w4a16_reference(x, packed, scale, 32), x @ dense.T, 1e-6)
 
@@ -102,22 +77,33 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize(("lead", "out_features", "in_features", "group_size", "dtype"), CPU_CASES)
-def test_cpu_int4pack_path_matches_reference(
-    lead: tuple[int, ...], out_features: int, in_features: int, group_size: int, dtype: torch.dtype
+def test_cpu_path_matches_reference(
+    cpu_isa: str,
+    lead: tuple[int, ...],
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    dtype: torch.dtype,
 ) -> None:
     gen = torch.Generator().manual_seed(out_features)
     packed, scale = random_w4a16(out_features, in_features, group_size, gen)
     x = torch.randn(*lead, in_features, generator=gen).to(dtype)
     w = prepare_w4a16(packed, scale, group_size, backend="torch")
+    assert w.cpu_isa == (None if cpu_isa == "torch" else cpu_isa)
     y = w4a16_linear(x, w)
     assert y.shape == (*lead, out_features) and y.dtype == dtype
     assert_close_rel(y, w4a16_reference(x, packed, scale, group_size), REL_TOL[dtype])
 
 
-def test_cpu_weight_keeps_only_packed_bytes() -> None:
+def test_cpu_weight_keeps_only_packed_bytes(cpu_isa: str) -> None:
     gen = torch.Generator().manual_seed(3)
     packed, scale = random_w4a16(64, 256, 64, gen)
     w = prepare_w4a16(packed, scale, 64, backend="torch")
+    if cpu_isa != "torch":  # the native kernel reads the tensors as loaded
+        assert w.layout == "native-cpu" and w.int4pack is None
+        assert w.weight_packed is not None and torch.equal(w.weight_packed, packed)
+        assert w.weight_scale is not None and torch.equal(w.weight_scale, scale)
+        return
     assert w.weight_packed is None and w.layout == "int4pack-cpu"
     assert w.int4pack is not None and w.scales_and_zeros is not None
     assert w.int4pack.numel() * w.int4pack.element_size() == packed.numel() * 4

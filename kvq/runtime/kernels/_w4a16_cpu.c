@@ -1,0 +1,415 @@
+/* kvq.runtime.kernels._w4a16_cpu: W4A16 GEMV/GEMM on CPU over compressed-tensors pack-quantized weights.
+
+   y[m, n] = sum_g scale[n, g] * sum_{k in group g} q[n, k] * x[m, k], fp32 sums, for weight_packed int32
+   [N, K/8] (nibble j of word k is q[n, 8k + j] + 8), weight_scale [N, K/G] (bf16 or fp32), activations
+   x [M, K] and output y [M, N] in fp32, bf16 or fp16 (rounded to nearest even), all contiguous.
+   Paths (isa): 0 scalar (the C reference: plain loops in the natural order), 1 AVX2 + FMA, 2 AVX-512F;
+   one build holds all of them (per-function target attributes) and `isas()` says which this CPU runs.
+   Threads split the output rows (N); activations are converted to fp32 once per call.
+
+   gemm(isa, threads, x, x_dtype, M, K, weight_packed, weight_scale, scale_dtype, N, group, y, y_dtype)
+   takes addresses (torch data_ptr) and dtype codes 0 fp32, 1 bf16, 2 fp16; the caller checks shapes,
+   dtypes and contiguity (kvq/runtime/kernels/w4a16_cpu.py). The GIL is released while it runs; calls
+   from several threads take turns. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_w4a16_cpu_pool.h"
+
+#if defined(KVQ_SIMDE_CHECK) /* a check build: every path through SIMDe's portable intrinsics, on any CPU */
+#define KVQ_X86 1
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include "_w4a16_cpu_simde.h"
+#define TARGET_AVX2
+#define TARGET_AVX512
+#elif defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVQ_X86 1
+#include <immintrin.h>
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#endif
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+#define MIN_WORK_PER_THREAD 32768 /* multiply-adds: below this a thread costs more than it saves */
+#define CHUNKS_PER_THREAD 4         /* row ranges per thread, taken dynamically (see _w4a16_cpu_pool.h) */
+
+typedef struct {
+    int isa, group, group_shift, x_dtype, scale_dtype, y_dtype, scale_size;
+    int64_t M, K, N, num_groups, xp_stride;
+    const void *x;
+    const int32_t *packed;
+    const uint8_t *scale;
+    void *y;
+    float *xp; /* activations in fp32: natural order (scalar) or permuted blocks (SIMD) */
+} Job;
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    if (exponent == 0x1F)
+        return bits_f32(sign | 0x7F800000u | (mantissa << 13));
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact */
+        float f = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    return bits_f32(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+/* Round to nearest even (F. Giesen's float_to_half_fast3_rtne). */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000u;
+    u &= 0x7FFFFFFFu;
+    if (u >= 0x47800000u) /* >= 65536, Inf or NaN */
+        return (uint16_t)(sign | (u > 0x7F800000u ? 0x7E00u : 0x7C00u));
+    if (u < 0x38800000u) /* below 2^-14: the float adder rounds the subnormal */
+        return (uint16_t)(sign | (f32_bits(bits_f32(u) + 0.5f) - 0x3F000000u));
+    u += 0xC8000FFFu + ((u >> 13) & 1u); /* rebias the exponent (15 - 127) << 23, round */
+    return (uint16_t)(sign | (u >> 13));
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float x_at(const Job *job, int64_t m, int64_t k) {
+    int64_t i = m * job->K + k;
+    switch (job->x_dtype) {
+    case DTYPE_BF16:
+        return bits_f32((uint32_t)((const uint16_t *)job->x)[i] << 16);
+    case DTYPE_F16:
+        return f16_to_f32(((const uint16_t *)job->x)[i]);
+    default:
+        return ((const float *)job->x)[i];
+    }
+}
+
+static inline float scale_at(const Job *job, const uint8_t *srow, int64_t g) {
+    if (job->scale_dtype == DTYPE_F32)
+        return ((const float *)srow)[g];
+    return bits_f32((uint32_t)((const uint16_t *)srow)[g] << 16);
+}
+
+static inline void store_y(const Job *job, int64_t m, int64_t n, float v) {
+    int64_t i = m * job->N + n;
+    if (job->y_dtype == DTYPE_F32)
+        ((float *)job->y)[i] = v;
+    else if (job->y_dtype == DTYPE_BF16)
+        ((uint16_t *)job->y)[i] = f32_to_bf16(v);
+    else
+        ((uint16_t *)job->y)[i] = f32_to_f16(v);
+}
+
+static inline int isa_lanes(int isa) { return isa == ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 0; }
+
+/* fp32 activations per row: K (scalar) or per block of `lanes` words 8 * lanes planes + lanes sums. */
+static int64_t xp_stride_of(int isa, int64_t K) {
+    int lanes = isa_lanes(isa);
+    if (lanes == 0)
+        return K;
+    int64_t words = K / 8, num_blocks = (words + lanes - 1) / lanes;
+    return num_blocks * (8 * lanes + lanes);
+}
+
+static void convert_row(const Job *job, int64_t m) {
+    float *out = job->xp + m * job->xp_stride;
+    int lanes = isa_lanes(job->isa);
+    if (lanes == 0) {
+        for (int64_t k = 0; k < job->K; k++)
+            out[k] = x_at(job, m, k);
+        return;
+    }
+    int64_t words = job->K / 8, num_blocks = (words + lanes - 1) / lanes;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        float *block = out + b * (9 * lanes);
+        for (int i = 0; i < lanes; i++) {
+            int64_t word = b * lanes + i;
+            float sum = 0.0f;
+            for (int j = 0; j < 8; j++) {
+                float v = word < words ? x_at(job, m, 8 * word + j) : 0.0f;
+                block[j * lanes + i] = v;
+                sum += v;
+            }
+            block[8 * lanes + i] = 8.0f * sum;
+        }
+    }
+}
+
+static void convert_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    const Job *job = (const Job *)ctx;
+    for (int64_t m = job->M * chunk / num_chunks; m < job->M * (chunk + 1) / num_chunks; m++)
+        convert_row(job, m);
+}
+
+/* The reference: per output, per group, a plain fp32 sum in k order, then times the group's scale. */
+static void scalar_rows(const Job *job, int64_t n0, int64_t n1) {
+    const int64_t words = job->K / 8;
+    for (int64_t m = 0; m < job->M; m++) {
+        const float *x = job->xp + m * job->xp_stride;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint32_t *wrow = (const uint32_t *)job->packed + n * words;
+            const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < job->num_groups; g++) {
+                float sum = 0.0f;
+                for (int64_t k = g * job->group; k < (g + 1) * job->group; k++) {
+                    int q = (int)((wrow[k / 8] >> (4 * (k % 8))) & 15u) - 8;
+                    sum += (float)q * x[k];
+                }
+                acc += sum * scale_at(job, srow, g);
+            }
+            store_y(job, m, n, acc);
+        }
+    }
+}
+
+#ifdef KVQ_X86
+#define ISA avx2
+#define TARGET TARGET_AVX2
+#define L 8
+#define VF __m256
+#define VI __m256i
+#define V_ZERO() _mm256_setzero_ps()
+#define V_SET1(f) _mm256_set1_ps(f)
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_LOADU(p) _mm256_loadu_ps(p)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_SUB(a, b) _mm256_sub_ps(a, b)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_FMSUB(a, b, c) _mm256_fmsub_ps(a, b, c)
+#define V_CVT(v) _mm256_cvtepi32_ps(v)
+#define V_EXPAND4(s4, idx) _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), idx)
+#define V_HSUM(v) hsum_avx2(v)
+#define VI_SET1(i) _mm256_set1_epi32(i)
+#define VI_LOADU(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_LOAD_FIRST(p, n)                                                                                  \
+    _mm256_maskload_epi32((const int *)(p),                                                                  \
+                          _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))
+#define VI_AND(a, b) _mm256_and_si256(a, b)
+#define VI_SRLI(v, i) _mm256_srli_epi32(v, i)
+TARGET static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#include "_w4a16_cpu_simd.h"
+#undef ISA
+#undef TARGET
+#undef L
+#undef VF
+#undef VI
+#undef V_ZERO
+#undef V_SET1
+#undef V_LOAD
+#undef V_LOADU
+#undef V_ADD
+#undef V_SUB
+#undef V_MUL
+#undef V_FMA
+#undef V_FMSUB
+#undef V_CVT
+#undef V_EXPAND4
+#undef V_HSUM
+#undef VI_SET1
+#undef VI_LOADU
+#undef VI_LOAD_FIRST
+#undef VI_AND
+#undef VI_SRLI
+
+#define ISA avx512
+#define TARGET TARGET_AVX512
+#define L 16
+#define VF __m512
+#define VI __m512i
+#define V_ZERO() _mm512_setzero_ps()
+#define V_SET1(f) _mm512_set1_ps(f)
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_LOADU(p) _mm512_loadu_ps(p)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_SUB(a, b) _mm512_sub_ps(a, b)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_FMSUB(a, b, c) _mm512_fmsub_ps(a, b, c)
+#define V_CVT(v) _mm512_cvtepi32_ps(v)
+#define V_EXPAND4(s4, idx) _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s4))
+#define V_HSUM(v) _mm512_reduce_add_ps(v)
+#define VI_SET1(i) _mm512_set1_epi32(i)
+#define VI_LOADU(p) _mm512_loadu_si512((const void *)(p))
+#define VI_LOAD_FIRST(p, n) _mm512_maskz_loadu_epi32((1u << (n)) - 1u, (const void *)(p))
+#define VI_AND(a, b) _mm512_and_si512(a, b)
+#define VI_SRLI(v, i) _mm512_srli_epi32(v, i)
+#include "_w4a16_cpu_simd.h"
+#endif
+
+static int isa_supported(int isa) {
+    if (isa == ISA_SCALAR)
+        return 1;
+#if defined(KVQ_SIMDE_CHECK)
+    return 1;
+#elif defined(KVQ_X86)
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == ISA_AVX2)
+        return avx2;
+    if (isa == ISA_AVX512)
+        return avx2 && __builtin_cpu_supports("avx512f");
+#endif
+    return 0;
+}
+
+static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    const Job *job = (const Job *)ctx;
+    int64_t tiles = (job->N + 3) / 4; /* chunks are whole tiles of 4 rows */
+    int64_t n0 = tiles * chunk / num_chunks * 4, n1 = tiles * (chunk + 1) / num_chunks * 4;
+    n1 = n1 < job->N ? n1 : job->N;
+    if (n0 >= n1)
+        return;
+#ifdef KVQ_X86
+    if (job->isa == ISA_AVX2) {
+        run_avx2(job, n0, n1);
+        return;
+    }
+    if (job->isa == ISA_AVX512) {
+        run_avx512(job, n0, n1);
+        return;
+    }
+#endif
+    scalar_rows(job, n0, n1);
+}
+
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
+static float *scratch;
+static size_t scratch_floats;
+
+/* Runs a checked job under call_lock: activations into fp32 scratch, then the rows over the threads. */
+static int run_job(Job *job, int threads) {
+    size_t need = (size_t)(job->M * job->xp_stride) + 16;
+    if (need > scratch_floats) {
+        free(scratch);
+        scratch_floats = 0;
+        if (posix_memalign((void **)&scratch, 64, need * sizeof(float)) != 0) {
+            scratch = NULL;
+            return -1;
+        }
+        scratch_floats = need;
+    }
+    job->xp = scratch;
+    int64_t work = job->M * job->N * job->K, useful = work / MIN_WORK_PER_THREAD;
+    int nt = useful < threads ? (int)(useful > 1 ? useful : 1) : threads;
+    int64_t tiles = (job->N + 3) / 4, chunks = (int64_t)nt * CHUNKS_PER_THREAD;
+    if (job->M * job->K > 65536)
+        run_parallel(convert_task, job, chunks < job->M ? chunks : job->M, nt);
+    else
+        convert_task(job, 0, 1);
+    run_parallel(rows_task, job, chunks < tiles ? chunks : tiles, nt);
+    return 0;
+}
+
+static PyObject *gemm(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, threads, x_dtype, scale_dtype, group, y_dtype;
+    unsigned long long x, packed, scale, y;
+    long long M, K, N;
+    if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKi", &isa, &threads, &x, &x_dtype, &M, &K, &packed, &scale,
+                          &scale_dtype, &N, &group, &y, &y_dtype))
+        return NULL;
+    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !isa_supported(isa))
+        return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if ((group != 32 && group != 64 && group != 128) || M < 0 || N < 0 || K <= 0 || K % group)
+        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld group=%d", M, N, K, group);
+    if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2 || (scale_dtype != DTYPE_F32 &&
+                                                                      scale_dtype != DTYPE_BF16))
+        return PyErr_Format(PyExc_ValueError, "bad dtype codes x=%d scale=%d y=%d", x_dtype, scale_dtype,
+                            y_dtype);
+    if (M == 0 || N == 0)
+        Py_RETURN_NONE;
+    Job job = {
+        .isa = isa,
+        .group = group,
+        .group_shift = group == 32 ? 5 : group == 64 ? 6 : 7,
+        .x_dtype = x_dtype,
+        .scale_dtype = scale_dtype,
+        .y_dtype = y_dtype,
+        .scale_size = scale_dtype == DTYPE_F32 ? 4 : 2,
+        .M = M,
+        .K = K,
+        .N = N,
+        .num_groups = K / group,
+        .xp_stride = xp_stride_of(isa, K),
+        .x = (const void *)(uintptr_t)x,
+        .packed = (const int32_t *)(uintptr_t)packed,
+        .scale = (const uint8_t *)(uintptr_t)scale,
+        .y = (void *)(uintptr_t)y,
+    };
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&call_lock);
+    status = run_job(&job, threads < 1 ? 1 : threads);
+    pthread_mutex_unlock(&call_lock);
+    Py_END_ALLOW_THREADS;
+    if (status < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *isas(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    static const char *names[] = {"scalar", "avx2", "avx512"};
+    const char *runnable[3];
+    Py_ssize_t count = 0;
+    for (int isa = ISA_SCALAR; isa <= ISA_AVX512; isa++)
+        if (isa_supported(isa))
+            runnable[count++] = names[isa];
+    PyObject *out = PyTuple_New(count);
+    for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
+        PyObject *name = PyUnicode_FromString(runnable[i]);
+        if (name == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, name);
+    }
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"gemm", gemm, METH_VARARGS, "y = x @ dequantize(weight_packed, weight_scale)^T (see the module source)."},
+    {"isas", isas, METH_NOARGS, "The kernel paths this CPU can run, by code: ('scalar', 'avx2', ...)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_w4a16_cpu", .m_doc = "W4A16 GEMV/GEMM on CPU.", .m_size = -1,
+    .m_methods = methods,
+};
+
+static void forget_after_fork(void) { /* a forked child has one thread and no call in flight */
+    pthread_mutex_init(&call_lock, NULL);
+    pool_forget_after_fork();
+}
+
+PyMODINIT_FUNC PyInit__w4a16_cpu(void) {
+    pthread_atfork(NULL, NULL, forget_after_fork);
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,190 @@
+/* One ISA's W4A16 kernels, included by _w4a16_cpu.c once per ISA with these macros defined:
+     ISA (name suffix), TARGET (function attribute), L (fp32 lanes), VF / VI (float / int vectors) and the
+     vector operations below (V_*).
+   A block is L int32 words of one weight row (8 * L elements, word i in lane i); nibble plane j holds
+   elements 8i + j. Activations are permuted once per call to match (see permute_rows): per block, 8
+   vectors of plane inputs, then a vector of 8 * (sum of each word's 8 inputs), which turns the
+   stored nibble u = q + 8 into q without a per-element subtraction: sum(u x) - 8 sum(x) = sum(q x).
+
+   gemv (M = 1): per row, per block: 8 planes (shift, and, convert) times their inputs, fp32 sums,
+   times the lane's group scale. gemm (M >= 2): per tile of 4 rows and KC_BLOCKS blocks, the weights are
+   dequantized once (q * scale, fp32) into an L1 buffer, then every activation row (in pairs) is dotted
+   with all 4 rows from it: 8 accumulators, 6 loads per 8 FMAs. */
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, ISA)
+#define BW (L * 8)            /* weight elements per block */
+#define BW_SHIFT (L == 16 ? 7 : 6)
+#define BLOCK_FLOATS (BW + L) /* permuted activations per block */
+#define KC_BLOCKS 8           /* blocks per dequantized tile */
+#define TILE_VECS (KC_BLOCKS * 8)
+#define M_BLOCK 64 /* activation rows per pass over a tile */
+
+/* The per-lane group scales of block b of row `srow` (lanes past K get 0). Groups and blocks are powers
+   of two: shifts, no division, in this per-block path. */
+TARGET static inline VF FN(scale_vec)(const Job *job, const uint8_t *srow, int64_t b, VI idx) {
+    const int gs = job->group_shift;
+    int64_t words = job->K / 8, first_word = b * L;
+    if (first_word + L > words) { /* the tail block */
+        float lanes[L];
+        for (int i = 0; i < L; i++)
+            lanes[i] = first_word + i < words ? scale_at(job, srow, ((first_word + i) * 8) >> gs) : 0.0f;
+        return V_LOADU(lanes);
+    }
+    if (gs >= BW_SHIFT)
+        return V_SET1(scale_at(job, srow, (b << BW_SHIFT) >> gs));
+    int per_block = 1 << (BW_SHIFT - gs); /* 2 or 4 groups in this block */
+    const uint8_t *p = srow + (b * per_block) * job->scale_size;
+    __m128 s4;
+    if (job->scale_dtype == DTYPE_F32) {
+        s4 = per_block == 4 ? _mm_loadu_ps((const float *)p) : _mm_castpd_ps(_mm_load_sd((const double *)p));
+    } else {
+        uint64_t bits = 0;
+        memcpy(&bits, p, (size_t)per_block * 2);
+        s4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_cvtsi64_si128((long long)bits)), 16));
+    }
+    return V_EXPAND4(s4, idx);
+}
+
+/* acc + scale * sum_j plane_j(w) * x_j, for one block. */
+TARGET static inline VF FN(block_dot)(VI w, const float *xb, VF scale, VF acc) {
+    const VI low4 = VI_SET1(15);
+    VF p0 = V_MUL(V_CVT(VI_AND(w, low4)), V_LOAD(xb));
+    VF p1 = V_MUL(V_CVT(VI_AND(VI_SRLI(w, 4), low4)), V_LOAD(xb + L));
+    p0 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 8), low4)), V_LOAD(xb + 2 * L), p0);
+    p1 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 12), low4)), V_LOAD(xb + 3 * L), p1);
+    p0 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 16), low4)), V_LOAD(xb + 4 * L), p0);
+    p1 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 20), low4)), V_LOAD(xb + 5 * L), p1);
+    p0 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 24), low4)), V_LOAD(xb + 6 * L), p0);
+    p1 = V_FMA(V_CVT(VI_SRLI(w, 28)), V_LOAD(xb + 7 * L), p1);
+    return V_FMA(V_SUB(V_ADD(p0, p1), V_LOAD(xb + 8 * L)), scale, acc);
+}
+
+TARGET static inline VI FN(load_block)(const int32_t *wrow, int64_t b, int64_t words) {
+    int64_t first = b * L;
+    return first + L <= words ? VI_LOADU(wrow + first) : VI_LOAD_FIRST(wrow + first, (int)(words - first));
+}
+
+TARGET static VI FN(expand_index)(int group) {
+    int32_t idx[L];
+    for (int i = 0; i < L; i++)
+        idx[i] = group >= BW ? 0 : i * 8 / group;
+    return VI_LOADU(idx);
+}
+
+TARGET static void FN(gemv)(const Job *job, int64_t n0, int64_t n1) {
+    const int64_t words = job->K / 8, num_blocks = (words + L - 1) / L;
+    const VI idx = FN(expand_index)(job->group);
+    for (int64_t n = n0; n < n1; n++) {
+        const int32_t *wrow = job->packed + n * words;
+        const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+        VF acc = V_ZERO();
+        for (int64_t b = 0; b < num_blocks; b++)
+            acc = FN(block_dot)(FN(load_block)(wrow, b, words), job->xp + b * BLOCK_FLOATS,
+                                FN(scale_vec)(job, srow, b, idx), acc);
+        store_y(job, 0, n, V_HSUM(acc));
+    }
+}
+
+/* Dequantize blocks b0..b0+nb of row n (fp32 q * scale, the activations' plane order) into tile. */
+TARGET static void FN(dequantize)(const Job *job, int64_t n, int64_t b0, int64_t nb, VI idx, VF *tile) {
+    const int64_t words = job->K / 8;
+    const int32_t *wrow = job->packed + n * words;
+    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+    const VI low4 = VI_SET1(15);
+    const VF eight = V_SET1(8.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        VI w = FN(load_block)(wrow, b0 + b, words);
+        VF scale = FN(scale_vec)(job, srow, b0 + b, idx), offset = V_MUL(scale, eight);
+        VF *t = tile + b * 8;
+        t[0] = V_FMSUB(V_CVT(VI_AND(w, low4)), scale, offset);
+        t[1] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 4), low4)), scale, offset);
+        t[2] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 8), low4)), scale, offset);
+        t[3] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 12), low4)), scale, offset);
+        t[4] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 16), low4)), scale, offset);
+        t[5] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 20), low4)), scale, offset);
+        t[6] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 24), low4)), scale, offset);
+        t[7] = V_FMSUB(V_CVT(VI_SRLI(w, 28)), scale, offset);
+    }
+}
+
+/* acc[r], acc[4 + r] += rows x0, x1 (permuted) . tile row r over nb blocks (x1 NULL: one row). */
+TARGET static void FN(tile_dot)(const float *x0, const float *x1, const VF *tile, int64_t nb, VF *acc) {
+    VF a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+    if (x1 == NULL) {
+        for (int64_t b = 0; b < nb; b++)
+            for (int j = 0; j < 8; j++) {
+                VF xa = V_LOAD(x0 + b * BLOCK_FLOATS + j * L);
+                const VF *t = tile + b * 8 + j;
+                a0 = V_FMA(t[0], xa, a0);
+                a1 = V_FMA(t[TILE_VECS], xa, a1);
+                a2 = V_FMA(t[2 * TILE_VECS], xa, a2);
+                a3 = V_FMA(t[3 * TILE_VECS], xa, a3);
+            }
+    } else {
+        VF c0 = acc[4], c1 = acc[5], c2 = acc[6], c3 = acc[7];
+        for (int64_t b = 0; b < nb; b++)
+            for (int j = 0; j < 8; j++) {
+                VF xa = V_LOAD(x0 + b * BLOCK_FLOATS + j * L), xb = V_LOAD(x1 + b * BLOCK_FLOATS + j * L);
+                const VF *t = tile + b * 8 + j;
+                VF w0 = t[0], w1 = t[TILE_VECS], w2 = t[2 * TILE_VECS], w3 = t[3 * TILE_VECS];
+                a0 = V_FMA(w0, xa, a0);
+                a1 = V_FMA(w1, xa, a1);
+                a2 = V_FMA(w2, xa, a2);
+                a3 = V_FMA(w3, xa, a3);
+                c0 = V_FMA(w0, xb, c0);
+                c1 = V_FMA(w1, xb, c1);
+                c2 = V_FMA(w2, xb, c2);
+                c3 = V_FMA(w3, xb, c3);
+            }
+        acc[4] = c0, acc[5] = c1, acc[6] = c2, acc[7] = c3;
+    }
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+}
+
+TARGET static void FN(gemm)(const Job *job, int64_t n0, int64_t n1) {
+    const int64_t num_blocks = (job->K / 8 + L - 1) / L;
+    const VI idx = FN(expand_index)(job->group);
+    VF tile[4 * TILE_VECS];
+    VF acc[M_BLOCK * 4];
+    for (int64_t n = n0; n < n1; n += 4) {
+        int num_rows = n1 - n < 4 ? (int)(n1 - n) : 4;
+        for (int r = num_rows; r < 4; r++)
+            for (int v = 0; v < TILE_VECS; v++)
+                tile[r * TILE_VECS + v] = V_ZERO();
+        for (int64_t m0 = 0; m0 < job->M; m0 += M_BLOCK) {
+            int64_t mb = job->M - m0 < M_BLOCK ? job->M - m0 : M_BLOCK;
+            for (int64_t i = 0; i < mb * 4; i++)
+                acc[i] = V_ZERO();
+            for (int64_t b0 = 0; b0 < num_blocks; b0 += KC_BLOCKS) {
+                int64_t nb = num_blocks - b0 < KC_BLOCKS ? num_blocks - b0 : KC_BLOCKS;
+                for (int r = 0; r < num_rows; r++)
+                    FN(dequantize)(job, n + r, b0, nb, idx, tile + r * TILE_VECS);
+                const float *x = job->xp + m0 * job->xp_stride + b0 * BLOCK_FLOATS;
+                int64_t m = 0;
+                for (; m + 1 < mb; m += 2)
+                    FN(tile_dot)(x + m * job->xp_stride, x + (m + 1) * job->xp_stride, tile, nb, acc + m * 4);
+                if (m < mb)
+                    FN(tile_dot)(x + m * job->xp_stride, NULL, tile, nb, acc + m * 4);
+            }
+            for (int64_t m = 0; m < mb; m++)
+                for (int r = 0; r < num_rows; r++)
+                    store_y(job, m0 + m, n + r, V_HSUM(acc[m * 4 + r]));
+        }
+    }
+}
+
+TARGET static void FN(run)(const Job *job, int64_t n0, int64_t n1) {
+    if (job->M == 1)
+        FN(gemv)(job, n0, n1);
+    else
+        FN(gemm)(job, n0, n1);
+}
+
+#undef BW
+#undef BW_SHIFT
+#undef BLOCK_FLOATS
+#undef KC_BLOCKS
+#undef TILE_VECS
+#undef M_BLOCK

@@ -1,0 +1,145 @@
+"""The native CPU W4A16 kernel: which path runs (`KVQ_CPU_ISA`) and the launcher over the C extension.
+
+`_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
+`w4a16.py`) with AVX-512, AVX2 + FMA or scalar C loops chosen at run time. Without the extension, or
+with KVQ_CPU_ISA=torch, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvq.errors import KvqError
+
+CPU_ISA_ENV = "KVQ_CPU_ISA"
+CPU_ISA_CHOICES = ("auto", "avx512", "avx2", "scalar", "torch")
+NATIVE_ISAS = ("avx512", "avx2", "scalar")
+_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile")
+
+_ext: ModuleType | None
+try:
+    _ext = importlib.import_module("kvq.runtime.kernels._w4a16_cpu")
+except ImportError:  # built without a C compiler
+    _ext = None
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The native paths this build can run on this CPU, e.g. ('scalar', 'avx2'); () without the extension."""
+    return tuple(_ext.isas()) if _ext is not None else ()
+
+
+def resolve_cpu_isa(choice: str | None = None) -> str:
+    """The CPU W4A16 path: `choice`, else $KVQ_CPU_ISA, else auto (avx512, else avx2, else torch).
+
+    "scalar" (the C reference) is never chosen by auto. Raises `KvqError` for an unknown choice or a path
+    this CPU or build cannot run.
+    """
+    raw = choice if choice is not None else os.environ.get(CPU_ISA_ENV, "auto")
+    value = raw.strip().lower() or "auto"
+    source = "cpu_isa=" if choice is not None else f"${CPU_ISA_ENV}"
+    if value not in CPU_ISA_CHOICES:
+        raise KvqError(f"{source} is {raw!r}; expected one of {', '.join(CPU_ISA_CHOICES)}")
+    runnable = runnable_isas()
+    if value == "auto":
+        return next((isa for isa in ("avx512", "avx2") if isa in runnable), "torch")
+    if value in NATIVE_ISAS and value not in runnable:
+        if _ext is None:
+            raise KvqError(
+                f"{source} is {value!r} but kvq's CPU kernel (kvq.runtime.kernels._w4a16_cpu) is not built: "
+                f"reinstall kvq where a C compiler is available, or set {CPU_ISA_ENV}=torch"
+            )
+        raise KvqError(
+            f"{source} is {value!r} but this CPU cannot run it ({cpu_flags()}); "
+            f"pick one of auto, {', '.join(runnable)}, torch"
+        )
+    return value
+
+
+@cache
+def cpu_flags() -> str:
+    """The CPU's SIMD features that matter to the W4A16 paths, e.g. 'avx2 fma; no avx512f avx512bw ...'."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU flags unknown"
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    have = [f for f in _REPORTED_FLAGS if f in flags]
+    lacks = [f for f in _REPORTED_FLAGS if f not in flags]
+    return " ".join(have or ["none of " + " ".join(_REPORTED_FLAGS)]) + (
+        f"; no {' '.join(lacks)}" if have and lacks else ""
+    )
+
+
+def describe_cpu_path(isa: str) -> str:
+    """One line for logs and benchmarks: the CPU's features and the W4A16 path that runs."""
+    path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
+    return f"CPU W4A16 path: {path} (CPU: {cpu_flags()})"
+
+
+def native_scale(weight_scale: torch.Tensor) -> torch.Tensor:
+    """`weight_scale` as the native kernel reads it: bf16 as stored, any other float dtype as fp32."""
+    scale = weight_scale if weight_scale.dtype == torch.bfloat16 else weight_scale.float()
+    return scale.contiguous()
+
+
+class NativeW4A16:
+    """One prepared plain (not stacked) weight's `w4a16_native` with its constant arguments bound: decode
+    calls ~100 Linears per token, so the per-call Python (~1 us per line here) is worth keeping short."""
+
+    __slots__ = ("weight_packed", "weight_scale", "group_size", "isa", "_isa_code", "_ptrs", "_scale_code")
+
+    def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int, isa: str):
+        self.weight_packed, self.weight_scale = weight_packed, weight_scale  # keep the addresses valid
+        self.group_size, self.isa, self._isa_code = group_size, isa, _ISA_CODES[isa]
+        self._ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
+        self._scale_code = _DTYPE_CODES[weight_scale.dtype]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[M, K]` -> `[M, N]` in x.dtype."""
+        if x.dtype not in _DTYPE_CODES or not x.is_contiguous():  # an error or a copy: the general path
+            return w4a16_native(x, self.weight_packed, self.weight_scale, self.group_size, self.isa)
+        y = torch.empty((x.shape[0], self.weight_packed.shape[0]), dtype=x.dtype)
+        return _gemm(self._isa_code, x, *self._ptrs, self._scale_code, self.group_size, y)
+
+
+def w4a16_native(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int,
+    isa: str,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y `[M, N]` in out_dtype (default x.dtype) = x `[M, K]` @ (q * scale)^T on path `isa` (fp32 sums).
+
+    `weight_packed` int32 `[N, K/8]`, `weight_scale` `[N, K/G]` from `native_scale` (both contiguous,
+    checked at prepare); x fp32, bf16 or fp16 (copied if not contiguous). Threads: torch.get_num_threads().
+    """
+    if x.dtype not in _DTYPE_CODES:
+        raise TypeError(f"the CPU W4A16 kernel takes fp32, bf16 or fp16 activations, got {x.dtype}")
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], weight_packed.shape[0]), dtype=out_dtype or x.dtype)
+    scale_code = _DTYPE_CODES[weight_scale.dtype]
+    ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
+    return _gemm(_ISA_CODES[isa], x, *ptrs, scale_code, group_size, y)
+
+
+def _gemm(
+    isa_code: int, x: torch.Tensor, packed: int, scale: int, scale_code: int, group_size: int, y: torch.Tensor
+) -> torch.Tensor:
+    """The C call on contiguous x `[M, K]` into y `[M, N]` (dtypes checked by the caller)."""
+    assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
+    (num_rows, in_features), out_features = x.shape, y.shape[1]
+    x_code, y_code, threads = _DTYPE_CODES[x.dtype], _DTYPE_CODES[y.dtype], torch.get_num_threads()
+    args = (x.data_ptr(), x_code, num_rows, in_features, packed, scale, scale_code, out_features)
+    _ext.gemm(isa_code, threads, *args, group_size, y.data_ptr(), y_code)
+    return y

@@ -1,0 +1,22 @@
+"""The `cpu_isa` fixture (registered in tests/runtime/conftest.py): each CPU W4A16 path (KVQ_CPU_ISA) in
+turn, set in the environment for the test; a path this CPU or build cannot run is skipped by its marker."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, runnable_isas
+
+CPU_ISAS = [
+    *(
+        pytest.param(isa, marks=pytest.mark.skipif(isa not in runnable_isas(), reason=f"no {isa} path here"))
+        for isa in ("avx512", "avx2", "scalar")
+    ),
+    "torch",
+]
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(CPU_ISA_ENV, request.param)
+    return request.param

@@ -1,0 +1,38 @@
+"""The engine on CPU under KVQ_CPU_ISA: every INT4 Linear runs the chosen path, the engine logs it once,
+all paths give the same greedy tokens on the tiny model, and a bad choice is a one-line user error."""
+
+from __future__ import annotations
+
+import logging
+
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.engine import Engine
+from kvq.runtime.kernels import CPU_ISA_ENV, describe_cpu_path
+from kvq.runtime.layers.linear import Int4Linear
+from kvq.runtime.sampling import SamplingParams
+from tests.test_cli_errors import assert_one_line_error, run_kvq
+
+PROMPT = [5, 17, 3, 99, 42, 7, 7, 256]
+
+
+def test_every_int4_linear_runs_the_chosen_path(int4_checkpoint, cpu_isa: str, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="kvq"):
+        engine = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB"))
+    logged = [r.getMessage() for r in caplog.records if "CPU W4A16 path" in r.getMessage()]
+    assert logged == [describe_cpu_path(cpu_isa)]
+    layer = engine.model.layers[0]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    assert all(isinstance(lin, Int4Linear) for lin in linears)
+    assert {lin.weight.cpu_isa for lin in linears} == {None if cpu_isa == "torch" else cpu_isa}
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    reference = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB", dtype="float32"))
+    expected = reference.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.token_ids == expected.token_ids
+
+
+def test_a_bad_choice_is_one_line(tiny_checkpoint, monkeypatch) -> None:
+    monkeypatch.setenv(CPU_ISA_ENV, "avx9")
+    result = run_kvq("generate", str(tiny_checkpoint("llama", "bf16")), "hi", "--max-tokens", "2")
+    assert_one_line_error(
+        result, "KVQ_CPU_ISA is 'avx9'", "expected one of auto, avx512, avx2, scalar, torch"
+    )
