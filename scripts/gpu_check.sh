@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check of the kvq kernels: the gpu-marked kernel tests (W4A16, fused MoE, GQA and MLA latent decode
-# attention, KV store), then the kernel benchmark, whose table is
+# attention, KV store), the MLA engine on CUDA (tests/runtime/test_gpu_mla_engine.py: the fast path of the
+# tiny DeepSeek-V3 and GLM-5 against transformers' fp32 forward), then the kernel benchmark, whose table is
 # printed and written to RESULTS_DIR/kernel_bench.json. Needs a CUDA device, torch with CUDA and triton
-# (+ pytest); installs nothing; under 5 minutes (each step has a timeout).
+# (+ pytest, transformers); installs nothing; under 8 minutes (each step has a timeout).
 # Usage: scripts/gpu_check.sh RESULTS_DIR
 # Exit: 0 all good; 1 a test failed, a kernel mismatched its reference, a step errored or timed out;
 #       2 usage or no CUDA device; 3 an H100/H200 target was missed (numbers still written).
@@ -41,12 +42,18 @@ timeout 120 "$python" -m pytest -q -m gpu -p no:cacheprovider "${cpu_oracle_test
     --junitxml="$results_dir/kernel_gpu_tests.xml" 2>&1 | tee "$results_dir/kernel_gpu_tests.log" \
     || tests_status=$?
 
+engine_status=0
+timeout 180 "$python" -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_gpu_mla_engine.py \
+    --junitxml="$results_dir/mla_engine_gpu_tests.xml" 2>&1 | tee "$results_dir/mla_engine_gpu_tests.log" \
+    || engine_status=$?
+
 bench_status=0
 timeout 170 "$python" -m kvq.runtime.kernels.bench --out "$results_dir/kernel_bench.json" 2>&1 \
     | tee "$results_dir/kernel_bench.log" || bench_status=$?
 
-echo "gpu_check: tests exit $tests_status, bench exit $bench_status; results in $results_dir"
-if [[ $tests_status -ne 0 ]]; then
+echo "gpu_check: tests exit $tests_status, MLA engine exit $engine_status, bench exit $bench_status;" \
+    "results in $results_dir"
+if [[ $tests_status -ne 0 || $engine_status -ne 0 ]]; then
     exit 1
 fi
 if [[ $bench_status -eq 3 ]]; then

@@ -74,10 +74,20 @@ def as_choices(selections: list[list[Selection]], prompt_len: int) -> Choices:
     return out
 
 
+def on_device(selection: Selection, device: torch.device) -> Selection:
+    masks = selection.prefill_masks
+    return Selection(
+        None if masks is None else [None if mask is None else mask.to(device) for mask in masks],
+        None if selection.token_indices is None else selection.token_indices.to(device),
+    )
+
+
 def replay(engine: Engine, selections: list[list[Selection]]) -> None:
-    """Make `engine`'s full indexers return `selections` (per indexer, per step) in order, one a call."""
+    """Make `engine`'s full indexers return `selections` (per indexer, per step) in order, one a call, on
+    the engine's device."""
+    device = engine.kv_pool.storage.device
     for indexer, recorded in zip(indexers(engine), selections, strict=True):
-        steps: Iterator[Selection] = iter(recorded)
+        steps: Iterator[Selection] = iter([on_device(selection, device) for selection in recorded])
 
         def select(*args, indexer=indexer, steps=steps) -> Selection:
             indexer.last = next(steps)

@@ -31,7 +31,10 @@ def cached_amax(cache, pages: torch.Tensor, num_tokens: int) -> tuple[torch.Tens
 
 def measure_kv_scales(path: Path, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
     """`{prefix}model.layers.{i}.self_attn.{k,v}_scale` bf16 `[1]` from prefilling `prompts` in fp32."""
-    engine = Engine(EngineConfig(model=str(path), dtype="float32", kv_cache_dtype="auto", kv_memory="64MiB"))
+    config = EngineConfig(
+        model=str(path), dtype="float32", kv_cache_dtype="auto", kv_memory="64MiB", device="cpu"
+    )
+    engine = Engine(config)
     amax = [[torch.zeros(()), torch.zeros(())] for _ in engine.kv_pool.caches]
     for prompt in prompts:
         seq = engine.make_sequence(prompt, SamplingParams(max_tokens=1))

@@ -68,7 +68,8 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], num_tokens: int) -> 
 
 
 def teacher_forced_logits(engine: Engine, prompt: list[int], forced: list[int]) -> torch.Tensor:
-    """fp32 logits `[len(forced) + 1, V]`: after the prompt, then after each forced token (decode steps)."""
+    """fp32 logits `[len(forced) + 1, V]` on the CPU: after the prompt, then after each forced token (decode
+    steps)."""
     seq = engine.make_sequence(prompt, SamplingParams(max_tokens=len(forced) + 1))
     engine.block_manager.allocate(seq)
     rows = [engine.runner.run([seq], is_prefill=True)[0]]
@@ -78,4 +79,4 @@ def teacher_forced_logits(engine: Engine, prompt: list[int], forced: list[int]) 
         engine.block_manager.may_append(seq)
         rows.append(engine.runner.run([seq], is_prefill=False)[0])
     engine.block_manager.deallocate(seq)
-    return torch.stack(rows)
+    return torch.stack(rows).cpu()

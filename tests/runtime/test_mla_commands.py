@@ -5,11 +5,6 @@ answer is the engine's own (fp32 reference mode, so another process cannot flip 
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +15,7 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.kv_scales import measure_kv_scales, with_kv_scales
+from tests.serve.cli_server import kvq_serve
 from tests.test_cli_errors import run_kvq
 
 PROMPT = "the quick brown fox"
@@ -52,26 +48,12 @@ def test_serve_answers_on_a_kimi_native_int4_checkpoint(mla_checkpoint) -> None:
     path = mla_checkpoint("deepseek_v3", "kimi-int4")
     engine = Engine(EngineConfig(model=str(path), dtype="float32", kv_memory="16MiB"))
     expected = engine.generate([PROMPT], SamplingParams(max_tokens=8))[0]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    argv = [sys.executable, "-m", "kvq", "serve", str(path), "--port", str(port), "--dtype", "float32"]
-    proc = subprocess.Popen([*argv, "--kv-memory", "16MiB", "--served-model-name", "kimi"], text=True)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{url}/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    options = ("--dtype", "float32", "--kv-memory", "16MiB", "--served-model-name", "kimi")
+    with kvq_serve([str(path), *options]) as url:
         body = {"model": "kimi", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
         assert reply["choices"][0]["text"] == expected.text, reply
         assert reply["usage"]["completion_tokens"] == len(expected.token_ids) > 0
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
 
 
 def test_eval_scores_an_mla_checkpoint_against_its_source(mla_checkpoint, tmp_path: Path) -> None:

@@ -67,19 +67,24 @@ def assert_close(logits: list[torch.Tensor], cases: list[Case], kv_cache_dtype: 
     assert error.median() < median_bound and tie_aware.mean() >= 0.9 and agreement.mean() >= 0.8, numbers
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("checkpoint", FIXTURES, indirect=True, ids=IDS)
-def test_fast_path_close_to_the_reference(checkpoint: Path, tmp_path: Path) -> None:
+def check_fast_path(checkpoint: Path, tmp_path: Path, device: str = "cpu") -> None:
+    """The fast path on `device`, BF16 and calibrated FP8 latent pages, within BOUNDS of transformers'
+    fp32 forward (GLM: along the reference's DSA selection, replayed)."""
     scales = measure_kv_scales(checkpoint, random_prompts((64,) * 4, 1))
     calibrated = with_kv_scales(checkpoint, tmp_path / "model", scales)
     cases = reference_cases(checkpoint)
     is_dsa = read_text_model(checkpoint).model_type == "glm_moe_dsa"
     if is_dsa:  # the reference's selections, step by step (kvq's reference mode selects transformers')
-        reference = Engine(EngineConfig(model=str(checkpoint), dtype="float32", kv_memory="16MiB"))
+        config = EngineConfig(model=str(checkpoint), dtype="float32", kv_memory="16MiB", device="cpu")
+        reference = Engine(config)
         chosen = [teacher_forced_selections(reference, p, c) for p, c, _ in cases]
     for kv_cache_dtype in BOUNDS:
         config = EngineConfig(
-            model=str(calibrated), kv_cache_dtype=kv_cache_dtype, kv_memory="16MiB", require_kv_scales=True
+            model=str(calibrated),
+            kv_cache_dtype=kv_cache_dtype,
+            kv_memory="16MiB",
+            require_kv_scales=True,
+            device=device,
         )
         logits = []
         for i, (prompt, continuation, _) in enumerate(cases):
@@ -88,6 +93,12 @@ def test_fast_path_close_to_the_reference(checkpoint: Path, tmp_path: Path) -> N
                 replay(engine, chosen[i])
             logits.append(teacher_forced_logits(engine, prompt, continuation))
         assert_close(logits, cases, kv_cache_dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", FIXTURES, indirect=True, ids=IDS)
+def test_fast_path_close_to_the_reference(checkpoint: Path, tmp_path: Path) -> None:
+    check_fast_path(checkpoint, tmp_path)
 
 
 @pytest.mark.slow

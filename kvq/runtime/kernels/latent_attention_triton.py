@@ -7,7 +7,7 @@ one sequence over one slice of its tokens (or of its DSA selection, `token_indic
 token's row through the block table (any page_size, holes, shared pages, strided slots): scores are
 q_nope . kv_c + q_pe . k_pe in two dots, and the output accumulates p @ kv_c. FP8 rows are converted to
 fp16 exactly (q, pre-multiplied by sm_scale, too) and k_scale is folded into the scores and the output.
-With several splits each writes (out, log-sum-exp) and torch combines them (`combine_splits`).
+With several splits each writes (out, log-sum-exp) and torch combines them (`flash_decoding_triton`).
 Imports Triton; loaded lazily by `kvq.runtime.kernels`.
 """
 
@@ -19,27 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq.runtime.kernels.flash_decoding_triton import (
+    dot,
+    finish,
+    merge_splits,
+    online_softmax_step,
+    plan_splits,
+)
 from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.latent_attention import check_latent_queries
-from kvq.runtime.kernels.paged_attention_triton import choose_num_splits, combine_splits
-from kvq.runtime.kernels.triton_launch import (
-    dot_dtype,
-    is_interpreted,
-    kernel_for,
-    next_pow2,
-    output_dtype,
-    tl_dtype,
-)
+from kvq.runtime.kernels.triton_launch import dot_dtype, is_interpreted, kernel_for, next_pow2, tl_dtype
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.latent_cache import PagedLatentCache
-
-
-@triton.jit
-def _dot(a, b, IS_FP32_DOT: tl.constexpr):
-    if IS_FP32_DOT:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -132,24 +124,17 @@ def latent_decode_kernel(
             row + KV_LORA_RANK + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :], other=0.0
         )
         kv_c = kv_c.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]
-        scores = _dot(q_nope, tl.trans(kv_c), IS_FP32_DOT) + _dot(
+        scores = dot(q_nope, tl.trans(kv_c), IS_FP32_DOT) + dot(
             q_pe, tl.trans(k_pe.to(DOT_DTYPE)), IS_FP32_DOT
         )
         scores = tl.where(mask_t[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no selected token so far
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), kv_c, IS_FP32_DOT)
-        m_i = m_new
+        m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, scores)  # a tile may hold no selected token
+        acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), kv_c, IS_FP32_DOT)
 
     v_scale = 1.0
     if IS_FP8:
         v_scale = tl.load(k_scale_ptr)
-    is_empty = l_i == 0.0  # no token in this split
-    safe_l = tl.where(is_empty, 1.0, l_i)
-    out = acc * (v_scale / safe_l)[:, None]
+    out, lse = finish(acc, m_i, l_i, v_scale)
     o_ptrs = (
         o_ptr
         + pid_b * stride_ob
@@ -159,7 +144,6 @@ def latent_decode_kernel(
     )
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_r[None, :])
     if IS_SPLIT:
-        lse = tl.where(is_empty, float("-inf"), (m_i + tl.log2(safe_l)) * 0.6931471805599453)  # natural log
         tl.store(lse_ptr + pid_b * stride_lb + heads * stride_lh + pid_s * stride_ls, lse, mask=mask_h)
 
 
@@ -193,23 +177,13 @@ def latent_decode_attention_triton(
         return q.new_zeros(num_seqs, num_heads, rank)
     block_h = 16  # tl.dot's smallest M; a 512-wide fp32 accumulator per head is the register budget
     num_head_blocks = triton.cdiv(num_heads, block_h)
-    num_splits = num_splits or choose_num_splits(num_seqs, num_head_blocks, max_seq_len, block_n, q.device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_seq_len, tokens_per_split)
-    is_split = num_splits > 1
-    if is_split:
-        out = torch.empty((num_seqs, num_heads, num_splits, rank), dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        out = torch.empty(
-            (num_seqs, num_heads, 1, rank), dtype=output_dtype(q.dtype, interpreted), device=q.device
-        )
-        lse = torch.empty((0, 0, 0), dtype=torch.float32, device=q.device)
+    splits = plan_splits(q, rank, max_seq_len, block_n, num_head_blocks, interpreted, num_splits)
+    out, lse = splits.out, splits.lse  # [B, H, S, R], [B, H, S]
     indices = token_indices if token_indices is not None else seq_lens  # unread when dense
     # fp8 rows convert to fp16 in one instruction (to bf16 in two); fp32 queries keep fp32 dots
     dot_input_dtype = torch.float16 if is_fp8(latent) and q.dtype != torch.float32 else q.dtype
     operand_dtype = dot_dtype(dot_input_dtype, interpreted)
-    kernel[(num_seqs, num_head_blocks, num_splits)](
+    kernel[(num_seqs, num_head_blocks, splits.num_splits)](
         q,
         latent,
         block_tables,
@@ -220,7 +194,7 @@ def latent_decode_attention_triton(
         lse,
         sm_scale,
         cache.page_size,
-        tokens_per_split,
+        splits.tokens_per_split,
         num_heads,
         max_seq_len if is_sparse else 0,
         *q.stride(),
@@ -234,7 +208,7 @@ def latent_decode_attention_triton(
         ROPE_DIM=width - rank,
         IS_FP8=is_fp8(latent),
         IS_SPARSE=is_sparse,
-        IS_SPLIT=is_split,
+        IS_SPLIT=splits.is_split,
         DOT_DTYPE=tl_dtype(operand_dtype),
         IS_FP32_DOT=operand_dtype == torch.float32,
         BLOCK_H=block_h,
@@ -244,6 +218,4 @@ def latent_decode_attention_triton(
         num_warps=8,
         num_stages=2,
     )
-    if is_split:
-        return combine_splits(out, lse).to(q.dtype)
-    return out.squeeze(2).to(q.dtype)
+    return merge_splits(splits, q.dtype)

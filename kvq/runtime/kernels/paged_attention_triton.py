@@ -6,7 +6,7 @@ Grid (B, Hkv, num_splits): a program takes one KV head with all its query heads 
 BLOCK_H >= 16 rows for `tl.dot`) over one slice of the sequence, gathering token rows through the block
 table (any page_size, holes, shared pages). FP8 K/V are converted to fp16 exactly (q, pre-multiplied by
 sm_scale, too) and the per-head k/v scales are folded into the scores and the output. With several
-splits, each writes (out, log-sum-exp) and torch combines them.
+splits, each writes (out, log-sum-exp) and torch combines them (`flash_decoding_triton`).
 Imports Triton; loaded lazily by `kvq.runtime.kernels`.
 """
 
@@ -18,17 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq.runtime.kernels.flash_decoding_triton import (
+    dot,
+    finish,
+    merge_splits,
+    online_softmax_step,
+    plan_splits,
+)
 from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.paged_attention import check_decode_queries, default_sm_scale
-from kvq.runtime.kernels.triton_launch import (
-    dot_dtype,
-    is_interpreted,
-    kernel_for,
-    next_pow2,
-    output_dtype,
-    sm_count_for,
-    tl_dtype,
-)
+from kvq.runtime.kernels.triton_launch import dot_dtype, is_interpreted, kernel_for, next_pow2, tl_dtype
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
@@ -116,29 +115,16 @@ def paged_decode_kernel(
         slot = (offs_t % page_size).to(tl.int64)
         mask_td = mask_t[:, None] & mask_d[None, :]
         k = tl.load(k_base + page[:, None] * stride_kp + slot[:, None] * stride_kt, mask=mask_td, other=0.0)
-        if IS_FP32_DOT:
-            scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
+        scores = dot(q, tl.trans(k.to(DOT_DTYPE)), IS_FP32_DOT)
         scores = tl.where(mask_t[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, scores)
         v = tl.load(v_base + page[:, None] * stride_vp + slot[:, None] * stride_vt, mask=mask_td, other=0.0)
-        if IS_FP32_DOT:
-            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), IS_FP32_DOT)
 
     v_scale = 1.0
     if IS_FP8:
         v_scale = tl.load(v_scale_ptr + pid_kvh * stride_vs)
-    is_empty = l_i == 0.0  # no token in this split
-    safe_l = tl.where(is_empty, 1.0, l_i)
-    out = acc * (v_scale / safe_l)[:, None]
+    out, lse = finish(acc, m_i, l_i, v_scale)
     o_ptrs = (
         o_ptr
         + pid_b * stride_ob
@@ -148,29 +134,11 @@ def paged_decode_kernel(
     )
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_hd)
     if IS_SPLIT:
-        lse = tl.where(is_empty, float("-inf"), (m_i + tl.log2(safe_l)) * 0.6931471805599453)  # natural log
         tl.store(
             lse_ptr + pid_b * stride_lb + heads * stride_lh + pid_s * stride_ls,
             lse,
             mask=offs_h < QUERIES_PER_KV,
         )
-
-
-def combine_splits(out_splits: torch.Tensor, lse_splits: torch.Tensor) -> torch.Tensor:
-    """Merge per-split outputs `[B, Hq, S, D]` by their log-sum-exp `[B, Hq, S]` -> fp32 `[B, Hq, D]`."""
-    lse_max = lse_splits.amax(dim=-1, keepdim=True)
-    lse_max = torch.where(torch.isinf(lse_max), torch.zeros_like(lse_max), lse_max)  # empty sequences
-    weights = torch.exp(lse_splits - lse_max)  # [B, Hq, S]
-    total = weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    return torch.einsum("bhs,bhsd->bhd", weights / total, out_splits)
-
-
-def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
-) -> int:
-    """Split long sequences until the grid has ~2 programs per SM, keeping >= 4 token tiles per split."""
-    wanted = triton.cdiv(2 * sm_count_for(device), max(num_seqs * num_kv_heads, 1))
-    return max(1, min(wanted, triton.cdiv(max_seq_len, 4 * block_n)))
 
 
 def paged_decode_attention_triton(
@@ -197,21 +165,13 @@ def paged_decode_attention_triton(
     block_n = block_n or (16 if interpreted else 64)
     if num_seqs == 0 or max_seq_len == 0:
         return torch.zeros_like(q)
-    num_splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, q.device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_seq_len, tokens_per_split)
-    is_split = num_splits > 1
-    if is_split:
-        out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        out = torch.empty_like(q, dtype=output_dtype(q.dtype, interpreted)).unsqueeze(2)  # [B, Hq, 1, D]
-        lse = torch.empty((0, 0, 0), dtype=torch.float32, device=q.device)
+    splits = plan_splits(q, head_dim, max_seq_len, block_n, num_kv_heads, interpreted, num_splits)
+    out, lse = splits.out, splits.lse  # [B, Hq, S, D], [B, Hq, S]
     # fp8 pages convert to fp16 in one instruction (to bf16 in two); fp32 queries keep fp32 dots
     dot_input_dtype = torch.float16 if is_fp8(k_cache) and q.dtype != torch.float32 else q.dtype
     operand_dtype = dot_dtype(dot_input_dtype, interpreted)
     queries_per_kv = num_q_heads // num_kv_heads
-    kernel[(num_seqs, num_kv_heads, num_splits)](
+    kernel[(num_seqs, num_kv_heads, splits.num_splits)](
         q,
         k_cache,
         v_cache,
@@ -223,7 +183,7 @@ def paged_decode_attention_triton(
         lse,
         sm_scale,
         page_size,
-        tokens_per_split,
+        splits.tokens_per_split,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -235,7 +195,7 @@ def paged_decode_attention_triton(
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         IS_FP8=is_fp8(k_cache),
-        IS_SPLIT=is_split,
+        IS_SPLIT=splits.is_split,
         DOT_DTYPE=tl_dtype(operand_dtype),
         IS_FP32_DOT=operand_dtype == torch.float32,
         BLOCK_H=max(16, next_pow2(queries_per_kv)),
@@ -244,6 +204,4 @@ def paged_decode_attention_triton(
         num_warps=4,
         num_stages=2,
     )
-    if is_split:
-        return combine_splits(out, lse).to(q.dtype)
-    return out.squeeze(2).to(q.dtype)
+    return merge_splits(splits, q.dtype)

@@ -63,6 +63,33 @@ def _scale_for(values: torch.Tensor, is_per_head: bool) -> torch.Tensor:
     return (amax / FP8_E4M3_MAX).float()
 
 
+def paged_values(
+    seq_lens: list[int], page_size: int, row_shape: tuple[int, ...], gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(values `[num_pages, page_size, *row_shape]` with NaN in every slot no sequence owns, block_tables
+    int32 `[B, max_pages]`, each sequence's values `[L, *row_shape]`): sequences on shuffled pages with 2
+    spare pages, seq 1 sharing seq 0's first full page, table padding of -1 and garbage."""
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_seq) + 2
+    perm = torch.randperm(num_pages, generator=gen)
+    block_tables = torch.full((len(seq_lens), max(pages_per_seq) + 2), -1, dtype=torch.int32)
+    block_tables[::2, -1] = 10**6  # padding may be garbage, not only -1
+    real = torch.full((num_pages, page_size, *row_shape), float("nan"))
+    per_seq, used = [], 0
+    for b, (seq_len, num) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
+        pages = perm[used : used + num].clone()
+        used += num
+        if b == 1 and num and pages_per_seq[0] and seq_lens[0] >= page_size:
+            pages[0] = block_tables[0, 0]  # prefix sharing: same full first page
+        block_tables[b, :num] = pages.to(torch.int32)
+        fresh = torch.randn(seq_len, *row_shape, generator=gen) * 2
+        dense = real[pages].flatten(0, 1)  # [num * page_size, *row_shape]
+        dense[:seq_len] = torch.where(torch.isnan(dense[:seq_len]), fresh, dense[:seq_len])
+        real[pages] = dense.view(num, page_size, *row_shape)
+        per_seq.append(dense[:seq_len].clone())
+    return real, block_tables, per_seq
+
+
 def random_paged_kv(
     seq_lens: list[int],
     page_size: int,
@@ -72,28 +99,9 @@ def random_paged_kv(
     is_per_head: bool,
     gen: torch.Generator,
 ) -> PagedKV:
-    """Sequences on shuffled pages (2 spare pages, seq 1 reuses seq 0's first page), NaN in unowned slots."""
-    pages_per_seq = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(pages_per_seq) + 2
-    perm = torch.randperm(num_pages, generator=gen)
-    max_pages = max(pages_per_seq) + 2
-    block_tables = torch.full((len(seq_lens), max_pages), -1, dtype=torch.int32)
-    block_tables[::2, -1] = 10**6  # padding may be garbage, not only -1
-    real = torch.full((num_pages, page_size, num_kv_heads, head_dim, 2), float("nan"))
-    k_real, v_real, used = [], [], 0
-    for b, (seq_len, num) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
-        pages = perm[used : used + num].clone()
-        used += num
-        if b == 1 and num and pages_per_seq[0] and seq_lens[0] >= page_size:
-            pages[0] = block_tables[0, 0]  # prefix sharing: same full first page
-        block_tables[b, :num] = pages.to(torch.int32)
-        slots = torch.arange(seq_len)
-        fresh = torch.randn(seq_len, num_kv_heads, head_dim, 2, generator=gen) * 2
-        dense = real[pages].flatten(0, 1)  # [num*page_size, Hkv, D, 2]
-        dense[:seq_len] = torch.where(torch.isnan(dense[:seq_len]), fresh, dense[:seq_len])
-        real[pages] = dense.view(num, page_size, num_kv_heads, head_dim, 2)
-        k_real.append(dense[slots, ..., 0].clone())
-        v_real.append(dense[slots, ..., 1].clone())
+    """Sequences on shuffled pages (`paged_values`), NaN in unowned slots; K and V of each."""
+    real, block_tables, per_seq = paged_values(seq_lens, page_size, (num_kv_heads, head_dim, 2), gen)
+    k_real, v_real = [v[..., 0] for v in per_seq], [v[..., 1] for v in per_seq]
     owned = (
         torch.cat(k_real + v_real) if seq_lens and sum(seq_lens) else torch.ones(1, num_kv_heads, head_dim)
     )
@@ -140,25 +148,8 @@ def random_paged_latent(
     """Sequences on shuffled pages of a `LatentLayout` pool (strided slots when index_head_dim > 0), as in
     `random_paged_kv`: 2 spare pages, seq 1 sharing seq 0's first page, NaN in every unowned slot."""
     layout = LatentLayout(kv_lora_rank, rope_dim, cache_dtype, index_head_dim)
-    pages_per_seq = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(pages_per_seq) + 2
-    latent, _ = layout.views(layout.allocate(1, num_pages, page_size, torch.device("cpu"))[0])
-    real = torch.full((num_pages, page_size, kv_lora_rank + rope_dim), float("nan"))
-    perm = torch.randperm(num_pages, generator=gen)
-    block_tables = torch.full((len(seq_lens), max(pages_per_seq) + 2), -1, dtype=torch.int32)
-    block_tables[::2, -1] = 10**6  # padding may be garbage, not only -1
-    rows, used = [], 0
-    for b, (seq_len, num) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
-        pages = perm[used : used + num].clone()
-        used += num
-        if b == 1 and num and pages_per_seq[0] and seq_lens[0] >= page_size:
-            pages[0] = block_tables[0, 0]  # prefix sharing: same full first page
-        block_tables[b, :num] = pages.to(torch.int32)
-        dense = real[pages].flatten(0, 1)  # [num * page_size, W]
-        fresh = torch.randn(seq_len, kv_lora_rank + rope_dim, generator=gen) * 2
-        dense[:seq_len] = torch.where(torch.isnan(dense[:seq_len]), fresh, dense[:seq_len])
-        real[pages] = dense.view(num, page_size, kv_lora_rank + rope_dim)
-        rows.append(dense[:seq_len].clone())
+    real, block_tables, rows = paged_values(seq_lens, page_size, (kv_lora_rank + rope_dim,), gen)
+    latent, _ = layout.views(layout.allocate(1, real.shape[0], page_size, torch.device("cpu"))[0])
     owned = torch.cat(rows) if sum(seq_lens) else torch.ones(1)
     k_scale = (owned.abs().amax() / FP8_E4M3_MAX).float()
     latent.copy_(

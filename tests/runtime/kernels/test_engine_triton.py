@@ -17,6 +17,7 @@ import torch
 
 import kvq.runtime.kernels.fused_moe_triton as fused_moe_triton
 import kvq.runtime.kernels.kv_store_triton as kv_store_triton
+import kvq.runtime.kernels.latent_attention_triton as latent_attention_triton
 import kvq.runtime.kernels.paged_attention_triton as paged_attention_triton
 import kvq.runtime.kernels.w4a16_triton as w4a16_triton
 from kvq.runtime.config import EngineConfig
@@ -31,7 +32,9 @@ LAUNCHERS = (
     (paged_attention_triton, "paged_decode_attention_triton"),
     (w4a16_triton, "w4a16_linear_triton"),
     (fused_moe_triton, "fused_moe_triton"),
+    (latent_attention_triton, "latent_decode_attention_triton"),
 )
+GQA_LAUNCHERS = {name for _, name in LAUNCHERS} - {"latent_decode_attention_triton"}
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]  # page size 4: a full page, a partial one, shared decode steps
 NUM_TOKENS = 4
 
@@ -84,10 +87,12 @@ def assert_same_choices(logits: torch.Tensor, expected: torch.Tensor, tolerance:
 # bfloat16 runs the INT4 kernels too (their launchers compute in fp32 under the interpreter, whose bf16
 # tl.dot is wrong) but rounds logits to bf16: a random tiny model's top two logits are often one bf16 step
 # apart there, so a flip is a tie, not a bug; the steps are compared along the same tokens instead.
-# glm4_moe's INT4 experts (fused MoE) and shared expert (W4A16 linear) cover both INT4 kernels.
+# glm4_moe's INT4 experts (fused MoE) and shared expert (W4A16 linear) cover both INT4 kernels. An MLA
+# model's pages are the latent's: its store is the torch path's on every backend, its decode Triton's.
 CASES = [
     ("llama-bf16", "float32", "fp8_e4m3", {"store_kv_triton", "paged_decode_attention_triton"}),
-    ("glm4_moe-int4", "bfloat16", "fp8_e4m3", {name for _, name in LAUNCHERS}),
+    ("glm4_moe-int4", "bfloat16", "fp8_e4m3", GQA_LAUNCHERS),
+    ("glm_moe_dsa-bf16", "float32", "fp8_e4m3", {"latent_decode_attention_triton"}),
 ]
 
 
