@@ -1,4 +1,4 @@
-"""The runtime engine's command-line options, shared by `kvq generate` and `kvq serve`."""
+"""The runtime engine's command-line options, shared by `kvq generate`, `serve`, `eval` and `bench decode`."""
 
 from __future__ import annotations
 
@@ -42,5 +42,14 @@ LmHeadWeightsOption = Annotated[
     typer.Option(
         help="stored (the lm_head as the checkpoint has it; a tied embedding stays BF16) or int4 (a W4A16 "
         "copy made at load, group 32: faster decode on CPU, some quality cost: measure it with kvq eval)."
+    ),
+]
+TpOption = Annotated[
+    int,
+    typer.Option(
+        "--tp",
+        help="Tensor-parallel ranks, one device each (gloo on CPU, NCCL on CUDA). kvq starts the other "
+        "ranks itself, or runs under torchrun (then WORLD_SIZE must equal --tp). Heads, MLP/expert "
+        "intermediate size and vocabulary must split evenly (INT4 on group, FP8 on block boundaries).",
     ),
 ]

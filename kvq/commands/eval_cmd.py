@@ -22,6 +22,7 @@ from kvq.commands.engine_options import (
     LmHeadWeightsOption,
     ModelArgument,
     ThreadsOption,
+    TpOption,
 )
 from kvq.commands.render import console
 from kvq.errors import KvqError
@@ -47,6 +48,7 @@ def eval_command(
     kv_memory: KvMemoryOption = None,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    tp: TpOption = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
 ) -> None:
@@ -68,6 +70,7 @@ def eval_command(
             kv_cache_dtype=kv_cache_dtype,
             kv_memory=kv_memory,
             threads=threads,
+            tp=tp,
             lm_head_weights=lm_head_weights,
             max_num_seqs=num_windows,
         )
@@ -90,6 +93,7 @@ def eval_command(
                 "perplexity": engine.perplexity(windows),
             }
         )
+        engine.close()  # its tensor-parallel ranks too, before the baseline's start
         del engine
     assert windows is not None
     if baseline is not None:

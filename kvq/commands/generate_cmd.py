@@ -17,6 +17,7 @@ from kvq.commands.engine_options import (
     PageSizeOption,
     RequireKvScalesOption,
     ThreadsOption,
+    TpOption,
 )
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.sampling import SamplingParams
@@ -39,6 +40,7 @@ def generate_command(
     require_kv_scales: RequireKvScalesOption = False,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    tp: TpOption = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
@@ -62,6 +64,7 @@ def generate_command(
         kv_memory=kv_memory,
         require_kv_scales=require_kv_scales,
         threads=threads,
+        tp=tp,
         lm_head_weights=lm_head_weights,
         max_num_seqs=1,
         kv_integrity=kv_integrity,

@@ -16,6 +16,7 @@ from kvq.commands.engine_options import (
     PageSizeOption,
     RequireKvScalesOption,
     ThreadsOption,
+    TpOption,
 )
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
@@ -40,6 +41,7 @@ def serve_command(
     require_kv_scales: RequireKvScalesOption = False,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    tp: TpOption = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
 ) -> None:
@@ -67,6 +69,7 @@ def serve_command(
         kv_memory=kv_memory,
         require_kv_scales=require_kv_scales,
         threads=threads,
+        tp=tp,
         lm_head_weights=lm_head_weights,
         max_num_seqs=max_num_seqs,
         kv_integrity=kv_integrity,

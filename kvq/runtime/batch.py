@@ -15,6 +15,22 @@ from kvq.runtime.kernels import PagedDecodePlan
 
 
 @dataclass(frozen=True)
+class StepInputs:
+    """A step's batch as plain lists (what tensor-parallel rank 0 broadcasts; each rank makes its
+    `ForwardBatch` from it): the new tokens' ids, positions and slots, per sequence its query length,
+    context length, prompt length and page table (padded with -1)."""
+
+    is_prefill: bool
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    prompt_lens: list[int]
+    block_tables: list[list[int]]
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """One step over B sequences: all prefill (their uncached prompt tokens) or all decode (one token each).
 
@@ -37,3 +53,4 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [B] int64: the row of each sequence's last token in [T]
     prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
     decode_plan: PagedDecodePlan | None = None  # decode only
+    inputs: StepInputs | None = None  # what it was made from
