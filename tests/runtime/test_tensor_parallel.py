@@ -2,14 +2,22 @@
 fp32 reference mode on llama, glm4_moe and the MLA models; the fast path (bf16, INT4) within TP=1's logit
 tolerances of transformers' fp32 forward; each rank reads exactly `kvq plan --tp 2`'s weights per GPU
 and holds about half of TP=1's (MLA: plus its replicated latent projections); a checkpoint that does not
-split on group boundaries is a one-line error naming the tensor.
+split on group boundaries is a one-line error naming the tensor; a rank killed mid-run ends the server
+with an error naming it, in bounded time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 import torch
 
@@ -87,3 +95,54 @@ def test_a_split_off_group_boundaries_is_one_line(compressed) -> None:
     assert_one_line_error(
         result, "model.layers.0.mlp.down_proj.weight_packed columns (576, group size 64)", "pick a --tp"
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            httpx.get(f"{url}/health", timeout=5)
+            return
+        except httpx.TransportError:
+            time.sleep(0.5)
+    raise AssertionError(f"kvq serve --tp 2 was not up after {timeout_s} s")
+
+
+def _rank_processes(server: subprocess.Popen) -> list[psutil.Process]:
+    children = psutil.Process(server.pid).children()
+    return [p for p in children if "kvq.runtime.distributed.worker" in " ".join(p.cmdline())]
+
+
+def test_a_rank_killed_mid_run_ends_the_server_with_an_error(tiny_checkpoint, tmp_path: Path) -> None:
+    """SIGKILL rank 1 while a request streams: rank 0 says which rank died and exits non-zero, in
+    bounded time (the watchdog), and leaves no rank behind."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "kvq", "serve", str(tiny_checkpoint("llama", "bf16")), "--tp", "2"]
+    argv += ["--port", str(port), "--kv-memory", "4MiB", "--threads", "1"]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, server, timeout_s=300)
+        (rank1,) = _rank_processes(server)
+        body = {"prompt": "hello", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # decoding has begun
+            rank1.kill()
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in lines:  # the stream ends (an error event, or the connection drops)
+                    pass
+        assert server.wait(timeout=60) != 0
+        stderr = server.stderr.read() if server.stderr else ""
+        assert f"tensor-parallel rank 1 (pid {rank1.pid}) was killed by signal 9" in stderr, stderr
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)
