@@ -146,3 +146,15 @@ def test_a_rank_killed_mid_run_ends_the_server_with_an_error(tiny_checkpoint, tm
         if server.poll() is None:
             server.kill()
             server.wait(timeout=30)
+
+
+def test_under_torchrun_the_text_is_one_process_s(tiny_checkpoint) -> None:
+    """torchrun starts both ranks (RANK / WORLD_SIZE / MASTER_* set): rank 0 prints, rank 1 only computes."""
+    args = ["generate", str(tiny_checkpoint("llama", "bf16")), "hello", "--max-tokens", "8"]
+    args += ["--dtype", "float32", "--kv-memory", "4MiB", "--threads", "1"]
+    one = run_kvq(*args)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-port", str(_free_port()), "-m", "kvq", *args, "--tp", "2"]
+    two = subprocess.run(torchrun, capture_output=True, text=True, timeout=600)
+    assert one.returncode == two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout and one.stdout.strip()
