@@ -29,6 +29,7 @@ BENCH_COMMANDS = {
     "decode": ("kvq.bench.decode", "bench_decode_command"),
     "integrity": ("kvq.bench.integrity", "bench_integrity_command"),
     "calibrate": ("kvq.bench.calibrate", "bench_calibrate_command"),
+    "tp": ("kvq.bench.tensor_parallel", "bench_tp_command"),
 }
 
 
