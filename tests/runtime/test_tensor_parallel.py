@@ -24,7 +24,7 @@ import torch
 from tests.runtime.reference import hf_greedy, hf_logits, hf_reference
 from tests.runtime.test_models_vs_transformers import random_prompts
 from tests.runtime.tp_run import run, run_in_process
-from tests.test_cli_errors import assert_one_line_error, run_kvq
+from tests.test_cli_errors import assert_one_line_error
 
 pytestmark = pytest.mark.slow
 NUM_TOKENS = 12
@@ -33,7 +33,7 @@ PROMPTS = random_prompts((5, 14), seed=3)
 
 
 def plan_per_gpu(path: Path, tp: int) -> int:
-    result = run_kvq("plan", str(path), "--tp", str(tp), "--gpu-mem", "1GiB", "--json")
+    result = _kvq("plan", str(path), "--tp", str(tp), "--gpu-mem", "1GiB", "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["serving"]["weight_bytes_per_gpu"]
 
@@ -91,10 +91,15 @@ def test_fast_path_at_tp2_within_tp1_tolerances(
 
 def test_a_split_off_group_boundaries_is_one_line(compressed) -> None:
     path = compressed("llama", "bf16", "w4a16-linear", 64)  # 576 / 2 = 288 columns: not whole groups of 64
-    result = run_kvq("generate", str(path), "hi", "--tp", "2", "--max-tokens", "2", "--kv-memory", "4MiB")
+    result = _kvq("generate", str(path), "hi", "--tp", "2", "--max-tokens", "2", "--kv-memory", "4MiB")
     assert_one_line_error(
         result, "model.layers.0.mlp.down_proj.weight_packed columns (576, group size 64)", "pick a --tp"
     )
+
+
+def _kvq(*args: str) -> subprocess.CompletedProcess[str]:
+    """`kvq ARGS` with a timeout for two ranks starting on a loaded 2-core machine (run_kvq's is 120 s)."""
+    return subprocess.run([sys.executable, "-m", "kvq", *args], capture_output=True, text=True, timeout=600)
 
 
 def _free_port() -> int:
@@ -152,9 +157,32 @@ def test_under_torchrun_the_text_is_one_process_s(tiny_checkpoint) -> None:
     """torchrun starts both ranks (RANK / WORLD_SIZE / MASTER_* set): rank 0 prints, rank 1 only computes."""
     args = ["generate", str(tiny_checkpoint("llama", "bf16")), "hello", "--max-tokens", "8"]
     args += ["--dtype", "float32", "--kv-memory", "4MiB", "--threads", "1"]
-    one = run_kvq(*args)
+    one = _kvq(*args)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     torchrun += ["--master-port", str(_free_port()), "-m", "kvq", *args, "--tp", "2"]
     two = subprocess.run(torchrun, capture_output=True, text=True, timeout=600)
     assert one.returncode == two.returncode == 0, two.stderr
     assert two.stdout == one.stdout and one.stdout.strip()
+
+
+def test_eval_at_tp2_scores_as_tp1_twice_in_one_process(tiny_checkpoint, tmp_path: Path) -> None:
+    """`kvq eval --baseline` builds two --tp 2 engines one after the other (ranks stopped and restarted)."""
+    path = str(tiny_checkpoint("llama", "bf16"))
+    args = [
+        "eval",
+        path,
+        "--num-windows",
+        "2",
+        "--seq-len",
+        "32",
+        "--kv-memory",
+        "4MiB",
+        "--dtype",
+        "float32",
+    ]
+    one = _kvq(*args, "--json", str(tmp_path / "one.json"))
+    two = _kvq(*args, "--baseline", path, "--tp", "2", "--json", str(tmp_path / "two.json"))
+    assert one.returncode == two.returncode == 0, two.stderr
+    (expected,) = json.loads((tmp_path / "one.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "two.json").read_text())["rows"]
+    assert [r["perplexity"] for r in rows] == pytest.approx([expected["perplexity"]] * 2, rel=1e-5)
