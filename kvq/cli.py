@@ -33,6 +33,7 @@ BENCH_COMMANDS = {
     "handoff": ("kvq.bench.handoff", "bench_handoff_command"),
     "serve": ("kvq.bench.serve", "bench_serve_command"),
     "gptq": ("kvq.bench.gptq_quality", "bench_gptq_command"),
+    "tp": ("kvq.bench.tensor_parallel", "bench_tp_command"),
 }
 
 

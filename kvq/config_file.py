@@ -42,6 +42,7 @@ ENGINE_KEYS = (
     "fp8_weights",
     "device",
     "threads",
+    "tp",
     "kv_integrity",
     "lm_head_weights",
 )  # EngineConfig's fields but `model`, here so that reading a config needs no torch (a test checks)

@@ -1,4 +1,4 @@
-"""The runtime engine's command-line options, shared by `kvq generate` and `kvq serve`."""
+"""The runtime engine's command-line options, shared by `kvq generate`, `serve`, `eval` and `bench decode`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ OptionalModelArgument = Annotated[
 # the options below that set an `EngineConfig` field of the same name (what a --config file may set too)
 ENGINE_OPTION_NAMES = (
     "dtype", "kv_cache_dtype", "page_size", "kv_memory", "require_kv_scales", "threads", "kv_integrity",
-    "max_num_seqs", "max_model_len", "lm_head_weights",
+    "max_num_seqs", "max_model_len", "lm_head_weights", "tp",
 )  # fmt: skip
 MaxNumSeqsOption = Annotated[
     int, typer.Option(help="Most requests decoded together; the rest wait for KV pages.")
@@ -59,5 +59,14 @@ LmHeadWeightsOption = Annotated[
     typer.Option(
         help="stored (the lm_head as the checkpoint has it; a tied embedding stays BF16) or int4 (a W4A16 "
         "copy made at load, group 32: faster decode on CPU, some quality cost: measure it with kvq eval)."
+    ),
+]
+TpOption = Annotated[
+    int,
+    typer.Option(
+        "--tp",
+        help="Tensor-parallel ranks, one device each (gloo on CPU, NCCL on CUDA). kvq starts the other "
+        "ranks itself, or runs under torchrun (then WORLD_SIZE must equal --tp). Heads, MLP/expert "
+        "intermediate size and vocabulary must split evenly (INT4 on group, FP8 on block boundaries).",
     ),
 ]

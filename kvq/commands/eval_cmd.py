@@ -100,6 +100,13 @@ def eval_command(
     max_num_seqs: Annotated[
         int, typer.Option(help="Requests each engine batches at most.")
     ] = EngineConfig.max_num_seqs,
+    tp: Annotated[
+        int,
+        typer.Option(
+            help="Tensor-parallel ranks for MODEL's runs (gloo on CPU, NCCL on CUDA); the baseline runs "
+            "at --tp 1 beside them (it scores in lockstep)."
+        ),
+    ] = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
 ) -> None:
@@ -122,7 +129,7 @@ def eval_command(
         gsm_seed=gsm_seed,
         gsm_max_tokens=gsm_max_tokens,
     )
-    settings = EngineSettings(dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights)
+    settings = EngineSettings(dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights, tp)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bars:
 

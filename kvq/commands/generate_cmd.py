@@ -26,6 +26,7 @@ from kvq.commands.engine_options import (
     PageSizeOption,
     RequireKvScalesOption,
     ThreadsOption,
+    TpOption,
 )
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.sampling import SamplingParams
@@ -54,6 +55,7 @@ def generate_command(
     require_kv_scales: RequireKvScalesOption = False,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    tp: TpOption = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
     max_model_len: MaxModelLenOption = None,

@@ -28,6 +28,7 @@ from kvq.commands.engine_options import (
     PageSizeOption,
     RequireKvScalesOption,
     ThreadsOption,
+    TpOption,
 )
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
@@ -102,6 +103,7 @@ def serve_command(
     require_kv_scales: RequireKvScalesOption = False,
     dtype: DtypeOption = EngineConfig.dtype,
     threads: ThreadsOption = None,
+    tp: TpOption = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
     role: Annotated[

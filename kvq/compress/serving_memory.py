@@ -3,7 +3,8 @@
 Parallelism: `tp` ranks without DP attention and without expert parallelism (vLLM's and SGLang's default).
 Replicated on every rank: norms, the MoE router (`mlp.gate`, `e_score_correction_bias`), MLA's down
 projections `q_a_proj` and `kv_a_proj_with_mqa` (vLLM `fused_qkv_a_proj` with `disable_tp=True`, SGLang
-`ReplicatedLinear`), the DSA indexer, KV scales. Split 1/tp: routed and shared experts (each expert's
+`ReplicatedLinear`), the DSA indexer, KV scales, INT4 `weight_shape` records (two integers each rank
+keeps whole). Split 1/tp: routed and shared experts (each expert's
 intermediate dimension), the other attention projections (heads), the dense MLP, embeddings and lm_head
 (vocabulary). MTP / NextN layers (index >= num_hidden_layers) are counted apart: servers load them only
 for speculative decoding. The KV cache per token comes from `kvq.checkpoint.kv_cache_spec` (the MLA latent
@@ -29,11 +30,12 @@ from kvq.kv_cache_dtypes import BF16, FP8_E4M3
 
 KV_CACHE_DTYPES = (BF16, FP8_E4M3)  # what `kvq plan` compares
 _REPLICATED_KINDS = {"norms", "router", "kv_scales"}
-_REPLICATED = re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.|\.indexer\.")
+_REPLICATED = re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.|\.indexer\.|\.weight_shape$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PARALLELISM = (
     "tensor parallel, no DP attention, no expert parallelism (vLLM / SGLang default): replicated on every "
-    "GPU: norms, routers, MLA q_a_proj / kv_a_proj_with_mqa, DSA indexer, KV scales, the MLA latent cache; "
+    "GPU: norms, routers, MLA q_a_proj / kv_a_proj_with_mqa, DSA indexer, KV scales, INT4 weight_shape, the "
+    "MLA latent cache; "
     "split 1/tp: experts, other attention projections, dense MLP, embeddings, lm_head, GQA KV heads"
 )
 

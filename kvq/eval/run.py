@@ -46,6 +46,7 @@ class EngineSettings:
     threads: int | None = None
     max_num_seqs: int = EngineConfig.max_num_seqs
     lm_head_weights: str = EngineConfig.lm_head_weights  # MODEL's runs only: the baseline keeps its own
+    tp: int = EngineConfig.tp  # MODEL's runs only: the baseline, alive beside them, runs at --tp 1
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ def evaluate(
             text = score_windows(engine, data.windows, reference, progress(f"text: {label}", total))
         base_answers = None if reference is None else Answers(**report["baseline"]["items"])
         report["runs"].append(_run_report(run, engine, config, data, answers, base_answers, text))
+        engine.close()  # its tensor-parallel ranks too, before the next run's start
         del engine
         gc.collect()
     if data.windows:
@@ -230,6 +232,7 @@ def _engine(
             lm_head_weights=settings.lm_head_weights
             if checkpoint == "model"
             else EngineConfig.lm_head_weights,
+            tp=settings.tp if checkpoint == "model" else 1,
         )
     )
 

@@ -24,6 +24,22 @@ class WriteGuard:
 
 
 @dataclass(frozen=True)
+class StepInputs:
+    """A step's batch as plain lists (what tensor-parallel rank 0 broadcasts; each rank makes its
+    `ForwardBatch` from it): the new tokens' ids, positions and slots, per sequence its query length,
+    context length, prompt length and page table (padded with -1)."""
+
+    is_prefill: bool
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    prompt_lens: list[int]
+    block_tables: list[list[int]]
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """One step over B sequences: all prefill (their uncached prompt tokens) or all decode (one token each).
 
@@ -47,3 +63,4 @@ class ForwardBatch:
     prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
     decode_plan: PagedDecodePlan | None = None  # decode only
     write_guard: WriteGuard | None = None  # --kv-integrity tags/full only: applied once per forward
+    inputs: StepInputs | None = None  # what it was made from

@@ -49,6 +49,8 @@ class EngineConfig:
       "tags" checks, once per step before any page is read, that every page a request reads or writes
       carries the tag its own state expects; "full" also re-hashes sampled bytes of every sealed page
       read. A failed check ends only the request it hit (finish reason "error").
+    tp: tensor-parallel ranks (`kvq.runtime.distributed`): one device each, gloo on CPU, NCCL on CUDA;
+      kvq starts the other ranks itself, or joins the ranks torchrun started (WORLD_SIZE must equal tp).
     """
 
     model: str
@@ -68,6 +70,7 @@ class EngineConfig:
     threads: int | None = None
     kv_integrity: str = "off"
     lm_head_weights: str = "stored"
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -85,7 +88,7 @@ class EngineConfig:
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise KvqError("device 'cuda' was requested but torch sees no CUDA device; use --device cpu")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tp"):
             if getattr(self, name) < 1:
                 raise KvqError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

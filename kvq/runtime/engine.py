@@ -9,27 +9,30 @@ Imports torch, transformers (config, tokenizer) and kvq.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from kvq.checkpoint.kv_cache_spec import kv_cache_spec
+from kvq.checkpoint.kv_cache_spec import heads_per_rank, kv_cache_spec
 from kvq.checkpoint.model_config import pretrained_config, read_text_model
 from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.detokenizer import CompletionText
+from kvq.runtime.distributed.group import TpGroup
+from kvq.runtime.distributed.worker import serve_steps
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
 from kvq.runtime.kv_layout import layout_for
-from kvq.runtime.kv_pool import KVPool
+from kvq.runtime.kv_pool import KVPool, page_bytes
 from kvq.runtime.loader import WeightLoader
 from kvq.runtime.logprobs import LogprobRecorder, TokenLogprob
 from kvq.runtime.model_runner import ModelRunner
@@ -85,9 +88,16 @@ class Engine:
         hf_config = pretrained_config(self.text_model)
         self.kv_spec = kv_cache_spec(self.text_model.fields, self.text_model.at)  # as `kvq plan` sizes it
         self.tokenizer = AutoTokenizer.from_pretrained(self.ckpt.root)
-        with WeightLoader(self.ckpt, config, self.text_model) as loader:
+        # tensor parallelism: this process's rank (rank 0 schedules; the others run its steps), which
+        # loads its shard before the ranks meet (rank 0 first: a bad checkpoint fails before others start)
+        self.tp = TpGroup.of(config.tp)
+        with WeightLoader(self.ckpt, config, self.text_model, self.tp) as loader:
             self.model = cls(hf_config, loader)
             loader.finish()
+        self.tp.connect(config.torch_device, json.dumps(asdict(config)))
+        # per rank: stored bytes read (what `kvq plan --tp N` counts per GPU) and bytes held resident
+        self.rank_read_bytes = self.tp.gather_ints(loader.read_bytes)
+        self.rank_weight_bytes = self.tp.gather_ints(self.weight_bytes)
         if cpu_path is not None:
             logger.info(cpu_path)
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
@@ -98,14 +108,18 @@ class Engine:
             self.model,
             config.page_size,
             self.kv_pool.zero_page,
-            self.kv_spec.num_kv_heads,
+            heads_per_rank(self.kv_spec, self.tp.size),
             config.torch_device,
+            self.tp,
         )
         self._ids = itertools.count()
         self._texts: dict[int, CompletionText] = {}  # request id -> its text (requests with text only)
         self.logprobs = LogprobRecorder(self.tokenizer)
         self.token_hooks: list[TokenHook] = [self.logprobs]
         self.stats = EngineStats()
+        if not self.tp.is_leader:  # a rank past 0 runs rank 0's steps until it stops, then ends
+            serve_steps(self.runner)
+            raise SystemExit(0)
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
         """A fresh page allocator, prefix cache, scheduler and tracker (in `kv_integrity` mode if given)
@@ -135,10 +149,11 @@ class Engine:
         config, layers = self.config, self.model.attention_layers()
         kv_dtype = config.kv_torch_dtype(self.ckpt.quantization_config.get("kv_cache_scheme") is not None)
         max_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
-        layout = layout_for(self.kv_spec, kv_dtype)
-        pool = KVPool.for_budget(
-            config.kv_pool_bytes(), layout, len(layers), config.page_size, config.torch_device, max_pages
-        )
+        layout = layout_for(self.kv_spec, kv_dtype, self.tp.size)
+        # every rank holds the same pages (rank 0's block manager hands them out): as many as all can
+        num_pages = config.kv_pool_bytes() // page_bytes(layout, len(layers), config.page_size)
+        num_pages = self.tp.min_int(min(num_pages, max_pages))
+        pool = KVPool(layout, len(layers), num_pages, config.page_size, config.torch_device)
         caches = pool.layer_caches(
             [a.kv_scales for a in layers],
             require_kv_scales=config.require_kv_scales,
@@ -147,6 +162,10 @@ class Engine:
         for layer, cache in zip(layers, caches, strict=True):
             layer.bind_kv(cache)
         return pool
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op at --tp 1); the engine runs no more steps."""
+        self.tp.close()
 
     @property
     def weight_bytes(self) -> int:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from kvq.checkpoint.kv_cache_spec import KvCacheSpec
+from kvq.checkpoint.kv_cache_spec import KvCacheSpec, heads_per_rank
 from kvq.errors import KvqError
 from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.kernels.kv_cache_layout import per_head_scale
@@ -144,10 +144,11 @@ class LatentLayout:
         return PagedLatentCache.of(latent, self.kv_lora_rank, _float(k_scale), index_keys)
 
 
-def layout_for(spec: KvCacheSpec, dtype: torch.dtype) -> GqaLayout | LatentLayout:
+def layout_for(spec: KvCacheSpec, dtype: torch.dtype, tp: int = 1) -> GqaLayout | LatentLayout:
     """The pool layout of a model's KV cache spec (`kvq.checkpoint.kv_cache_spec`, the one `kvq plan` sizes
-    from, so bytes per token agree) with values in `dtype`; DSA index keys in bf16 (fp32 with fp32 pages)."""
+    from, so bytes per token agree) on one of `tp` ranks (GQA: its heads; MLA: the whole latent) with
+    values in `dtype`; DSA index keys in bf16 (fp32 with fp32 pages)."""
     if not spec.is_mla:
-        return GqaLayout(spec.num_kv_heads, spec.head_dim, dtype)
+        return GqaLayout(heads_per_rank(spec, tp), spec.head_dim, dtype)
     index_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
     return LatentLayout(spec.kv_lora_rank, spec.qk_rope_head_dim, dtype, spec.index_head_dim, index_dtype)

@@ -42,22 +42,6 @@ class KVPool:
         self.storage[:, :, self.zero_page].zero_()
         self.caches: list = []  # per layer, made by `layer_caches`
 
-    @classmethod
-    def for_budget(
-        cls,
-        budget_bytes: int,
-        layout: KVLayout,
-        num_layers: int,
-        page_size: int,
-        device: torch.device,
-        max_pages: int | None = None,
-    ) -> KVPool:
-        """As many pages as `budget_bytes` holds (at most `max_pages`)."""
-        num_pages = budget_bytes // page_bytes(layout, num_layers, page_size)
-        if max_pages is not None:
-            num_pages = min(num_pages, max_pages)
-        return cls(layout, num_layers, num_pages, page_size, device)
-
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size

@@ -1,4 +1,5 @@
-"""Host-side batch preparation and the model call: sequences -> `ForwardBatch` -> fp32 logits.
+"""Host-side batch preparation and the model call: sequences -> `StepInputs` (plain lists, what
+tensor-parallel rank 0 broadcasts) -> `ForwardBatch` -> fp32 logits.
 
 Imports torch and kvq.runtime.
 """
@@ -9,7 +10,8 @@ from dataclasses import replace
 
 import torch
 
-from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.batch import ForwardBatch, StepInputs
+from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.kernels import PagedDecodePlan, plan_paged_decode
 from kvq.runtime.kernels.step_check import guard_slot_mapping
 from kvq.runtime.models.llama import LlamaForCausalLM
@@ -18,13 +20,23 @@ from kvq.runtime.sequence import Sequence
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, page_size: int, zero_page: int, num_kv_heads: int, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        page_size: int,
+        zero_page: int,
+        num_kv_heads: int,
+        device: torch.device,
+        tp: TpGroup | None = None,
     ) -> None:
         self.model, self.page_size, self.zero_page, self.device = model, page_size, zero_page, device
-        self.num_kv_heads = num_kv_heads  # of the KV pool's layout: one for the MLA latent
+        self.num_kv_heads = num_kv_heads  # of this rank's KV pool layout: one for the MLA latent
+        self.tp = tp or TpGroup.single()
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
         """Prefill: every token after the cached prefix; decode: the last token of each sequence."""
+        return self.batch_of(self.inputs_of(seqs, is_prefill))
+
+    def inputs_of(self, seqs: list[Sequence], is_prefill: bool) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -41,27 +53,38 @@ class ModelRunner:
         max_pages = max(len(seq.block_table) for seq in seqs)
         block_tables = [seq.block_table + [-1] * (max_pages - len(seq.block_table)) for seq in seqs]
         context_lens = [seq.num_tokens for seq in seqs]
-        max_context_len = max(context_lens)
+        prompt_lens = [seq.num_prompt_tokens for seq in seqs]
+        return StepInputs(
+            is_prefill, input_ids, positions, slots, query_lens, context_lens, prompt_lens, block_tables
+        )
+
+    def batch_of(self, inputs: StepInputs) -> ForwardBatch:
+        """The step's tensors on this rank's device."""
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-        block_tables_t = tensor(block_tables, torch.int32)
+        context_lens, query_lens = inputs.context_lens, inputs.query_lens
+        max_context_len = max(context_lens)
+        block_tables_t = tensor(inputs.block_tables, torch.int32)
         context_lens_t = tensor(context_lens, torch.int32)
-        decode_plan = None if is_prefill else self.plan_decode(block_tables_t, context_lens_t, context_lens)
+        decode_plan = (
+            None if inputs.is_prefill else self.plan_decode(block_tables_t, context_lens_t, context_lens)
+        )
         return ForwardBatch(
-            is_prefill=is_prefill,
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
+            is_prefill=inputs.is_prefill,
+            input_ids=tensor(inputs.input_ids, torch.int64),
+            positions=tensor(inputs.positions, torch.int64),
+            slot_mapping=tensor(inputs.slots, torch.int64),
             block_tables=block_tables_t,
             context_lens=context_lens_t,
             context_lens_list=context_lens,
             max_context_len=max_context_len,
             query_lens=query_lens,
             logits_indices=(torch.tensor(query_lens).cumsum(0) - 1).to(self.device),
-            prompt_lens=[seq.num_prompt_tokens for seq in seqs],
+            prompt_lens=inputs.prompt_lens,
             decode_plan=decode_plan,
+            inputs=inputs,
         )
 
     def plan_decode(
@@ -82,15 +105,23 @@ class ModelRunner:
         """fp32 logits `[B, V]` of each sequence's next token."""
         return self.forward(self.prepare(seqs, is_prefill))
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits `[B, V]` of a prepared batch. With --kv-integrity on, `Engine` checks this very batch
         (its block tables, lengths, positions and slot mapping, as the kernels will use them) between
         `prepare` and here, and its write guard, applied here on the device before the first layer
-        stores, skips any write whose page moved on since (a batch run late)."""
+        stores, skips any write whose page moved on since (a batch run late). Under tensor parallelism
+        rank 0 first sends the batch to the other ranks, which run it alongside (the guard and the
+        check are rank 0's: the other ranks write the slots the broadcast names)."""
         guard = batch.write_guard
         if guard is not None:
             slots = guard_slot_mapping(guard.page_tags, batch.slot_mapping, guard.write_tags, self.page_size)
             batch = replace(batch, slot_mapping=slots)
+        if self.tp.size > 1:
+            self.tp.broadcast(batch.inputs)
+        return self.forward_local(batch)
+
+    @torch.inference_mode()
+    def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
+        """This rank's part of the forward (the model's collectives join the other ranks')."""
         hidden = self.model.forward(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

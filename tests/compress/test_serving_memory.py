@@ -20,6 +20,7 @@ def test_weights_are_replicated_split_or_mtp():
         ("model.layers.1.mlp.gate.weight", 7),  # router: replicated
         ("model.layers.1.mlp.gate.e_score_correction_bias", 1),
         ("model.layers.1.mlp.experts.3.up_proj.weight_packed", 1600),  # split
+        ("model.layers.1.mlp.experts.3.up_proj.weight_shape", 16),  # every rank keeps the two integers
         ("model.layers.1.self_attn.indexer.wk.weight", 20),  # DSA indexer: replicated
         ("model.layers.1.input_layernorm.weight", 2),
         ("model.layers.0.self_attn.k_scale", 2),
@@ -27,8 +28,8 @@ def test_weights_are_replicated_split_or_mtp():
         ("model.layers.2.eh_proj.weight", 5000),  # MTP layer 2 of a 2-layer model: not loaded
     ]
     weights = weight_bytes(tensors, num_layers=2)
-    assert (weights.replicated, weights.split, weights.mtp) == (142, 5600, 5000)
-    assert weights.per_gpu(8) == 142 + 700 and weights.per_gpu(3) == 142 + 1867
+    assert (weights.replicated, weights.split, weights.mtp) == (158, 5600, 5000)
+    assert weights.per_gpu(8) == 158 + 700 and weights.per_gpu(3) == 158 + 1867
 
 
 def test_tokens_that_fit_for_both_kv_dtypes():

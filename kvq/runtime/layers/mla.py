@@ -8,6 +8,9 @@ form (W_UK folded into the query, attention over the latent rows, W_UV after; as
 backends). GLM-5 adds a DSA indexer (`dsa_indexer`): attention only over the tokens it selects.
 `kv_b_proj` is kept dense in the activation dtype (`[H, nope + v, R]`), the one weight both forms use.
 Softmax scale: qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (as transformers).
+Tensor parallelism (SGLang / vLLM without DP attention): the latent projections (`q_a_proj`,
+`kv_a_proj_with_mqa`), the indexer and the latent cache are replicated on every rank; each rank holds its
+heads' rows of `q_b_proj` and `kv_b_proj` and columns of `o_proj`, whose outputs the ranks sum.
 Imports torch, transformers and kvq.runtime.
 """
 
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels.latent_cache import PagedLatentCache
 from kvq.runtime.layers.dsa_indexer import Indexer, Selection, SharedSelection
 from kvq.runtime.layers.norm import RMSNorm
@@ -51,10 +55,12 @@ class MLAttention:
         indexer: Indexer | SharedSelection | None = None,
     ) -> None:
         hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
-        self.num_heads, self.q_lora_rank = config.num_attention_heads, config.q_lora_rank
+        heads, self.tp = config.num_attention_heads, loader.tp
+        start, stop = self.tp.shard(heads, "config.json num_attention_heads")
+        self.num_heads, self.q_lora_rank = stop - start, config.q_lora_rank
         self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
         self.nope_dim, self.v_dim = config.qk_nope_head_dim, config.v_head_dim
-        q_size = self.num_heads * (self.nope_dim + self.rope_dim)
+        q_rows = heads * (self.nope_dim + self.rope_dim)  # all ranks' heads: the stored rows
         latent = (self.kv_lora_rank + self.rope_dim, hidden)
         self.q_lora_norm = None
         if self.q_lora_rank:  # q_a_proj and kv_a_proj_with_mqa read the same x: one projection
@@ -65,19 +71,22 @@ class MLAttention:
             )
             weight = loader.tensor(f"{prefix}.q_a_layernorm.weight", (self.q_lora_rank,))
             self.q_lora_norm = RMSNorm(weight, LORA_NORM_EPS)
-            self.q_b_proj = loader.linear([f"{prefix}.q_b_proj"], [(q_size, self.q_lora_rank)])
+            self.q_b_proj = loader.linear([f"{prefix}.q_b_proj"], [(q_rows, self.q_lora_rank)], split=ROWS)
         else:
             self.qkv_a_proj = loader.linear(
-                [f"{prefix}.q_proj", f"{prefix}.kv_a_proj_with_mqa"], [(q_size, hidden), latent], bias
+                [f"{prefix}.q_proj", f"{prefix}.kv_a_proj_with_mqa"],
+                [(q_rows, hidden), latent],
+                bias,
+                split=[ROWS, None],
             )
         weight = loader.tensor(f"{prefix}.kv_a_layernorm.weight", (self.kv_lora_rank,))
         self.kv_a_layernorm = RMSNorm(weight, LORA_NORM_EPS)
-        kv_b_rows = self.num_heads * (self.nope_dim + self.v_dim)
-        kv_b = loader.stored_linear(f"{prefix}.kv_b_proj", (kv_b_rows, self.kv_lora_rank))
+        kv_b_rows = heads * (self.nope_dim + self.v_dim)
+        kv_b = loader.stored_linear(f"{prefix}.kv_b_proj", (kv_b_rows, self.kv_lora_rank), split=ROWS)
         self.kv_b = kv_b.dense(loader.dtype).to(loader.device)  # [H * (nope + v), R]
         w_kv_b = self.kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk, self.w_uv = w_kv_b[:, : self.nope_dim], w_kv_b[:, self.nope_dim :]  # [H, nope | v, R]
-        self.o_proj = loader.linear([f"{prefix}.o_proj"], [(hidden, self.num_heads * self.v_dim)], bias)
+        self.o_proj = loader.linear([f"{prefix}.o_proj"], [(hidden, heads * self.v_dim)], bias, split=COLS)
         # vLLM reads only k_scale for MLA; a v_scale (kvq calibrate writes one, equal) is read, unused
         self.kv_scales = {name: loader.optional(f"{prefix}.{name}") for name in ("k_scale", "v_scale")}
         self.rotary, self.indexer, self.scale = rotary, indexer, softmax_scale(config)
@@ -110,7 +119,7 @@ class MLAttention:
             out = self._prefill(q_nope, q_pe, batch, kv, selection)
         else:
             out = self._decode(q_nope, q_pe, batch, kv, selection)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim)))
 
     def _prefill(
         self,

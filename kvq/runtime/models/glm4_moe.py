@@ -55,12 +55,19 @@ class MoE:
         self.gate = TopkRouter(config, f"{prefix}.gate", loader)
         self.experts = loader.experts(f"{prefix}.experts", config.n_routed_experts, hidden, intermediate)
         self.shared_experts = MLP(
-            f"{prefix}.shared_experts", loader, hidden, intermediate * config.n_shared_experts
+            f"{prefix}.shared_experts",
+            loader,
+            hidden,
+            intermediate * config.n_shared_experts,
+            is_partial=True,
         )
+        self.tp = loader.tp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism every rank runs every routed expert on its share of the expert's
+        intermediate dimension (as the shared experts): one all-reduce sums both."""
         topk_ids, topk_weights = self.gate(x)
-        return self.experts(x, topk_ids, topk_weights) + self.shared_experts(x)
+        return self.tp.all_reduce(self.experts(x, topk_ids, topk_weights) + self.shared_experts(x))
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.gate.tensors(), *self.experts.tensors(), *self.shared_experts.tensors()]

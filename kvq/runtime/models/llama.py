@@ -3,7 +3,10 @@
 Read top to bottom: attention, MLP, decoder layer, model. The other families reuse all of it and swap
 parts through the model's `make_*` hooks: glm4_moe the MLP, the MLA models also the rotary, the attention
 and the KV layout.
-Weights come from a `WeightLoader` by their checkpoint names. Imports torch and kvq.runtime.
+Weights come from a `WeightLoader` by their checkpoint names. Under tensor parallelism (`loader.tp`) each
+rank holds its heads and its share of the MLP (column-parallel q/k/v and gate/up, row-parallel o and down,
+one all-reduce after each) and its share of the vocabulary (embedding and lm_head; logits gathered).
+Imports torch and kvq.runtime.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.config import LM_HEAD_GROUP_SIZE
+from kvq.runtime.distributed.group import TpGroup
+from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.kernels.cpu_ops import native_ops_apply, silu_mul_native
 from kvq.runtime.layers.attention import PagedAttention
@@ -25,6 +30,20 @@ from kvq.runtime.layers.rotary import RotaryEmbedding
 from kvq.runtime.loader import WeightLoader
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def local_count(tp: TpGroup, count: int, what: str) -> int:
+    """This rank's share of `count` heads (a `KvqError` naming `what` when they do not split)."""
+    start, stop = tp.shard(count, what)
+    return stop - start
+
+
+def local_heads_scale(scale: torch.Tensor | None, tp: TpGroup, num_heads: int) -> torch.Tensor | None:
+    """A KV scale for this rank's heads: a per-head one sliced, a per-tensor one as it is."""
+    if scale is None or scale.numel() != num_heads or tp.size == 1:
+        return scale
+    start, stop = tp.shard(num_heads, "k_scale / v_scale heads")
+    return scale.reshape(-1)[start:stop]
 
 
 class FeedForward(Protocol):
@@ -53,29 +72,33 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class Attention:
-    """GQA self-attention: fused q/k/v projection (+ bias), rotary, paged attention, output projection."""
+    """GQA self-attention: fused q/k/v projection (+ bias), rotary, paged attention, output projection
+    (this rank's query and KV heads under tensor parallelism)."""
 
     def __init__(
         self, config: PretrainedConfig, prefix: str, loader: WeightLoader, rotary: RotaryEmbedding
     ) -> None:
-        hidden, d = config.hidden_size, head_dim_of(config)
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            d,
-        )
+        hidden, d, tp = config.hidden_size, head_dim_of(config), loader.tp
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = local_count(tp, heads, "config.json num_attention_heads")
+        self.num_kv_heads = local_count(tp, kv_heads, "config.json num_key_value_heads")
+        self.head_dim, self.tp = d, tp
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.qkv_proj = loader.linear(
             [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
-            [(self.q_size, hidden), (self.kv_size, hidden), (self.kv_size, hidden)],
+            [(heads * d, hidden), (kv_heads * d, hidden), (kv_heads * d, hidden)],
             bias=getattr(config, "attention_bias", False),
+            split=ROWS,
         )
-        self.o_proj = loader.linear([f"{prefix}.o_proj"], [(hidden, self.q_size)])
+        self.o_proj = loader.linear([f"{prefix}.o_proj"], [(hidden, heads * d)], split=COLS)
         self.q_norm = self.k_norm = None
         if getattr(config, "use_qk_norm", False):  # GLM-4.5 option: RMSNorm per head before rotary
             self.q_norm = RMSNorm(loader.tensor(f"{prefix}.q_norm.weight", (d,)), config.rms_norm_eps)
             self.k_norm = RMSNorm(loader.tensor(f"{prefix}.k_norm.weight", (d,)), config.rms_norm_eps)
-        self.kv_scales = {name: loader.optional(f"{prefix}.{name}") for name in ("k_scale", "v_scale")}
+        self.kv_scales = {
+            name: local_heads_scale(loader.optional(f"{prefix}.{name}"), tp, kv_heads)
+            for name in ("k_scale", "v_scale")
+        }
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
 
@@ -96,7 +119,7 @@ class Attention:
             )
         q, k = self.rotary(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v, batch)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
     def tensors(self) -> list[torch.Tensor]:
         norms = [t for n in (self.q_norm, self.k_norm) if n is not None for t in n.tensors()]
@@ -104,20 +127,29 @@ class Attention:
 
 
 class MLP:
-    """SiLU-gated MLP: down(SiLU(gate(x)) * up(x)), gate and up fused into one projection."""
+    """SiLU-gated MLP: down(SiLU(gate(x)) * up(x)), gate and up fused into one projection. Under tensor
+    parallelism a rank holds its share of the intermediate dimension and sums the ranks' outputs, unless
+    `is_partial` (an MoE's shared experts: the MoE sums once for both)."""
 
-    def __init__(self, prefix: str, loader: WeightLoader, hidden: int, intermediate: int) -> None:
+    def __init__(
+        self, prefix: str, loader: WeightLoader, hidden: int, intermediate: int, is_partial: bool = False
+    ) -> None:
         self.gate_up_proj = loader.linear(
-            [f"{prefix}.gate_proj", f"{prefix}.up_proj"], [(intermediate, hidden), (intermediate, hidden)]
+            [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+            [(intermediate, hidden), (intermediate, hidden)],
+            split=ROWS,
         )
-        self.down_proj = loader.linear([f"{prefix}.down_proj"], [(hidden, intermediate)])
+        self.down_proj = loader.linear([f"{prefix}.down_proj"], [(hidden, intermediate)], split=COLS)
+        self.tp, self.is_partial = loader.tp, is_partial
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if native_ops_apply(gate_up):  # CPU bf16: one C call, the same rounding
-            return self.down_proj(silu_mul_native(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            y = self.down_proj(silu_mul_native(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = self.down_proj(F.silu(gate) * up)
+        return y if self.is_partial else self.tp.all_reduce(y)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.gate_up_proj.tensors(), *self.down_proj.tensors()]
@@ -160,11 +192,13 @@ class LlamaForCausalLM:
     INT4 runtime copy of a dense one with `lm_head_weights="int4"`)."""
 
     def __init__(self, config: PretrainedConfig, loader: WeightLoader) -> None:
-        self.config = config
-        self.num_kv_heads, self.head_dim = config.num_key_value_heads, head_dim_of(config)
+        self.config, self.tp = config, loader.tp
+        self.head_dim = head_dim_of(config)
         hidden, vocab = config.hidden_size, config.vocab_size
         self.max_positions = config.max_position_embeddings
-        self.embed_tokens = loader.tensor("model.embed_tokens.weight", (vocab, hidden))  # [V, H]
+        self.vocab_start, _ = self.tp.shard(vocab, "config.json vocab_size")
+        # [V / tp, H]: this rank's rows of the vocabulary
+        self.embed_tokens = loader.tensor("model.embed_tokens.weight", (vocab, hidden), split=ROWS)
         self.rotary = self.make_rotary(loader)
         self.layers: list[DecoderLayer] = []  # in order: a layer may refer to the ones before it
         for i in range(config.num_hidden_layers):
@@ -178,7 +212,7 @@ class LlamaForCausalLM:
             loader.optional("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
             self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
         else:
-            self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)])
+            self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)], split=ROWS)
         if loader.config.lm_head_weights == "int4" and isinstance(self.lm_head, DenseLinear):
             self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE)
 
@@ -193,15 +227,25 @@ class LlamaForCausalLM:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids, positions `[T]` -> final hidden states `[T, H]`."""
-        x = self.embed_tokens[input_ids]  # [T, H]
+        x = self.embed(input_ids)  # [T, H]
         cos_sin = self.rotary.at(positions)
         for layer in self.layers:
             x = layer(x, cos_sin, batch)
         return self.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[T]` -> `[T, H]`; under tensor parallelism each rank looks up its own vocabulary rows (zeros for
+        the others') and the ranks sum."""
+        if self.tp.size == 1:
+            return self.embed_tokens[input_ids]
+        local = input_ids - self.vocab_start
+        is_here = (local >= 0) & (local < self.embed_tokens.shape[0])
+        x = self.embed_tokens[local.clamp(0, self.embed_tokens.shape[0] - 1)] * is_here[:, None]
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[B, H]` -> fp32 logits `[B, V]`."""
-        return self.lm_head(hidden).float()
+        """`[B, H]` -> fp32 logits `[B, V]` (every rank's vocabulary share, gathered)."""
+        return self.tp.all_gather_last(self.lm_head(hidden).float())
 
     def attention_layers(self) -> list[SelfAttention]:
         return [layer.self_attn for layer in self.layers]

@@ -1,0 +1,58 @@
+"""What ranks 1..N-1 run: the engine's model and KV pool built as rank 0 builds them, then each step's
+forward as rank 0 broadcasts it, until it says stop. `python -m kvq.runtime.distributed.worker` is the
+entry of the ranks kvq starts itself (`launch`); under torchrun the engine enters `serve_steps` directly.
+Imports torch and kvq.runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from kvq.errors import KvqError
+from kvq.runtime.distributed.group import STOP
+
+if TYPE_CHECKING:
+    from kvq.runtime.model_runner import ModelRunner
+
+PARENT_POLL_S = 1.0
+
+
+def serve_steps(runner: ModelRunner) -> None:
+    """Run rank 0's steps on this rank's shard until rank 0 sends the stop."""
+    while True:
+        message = runner.tp.broadcast(None)
+        if message == STOP:
+            return
+        runner.forward_local(runner.batch_of(message))  # type: ignore[arg-type]
+
+
+def _watch_parent() -> None:
+    """Leave when the process that started this rank is gone (rank 0 killed: no stop will come)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
+def main() -> int:
+    from kvq.runtime.config import EngineConfig
+    from kvq.runtime.distributed.launch import WORKER_CONFIG_ENV
+    from kvq.runtime.engine import Engine
+
+    threading.Thread(target=_watch_parent, name="kvq-tp-parent", daemon=True).start()
+    rank = os.environ.get("RANK", "?")
+    try:
+        Engine(EngineConfig(**json.loads(os.environ[WORKER_CONFIG_ENV])))  # returns after the stop
+    except KvqError as e:
+        print(f"kvq: error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
