@@ -59,10 +59,12 @@ def test_serve_answers_on_a_kimi_native_int4_checkpoint(mla_checkpoint) -> None:
 def test_eval_scores_an_mla_checkpoint_against_its_source(mla_checkpoint, tmp_path: Path) -> None:
     model, baseline = mla_checkpoint("deepseek_v3", "int4-from-bf16"), mla_checkpoint("deepseek_v3", "bf16")
     out = tmp_path / "eval.json"
-    args = ["--num-windows", "2", "--seq-len", "48", "--threads", "2", "--kv-memory", "16MiB"]
+    args = ["--tasks", "text", "--kv-cache-dtype", "bf16", "--num-windows", "2", "--seq-len", "48"]
+    args += ["--threads", "2", "--kv-memory", "16MiB"]
     argv = ["eval", str(model), "--baseline", str(baseline), *args, "--json", str(out)]
     result = CliRunner().invoke(build_app("eval"), argv, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 and all(1 < row["perplexity"] < 10 * 2000 for row in rows)  # vocabulary 2,000
-    assert abs(rows[0]["vs_baseline"]) < 0.05  # INT4 experts of the same random model: close
+    (run,) = json.loads(out.read_text())["runs"]
+    ppl = next(m for m in run["metrics"] if m["key"] == "perplexity")
+    assert all(1 < ppl[k] < 10 * 2000 for k in ("model", "baseline"))  # vocabulary 2,000
+    assert abs(ppl["delta"] / ppl["baseline"]) < 0.05  # INT4 experts of the same random model: close
