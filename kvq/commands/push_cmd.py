@@ -2,8 +2,8 @@
 
 Order: verify the folder against its manifest (every shard's size and sha256), check the engines asked
 for (`--require-engine`), build the card (README.md) from the manifest, config and `--eval` report, then
-either print card and file list (`--dry-run`: nothing written, no connection) or write README.md and
-upload with huggingface_hub (a re-run resumes). Imports huggingface_hub's card classes, never torch.
+either print card and file list (`--dry-run`: no connection) or upload the files and the card with
+huggingface_hub (a re-run resumes). DIR is never written to: the card goes up from memory. Imports huggingface_hub's card classes, never torch.
 """
 
 from __future__ import annotations
@@ -66,14 +66,19 @@ def push_command(
             console.print(f"  {name}  {format_bytes(size)}")
         return
     token = hub_token()
-    from kvq.checkpoint.write import write_text_atomic
-
-    write_text_atomic(card.content, path / CARD_NAME)
     recipe = manifest.get("recipe") or {}
     message = (
         f"kvq push: {recipe.get('name')} (group {recipe.get('group_size')}) of {card.data.get('base_model')}"
     )
-    url = upload(path, repo_id, private=private, revision=revision, token=token, commit_message=message)
+    url = upload(
+        path,
+        repo_id,
+        (CARD_NAME, card.content),
+        private=private,
+        revision=revision,
+        token=token,
+        commit_message=message,
+    )
     console.print(f"uploaded {len(files)} files to {repo_id}: {url}")
 
 

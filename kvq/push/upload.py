@@ -1,10 +1,11 @@
-"""Upload a folder to the Hugging Face Hub with huggingface_hub: create the repo (and branch), then
-`upload_folder`, which re-run after an interruption skips what already arrived.
+"""Upload a folder to the Hugging Face Hub with huggingface_hub: create the repo (and branch), then one
+commit of the folder's files plus the model card (sent from memory: the folder is never written to),
+which re-run after an interruption skips what already arrived (huggingface_hub's pre-upload check).
 
 The endpoint is `HF_ENDPOINT` (read here, not only when huggingface_hub is first imported), the token is
 `HF_TOKEN` or the stored `hf auth login` one; it is passed to huggingface_hub and never printed (it is
-masked in any error message). `upload_files` is the list of what `upload_folder` sends, computed without
-a connection. Imports huggingface_hub lazily.
+masked in any error message). `upload_files` is the list of the folder's files that are sent (what
+`upload_folder` would send), computed without a connection. Imports huggingface_hub lazily.
 """
 
 from __future__ import annotations
@@ -42,22 +43,34 @@ def hub_token() -> str:
 
 
 def upload(
-    root: Path, repo_id: str, *, private: bool, revision: str | None, token: str, commit_message: str
+    root: Path,
+    repo_id: str,
+    card: tuple[str, str],
+    *,
+    private: bool,
+    revision: str | None,
+    token: str,
+    commit_message: str,
 ) -> str:
-    """Create `repo_id` if needed and upload `root` to it (at `revision`); the commit URL."""
-    from huggingface_hub import HfApi
+    """Create `repo_id` if needed and commit `root`'s files to it (at `revision`), with `card` (name,
+    text) in place of any file of that name in `root`; the commit URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    card_name, card_text = card
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(Path(root) / name))
+        for name in upload_files(root)
+        if name != card_name
+    ]
+    operations.append(CommitOperationAdd(path_in_repo=card_name, path_or_fileobj=card_text.encode()))
 
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=root,
-            revision=revision,
-            commit_message=commit_message,
-            ignore_patterns=list(IGNORE_PATTERNS),
+        info = api.create_commit(
+            repo_id=repo_id, operations=operations, commit_message=commit_message, revision=revision
         )
     except Exception as e:  # huggingface_hub's, httpx's and hf_xet's errors: the network edge
         message = str(e).replace(token, "***")

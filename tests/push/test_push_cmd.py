@@ -71,20 +71,30 @@ def test_dry_run_prints_card_and_files_and_opens_no_connection(
     assert TOKEN not in result.output
 
 
+def pushed(hub: HubServer, folder: Path, rev: str = "main") -> dict[str, bytes]:
+    """The Hub's files at `rev` less the card, after checking the card is the one kvq writes."""
+    files = dict(hub.files(REPO, rev))
+    card = files.pop("README.md").decode()
+    assert card.startswith("---\nbase_model: kvq-test/tiny\n") and "license: apache-2.0" in card
+    return files
+
+
 def test_push_uploads_every_file_byte_identical(published, folder, tmp_path) -> None:
+    before = tree(folder)
     with HubServer(TOKEN) as hub:
         code, output = finish(
             kvq_push([str(folder), REPO, *CARD, "--private"], push_env(tmp_path, hub.endpoint))
         )
         assert code == 0, output
-        assert hub.files(REPO) == tree(folder) and "README.md" in tree(folder)
+        assert tree(folder) == before and "README.md" not in before  # the card went up from memory
+        assert pushed(hub, folder) == before
         assert hub.state.repos[REPO]["private"] and len(hub.state.commits) == 1
         assert any(path.startswith("/v1/xorbs/") for _m, path in hub.state.log)  # shards went through Xet
         code, output = finish(
             kvq_push([str(folder), REPO, *CARD, "--revision", "int4"], push_env(tmp_path, hub.endpoint))
         )
         assert code == 0, output
-        assert hub.files(REPO, "int4") == tree(folder)
+        assert pushed(hub, folder, "int4") == before
     assert TOKEN not in output
 
 
@@ -101,7 +111,7 @@ def test_an_interrupted_upload_completes_when_re_run(folder, tmp_path) -> None:
         assert not hub.state.commits and REPO in hub.state.repos  # repo created, nothing committed
         code, output = finish(kvq_push([str(folder), REPO, *CARD], env))
         assert code == 0, output
-        assert hub.files(REPO) == tree(folder)
+        assert pushed(hub, folder) == tree(folder)
         num_requests = len(hub.state.log)
         code, output = finish(kvq_push([str(folder), REPO, *CARD], env))  # all there: no data, no commit
         assert code == 0, output
