@@ -3,7 +3,8 @@
 Order: verify the folder against its manifest (every shard's size and sha256), check the engines asked
 for (`--require-engine`), build the card (README.md) from the manifest, config and `--eval` report, then
 either print card and file list (`--dry-run`: no connection) or upload the files and the card with
-huggingface_hub (a re-run resumes). DIR is never written to: the card goes up from memory. Imports huggingface_hub's card classes, never torch.
+huggingface_hub (a re-run resumes). DIR is never written to: the card goes up from memory. Imports
+huggingface_hub's card classes, never torch.
 """
 
 from __future__ import annotations
