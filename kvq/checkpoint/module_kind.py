@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 MODULE_KINDS = (
     "attention",
@@ -31,8 +32,16 @@ _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+_INDEX = re.compile(r"\.\d+\.")
+
+
 def module_kind(name: str) -> str:
     """The module kind of a tensor name: `model.layers.3.mlp.experts.7.up_proj.weight` -> routed_experts."""
+    return _template_kind(_INDEX.sub(".0.", name))  # no rule reads an index: one answer per template
+
+
+@lru_cache(maxsize=65536)
+def _template_kind(name: str) -> str:
     for kind, pattern in _RULES:
         if pattern.search(name):
             return kind

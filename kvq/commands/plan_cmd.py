@@ -21,7 +21,7 @@ from kvq.commands.recipe_options import GroupSizeOption
 from kvq.commands.render import console, human_count
 from kvq.compress.recipe import available_recipes, load_recipe
 from kvq.compress.serving_memory import KV_CACHE_DTYPES, ServingMemory, serving_memory, weight_bytes
-from kvq.compress.size_plan import SizePlan, size_plan
+from kvq.compress.size_plan import SizePlan, output_file_bytes, size_plan
 from kvq.compress.source import PlanSource, open_source
 from kvq.compress.tensor_plan import TARGETS, build_plan
 from kvq.errors import KvqError
@@ -119,10 +119,10 @@ def plan_command(
     prefix = weight_prefix_of(source.config)
     plan = build_plan(source.tensors, the_recipe, source.block, weight_prefix=prefix)
     sizes = size_plan(plan, source.file_bytes)
-    target_bytes = {  # the same plan for each --target of kvq compress (the table is vllm's)
-        target: size_plan(
-            build_plan(source.tensors, the_recipe, source.block, target, prefix), 0
-        ).output_file_bytes
+    target_bytes = {  # the output for each --target of kvq compress (the table is the default's)
+        target: sizes.output_file_bytes
+        if target == plan.target
+        else output_file_bytes(build_plan(source.tensors, the_recipe, source.block, target, prefix))
         for target in TARGETS
     }
     memory = before = None

@@ -34,6 +34,7 @@ DTYPE_ORDER = (
     "U8",
     "BOOL",
 )
+_DTYPE_RANK = {dtype: rank for rank, dtype in enumerate(DTYPE_ORDER)}
 METADATA = {"format": "pt"}
 
 
@@ -59,7 +60,7 @@ class ShardLayout:
 
 def shard_layout(tensors: Sequence[OutputTensor], metadata: dict[str, str] | None = None) -> ShardLayout:
     """Lay out `tensors` exactly as `safetensors.torch.save_file` would."""
-    ordered = sorted(tensors, key=lambda t: (DTYPE_ORDER.index(t.dtype), t.name))
+    ordered = sorted(tensors, key=lambda t: (_DTYPE_RANK[t.dtype], t.name))
     entries: dict[str, object] = {"__metadata__": dict(metadata or METADATA)}
     relative: dict[str, int] = {}
     offset = 0

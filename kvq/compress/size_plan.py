@@ -42,7 +42,6 @@ class SizePlan:
 def size_plan(plan: CompressPlan, source_file_bytes: int) -> SizePlan:
     """Sum every task's inputs and outputs by module kind; lay out each output shard for its exact size."""
     kinds: dict[str, KindSizes] = defaultdict(KindSizes)
-    output_file_bytes = 0
     for tasks in plan.shards.values():
         for task in tasks:
             for info in filter(None, (task.source, task.scale_inv)):
@@ -54,16 +53,23 @@ def size_plan(plan: CompressPlan, source_file_bytes: int) -> SizePlan:
                 row = kinds[module_kind(out.name)]
                 row.tensors_after += 1
                 row.bytes_after += out.nbytes
-        output_file_bytes += shard_layout([out for task in tasks for out in task.outputs]).file_bytes
     ordered = {k: kinds[k] for k in MODULE_KINDS if k in kinds}
     total = KindSizes(*(sum(getattr(r, f) for r in ordered.values()) for f in KindSizes.__dataclass_fields__))
     return SizePlan(
         ordered,
         total,
         source_file_bytes,
-        output_file_bytes,
+        output_file_bytes(plan),
         len(plan.int4_modules),
         len(plan.fp8_modules),
         list(plan.kept),
         list(plan.dequantized),
+    )
+
+
+def output_file_bytes(plan: CompressPlan) -> int:
+    """The bytes of every output shard `plan` writes, each laid out exactly (header included)."""
+    return sum(
+        shard_layout([out for task in tasks for out in task.outputs]).file_bytes
+        for tasks in plan.shards.values()
     )
