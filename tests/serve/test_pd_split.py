@@ -48,6 +48,23 @@ def decode_worker(path: Path, socket_path: Path) -> subprocess.Popen:
     return child
 
 
+def assert_a_page_corrupted_in_transit_ends_its_request(
+    front: PrefillFront, expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A byte flipped on the way (after its digest was taken): the decode worker refuses that request only."""
+
+    def corrupting(conn, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:  # noqa: ANN001
+        if handoff.prompt_token_ids == prompts()[2]:
+            handoff.pages[1].data[0, 1, 7] ^= 0x01
+        send_handoff(conn, request_id, handoff, params)
+
+    monkeypatch.setattr(pd_roles, "send_handoff", corrupting)
+    outputs = front.generate(prompts(), GREEDY)
+    assert outputs[2].finish_reason == "error" and "bytes digest" in (outputs[2].error or "")
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 2] == expected[:2] + expected[3:]
+    monkeypatch.undo()
+
+
 @pytest.fixture
 def llama(tiny_checkpoint) -> Path:
     return tiny_checkpoint("llama", "bf16")
@@ -71,17 +88,7 @@ def test_split_over_shared_memory_then_a_vanished_decode_worker(
     assert [o.token_ids for o in outputs] == expected
     assert front.num_handoffs == len(prompts()) and front.handoff_bytes > 0
 
-    # a byte flipped on the way (after its digest was taken): the decode worker refuses that request only
-    def corrupting(conn, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:  # noqa: ANN001
-        if handoff.prompt_token_ids == prompts()[2]:
-            handoff.pages[1].data[0, 1, 7] ^= 0x01
-        send_handoff(conn, request_id, handoff, params)
-
-    monkeypatch.setattr(pd_roles, "send_handoff", corrupting)
-    outputs = front.generate(prompts(), GREEDY)
-    assert outputs[2].finish_reason == "error" and "bytes digest" in (outputs[2].error or "")
-    assert [o.token_ids for i, o in enumerate(outputs) if i != 2] == expected[:2] + expected[3:]
-    monkeypatch.undo()
+    assert_a_page_corrupted_in_transit_ends_its_request(front, expected, monkeypatch)
     # in flight on the decode worker when it is killed: those requests end with an error, in bounded time
     slow = SamplingParams(max_tokens=200, ignore_eos=True)
     ids = [front.add_request(p, slow) for p in prompts()[2:4]]
