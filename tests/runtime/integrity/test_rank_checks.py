@@ -2,7 +2,8 @@
 pool's pages (`kvq.runtime.integrity.ranks`). A sampled bit flipped in rank 1's copy of a sealed page is
 caught before the next step reads it and ends only the request holding it, with a message naming rank 1
 and the page; everyone else's greedy tokens, and a second run of every prompt, equal `--tp 1`'s in fp32
-reference mode, on llama (GQA heads split) and the MLA fixture (the latent replicated)."""
+reference mode, on llama (GQA heads split) and the MLA fixture (the latent replicated). A late write is
+skipped by every rank's write guard."""
 
 from __future__ import annotations
 
@@ -59,3 +60,15 @@ def test_a_bit_flipped_on_rank_1_ends_only_its_request(arch: str, tiny_checkpoin
         if i != hit[0]:
             assert (tokens, reason) == (expected[i], "length"), i
     assert [tokens for tokens, _, _ in clean] == expected  # the page was dropped: recomputed after
+
+
+def test_a_late_write_lands_on_no_rank(tiny_checkpoint, tmp_path: Path) -> None:
+    """The drill's late write (a batch re-run after its request was aborted and its pages reused) at
+    --tp 2: every rank's write guard skips it, so every other request's fp32 logits equal a fault-free
+    --tp 2 run's bit for bit (rank 1's unguarded writes would change them: the TP=1 guard test)."""
+    out = tmp_path / "drill.pt"
+    case = {"model": str(tiny_checkpoint("llama", "bf16")), "fault": "late_write"}
+    argv = [sys.executable, "-m", "tests.runtime.integrity.tp_rank_run", json.dumps(case), str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert torch.load(out)["ok"]

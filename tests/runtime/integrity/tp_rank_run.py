@@ -1,8 +1,9 @@
-"""One `--tp 2` run under torchrun for test_rank_checks: rank 0 generates the prompts twice; rank 1, when
-`flip_row` is set, flips a sampled bit of its own copy of a sealed page (`FaultInjector.bit_flip` on rank
-1's engine) just before the first decode step is checked: the page of logical index 0 of that row of the
-batch, recorded in OUT.rank1.json. `python -m torch.distributed.run --nproc-per-node 2 -m
-tests.runtime.integrity.tp_rank_run CASE_JSON OUT` (rank 0 saves the outputs to OUT)."""
+"""The `--tp 2` runs of test_rank_checks. Under torchrun (`python -m torch.distributed.run --nproc-per-node 2
+-m tests.runtime.integrity.tp_rank_run CASE_JSON OUT`): rank 0 generates the prompts twice and saves the
+outputs to OUT; rank 1, when `flip_row` is set, flips a sampled bit of its own copy of a sealed page
+(`FaultInjector.bit_flip` on rank 1's engine) just before the first decode step is checked: the page of
+logical index 0 of that row of the batch, recorded in OUT.rank1.json. A case naming a drill `fault`
+(`python -m tests.runtime.integrity.tp_rank_run CASE_JSON OUT`, kvq starting the ranks): `drill`."""
 
 from __future__ import annotations
 
@@ -59,5 +60,25 @@ def main(case: dict, out: Path) -> None:
     torch.save(result, out)
 
 
+def drill(case: dict, out: Path) -> None:
+    """The drill's fault `case["fault"]` on a --tp 2 engine (ranks kvq starts), then its fault-free replay
+    on another: `test_faults.assert_contained`'s promises, every rank's pages counted (fp32 logits of
+    two --tp 2 runs are bit-equal for the same batches)."""
+    from kvq.drill.faults import FAULTS
+    from kvq.drill.workload import drill_engine, run_drill
+    from tests.runtime.integrity.test_faults import assert_contained
+
+    fault = next(f for f in FAULTS if f.name == case["fault"])
+    engine = drill_engine(case["model"], fault.mode, tp=2)
+    run = run_drill(engine, fault)
+    engine.close()
+    replay_engine = drill_engine(case["model"], "off", tp=2)
+    replay = run_drill(replay_engine, departures=run.departures)
+    replay_engine.close()
+    assert_contained(engine, run, fault, replay)
+    torch.save({"ok": True, "num_aborts": run.num_aborts}, out)
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), Path(sys.argv[2]))
+    case = json.loads(sys.argv[1])
+    (drill if "fault" in case else main)(case, Path(sys.argv[2]))
