@@ -1,8 +1,9 @@
 """The prefill/decode split over torch.distributed (`--pd-transport torch`, what runs between hosts), on
 loopback: a real `kvq serve --role decode --pd-transport torch --pd-addr 127.0.0.1:PORT` worker and a
 prefill worker in this process, pages inside the messages of a gloo group of their own. Greedy outputs
-equal one engine's (fp32 reference mode); a page corrupted in transit ends only its request; a bad
---pd-addr is a one-line error."""
+equal one engine's (fp32 reference mode); a page corrupted in transit ends only its request; a decode
+worker killed mid-request fails its in-flight requests and the prefill side keeps serving; bad transport
+options are one-line errors."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.serve.test_pd_split import (
     FLAGS,
     GREEDY,
     assert_a_page_corrupted_in_transit_ends_its_request,
+    assert_a_vanished_decode_worker_fails_only_in_flight,
     config,
 )
 from tests.test_cli_errors import assert_one_line_error
@@ -45,8 +47,7 @@ def test_split_over_torch_distributed(tiny_checkpoint, monkeypatch: pytest.Monke
         assert [o.token_ids for o in outputs] == expected
         assert front.num_handoffs == len(prompts()) and front.handoff_bytes > 0
         assert_a_page_corrupted_in_transit_ends_its_request(front, expected, monkeypatch)
-        assert front.link is not None
-        front.link.close()
+        assert_a_vanished_decode_worker_fails_only_in_flight(front, child, expected)
     finally:
         stop_child(child)
 
