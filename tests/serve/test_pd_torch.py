@@ -58,6 +58,10 @@ def test_split_over_torch_distributed(tiny_checkpoint, monkeypatch: pytest.Monke
         (["--role", "decode", "--pd-transport", "torch"], "--pd-transport torch needs --pd-addr HOST:PORT"),
         (["--role", "prefill", "--pd-transport", "torch", "--pd-addr", "nohost"], "--pd-addr is 'nohost'"),
         (["--role", "decode", "--pd-transport", "udp"], "--pd-transport is 'udp'; pick shm or torch"),
+        (
+            ["--role", "decode", "--pd-socket", "x.sock", "--tp", "2"],
+            "the prefill/decode split runs at --tp 1",
+        ),
     ],
 )
 def test_bad_torch_transport_options_are_one_line_errors(
