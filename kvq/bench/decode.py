@@ -340,6 +340,19 @@ def bench_decode_command(
             "INT4 vs FP8-block weights and FP8 vs BF16 latent at concurrency 1 and 32 (kvq.bench.decode_mla)."
         ),
     ] = "smollm2",
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            help="Above 1: the kvq contenders at --tp 1 and --tp N (torch.distributed ranks on this host), "
+            "with each rank's weight and KV bytes (kvq.bench.decode_tp); the one-process sections are "
+            "not run.",
+        ),
+    ] = 1,
+    bf16: Annotated[
+        Path | None,
+        typer.Option(help="The BF16 checkpoint (default: the embedded SmolLM2); pass --int4 with it."),
+    ] = None,
 ) -> None:
     """Decode speed (INT4 vs BF16 weights vs transformers, at concurrency 1 and --batch-seqs), resident
     weight memory, FP8 vs BF16 KV capacity and admission throughput on the embedded SmolLM2-135M-Instruct;
@@ -347,6 +360,8 @@ def bench_decode_command(
     `--model glm_moe_dsa`: MLA decode on a GLM-5-shaped bench fixture."""
     from kvq.data.embedded_model import ensure_smollm2
 
+    if model == "glm_moe_dsa" and tp > 1:
+        raise KvqError("--tp is for --model smollm2 (or --bf16/--int4); run the MLA bench at --tp 1")
     if model == "glm_moe_dsa":
         from kvq.bench.decode_mla import MlaBenchConfig, render_mla, run_mla_bench
 
@@ -372,8 +387,19 @@ def bench_decode_command(
         long_tokens=long_tokens,
         long_window=min(DecodeBenchConfig.long_window, max(1, long_tokens // 4)),
     )
-    bf16 = ensure_smollm2().bf16
-    result = run_bench(config, bf16, int4 or int4_model(config, bf16))
+    if bf16 is not None and int4 is None:
+        raise KvqError("--bf16 is given without --int4; pass the INT4 checkpoint made from it too")
+    bf16 = bf16 or ensure_smollm2().bf16
+    int4 = int4 or int4_model(config, bf16)
+    if tp > 1:
+        from kvq.bench.decode_tp import render_tp, run_tp_bench
+
+        tp_result = run_tp_bench(config, bf16, int4, tp)
+        console.print(render_tp(tp_result))
+        if json_out is not None:
+            json_out.write_text(json.dumps(asdict(tp_result), indent=2))
+        return
+    result = run_bench(config, bf16, int4)
     console.print(render(result))
     if json_out is not None:
         json_out.write_text(json.dumps(asdict(result), indent=2))

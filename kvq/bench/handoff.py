@@ -5,23 +5,26 @@ sides, GQA pages) or the glm_moe_dsa bench fixture of `kvq bench decode --model 
 prefill, INT4 decode, MLA latent + DSA index key pages in BF16). For each prompt length, fresh random
 prompts (no prefix page shared); each stage of one handoff is timed on its own: export (gather the pages
 to the host, digest each), send (a new shared-memory segment, the bytes copied in, the rest pickled over
-a `multiprocessing` pipe: `kvq.serve.pd_link`, the transport `kvq serve --role prefill|decode` uses),
-receive (attach, copy out, unlink), verify (digests and tags), admit (block manager + the copy into the
-decode pool). Per prompt token, median over repeats, next to the prefill step's own time per token (the
-compute the handoff adds to). Both ends of the pipe are in this process: the cost of the peer process
-being scheduled is not in it.
+a `multiprocessing` pipe: `kvq.serve.pd_link`, the transport `kvq serve --role prefill|decode` uses; with
+`--transport torch` the message, pages inside, pickled over a loopback gloo link, `kvq.serve.pd_torch`),
+receive (attach, copy out, unlink; torch: the message unpickled), verify (digests and tags), admit
+(block manager + the copy into the decode pool). Per prompt token, median over repeats, next to the
+prefill step's own time per token (the compute the handoff adds to). Both ends of the link are in this
+process: the cost of the peer process being scheduled (and of a real network) is not in it.
 Imports torch, typer, rich and kvq.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing import Pipe
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -41,6 +44,7 @@ class HandoffBenchConfig:
     repeats: int = 5
     threads: int = 2
     page_size: int = 16
+    transport: str = "shm"  # or "torch": kvq serve's --pd-transport, both ends in this process
 
 
 @dataclass
@@ -98,7 +102,7 @@ def run_handoff_bench(config: HandoffBenchConfig) -> HandoffBenchResult:
     result = HandoffBenchResult(asdict(config), str(prefill_path), str(decode_path))
     result.kv_bytes_per_token = pool.num_layers * pool.layout.num_parts * pool.row_bytes
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    sender, receiver = Pipe()
+    sender, receiver = links(config.transport)
     gen = torch.Generator().manual_seed(0)
     vocab = prefill.model.config.vocab_size
     for n in config.prompt_tokens:
@@ -138,8 +142,30 @@ def run_handoff_bench(config: HandoffBenchConfig) -> HandoffBenchResult:
     return result
 
 
+def links(transport: str) -> tuple[Any, Any]:
+    """(the prefill end, the decode end) of `transport`: a pipe (the messages; the pages go through shared
+    memory), or a loopback torch.distributed link (`kvq.serve.pd_torch`, the pages inside the messages)."""
+    if transport == "shm":
+        return Pipe()
+    if transport != "torch":
+        raise KvqError(f"--transport is {transport!r}; pick shm or torch")
+    from kvq.serve.pd_torch import TorchListener, connect_torch
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{probe.getsockname()[1]}"
+    listener, accepted = TorchListener(addr), []
+    accept = threading.Thread(target=lambda: accepted.append(listener.accept()))
+    accept.start()  # both ends join the group at once
+    prefill = connect_torch(addr)
+    accept.join()
+    return prefill, accepted[0]
+
+
 def render_handoff(result: HandoffBenchResult) -> Table:
-    table = Table(title=f"kvq bench handoff --model {result.config['model']} (µs per prompt token, median)")
+    config = result.config
+    title = f"kvq bench handoff --model {config['model']} --transport {config['transport']}"
+    table = Table(title=f"{title} (µs per prompt token, median)")
     table.add_column("prompt tokens", justify="right")
     for stage in (*STAGES, "total", "prefill step"):
         table.add_column(stage, justify="right")
@@ -167,12 +193,19 @@ def bench_handoff_command(
     ] = HandoffBenchConfig.repeats,
     threads: Annotated[int, typer.Option(help="torch threads (pinned).")] = HandoffBenchConfig.threads,
     page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = HandoffBenchConfig.page_size,
+    transport: Annotated[
+        str,
+        typer.Option(
+            help="shm (shared memory, one host) or torch (torch.distributed over gloo on loopback: what "
+            "--pd-transport torch sends between hosts, without the network)."
+        ),
+    ] = HandoffBenchConfig.transport,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
 ) -> None:
-    """The prefill/decode handoff's cost per prompt token, stage by stage (export, shared-memory send and
-    receive, verify, admit), next to the prefill step's time per token."""
+    """The prefill/decode handoff's cost per prompt token, stage by stage (export, send and receive over
+    --transport, verify, admit), next to the prefill step's time per token."""
     try:
         lengths = tuple(int(n) for n in prompt_tokens.split(","))
     except ValueError as e:
@@ -181,7 +214,7 @@ def bench_handoff_command(
         ) from e
     if not lengths or min(lengths) < 2 or repeats < 1:
         raise KvqError("--prompt-tokens must be at least 2 each and --repeats at least 1")
-    config = HandoffBenchConfig(model, lengths, repeats, threads, page_size)
+    config = HandoffBenchConfig(model, lengths, repeats, threads, page_size, transport)
     result = run_handoff_bench(config)
     console.print(render_handoff(result))
     if json_out is not None:

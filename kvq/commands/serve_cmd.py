@@ -122,6 +122,21 @@ def serve_command(
         Path | None,
         typer.Option(help="--role pd: the decode worker's checkpoint (e.g. INT4; default: MODEL)."),
     ] = None,
+    pd_transport: Annotated[
+        str,
+        typer.Option(
+            help="Roles prefill and decode: shm (one host: a Unix socket at --pd-socket, pages through "
+            "shared memory) or torch (between hosts: torch.distributed point-to-point over gloo, the decode "
+            "worker listening at --pd-addr)."
+        ),
+    ] = "shm",
+    pd_addr: Annotated[
+        str | None,
+        typer.Option(
+            help="--pd-transport torch: HOST:PORT the decode worker listens on (its own TCP store) and the "
+            "prefill worker connects to."
+        ),
+    ] = None,
 ) -> None:
     """Serve MODEL over HTTP: /v1/completions and /v1/chat/completions (OpenAI's API, `stream: true` as
     server-sent events), /v1/models, /metrics (Prometheus), /health.
@@ -146,8 +161,10 @@ def serve_command(
     from kvq.serve.metrics import ServeMetrics
     from kvq.serve.pd_roles import (
         PrefillFront,
+        check_transport,
         engine_flags,
         run_decode_worker,
+        run_torch_decode_worker,
         start_decode_worker,
         stop_child,
     )
@@ -161,8 +178,14 @@ def serve_command(
     )
     if role not in ROLES:
         raise KvqError(f"--role is {role!r}; pick one of {', '.join(ROLES)}")
-    if role in ("prefill", "decode") and pd_socket is None:
-        raise KvqError(f"--role {role} needs --pd-socket PATH (the decode worker's Unix socket)")
+    check_transport(role, pd_transport, pd_socket, pd_addr)
+    if pd_transport == "torch":
+        pd_socket = None
+    else:
+        pd_addr = None
+    if role == "decode" and pd_addr is not None:
+        run_torch_decode_worker(PDEngine(engine_config), pd_addr)
+        return
     if role == "decode":
         run_decode_worker(PDEngine(engine_config), str(pd_socket))
         return
@@ -171,7 +194,7 @@ def serve_command(
     if role == "pd":
         child, pd_socket = start_decode_worker([str(decode_model or path), *engine_flags(engine_config)])
     try:
-        front = Engine(engine_config) if role == "single" else PrefillFront(engine_config, pd_socket)
+        front = Engine(engine_config) if role == "single" else PrefillFront(engine_config, pd_socket, pd_addr)
         metrics = ServeMetrics()
         engine = AsyncEngine(front, metrics)
     except BaseException:

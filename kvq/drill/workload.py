@@ -68,9 +68,10 @@ def waves(page_size: int) -> list[dict[str, Request]]:
     ]
 
 
-def drill_engine(model: str | Path, kv_integrity: str) -> Engine:
+def drill_engine(model: str | Path, kv_integrity: str, tp: int = 1) -> Engine:
     """The tests' drill engine: fp32 (a request's greedy tokens do not depend on its batch), pages of
-    `DRILL_PAGE_SIZE`, a 2 MiB pool, one thread (two on a busy 2-core machine are 50x slower)."""
+    `DRILL_PAGE_SIZE`, a 2 MiB pool (per rank at --tp N), one thread (two on a busy 2-core machine are 50x
+    slower)."""
     from kvq.runtime.config import EngineConfig
     from kvq.runtime.engine import Engine
 
@@ -81,6 +82,7 @@ def drill_engine(model: str | Path, kv_integrity: str) -> Engine:
         page_size=DRILL_PAGE_SIZE,
         kv_integrity=kv_integrity,
         threads=1,
+        tp=tp,
     )
     return Engine(config)
 

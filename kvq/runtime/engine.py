@@ -30,6 +30,7 @@ from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.worker import serve_steps
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
+from kvq.runtime.integrity.ranks import RankLeader, RankReset
 from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
 from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool, page_bytes
@@ -112,13 +113,14 @@ class Engine:
             config.torch_device,
             self.tp,
         )
+        self.runner.rank_checks = self.rank_checks
         self._ids = itertools.count()
         self._texts: dict[int, CompletionText] = {}  # request id -> its text (requests with text only)
         self.logprobs = LogprobRecorder(self.tokenizer)
         self.token_hooks: list[TokenHook] = [self.logprobs]
         self.stats = EngineStats()
         if not self.tp.is_leader:  # a rank past 0 runs rank 0's steps until it stops, then ends
-            serve_steps(self.runner)
+            serve_steps(self)
             raise SystemExit(0)
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
@@ -128,11 +130,18 @@ class Engine:
             raise KvqError("reset_kv() with requests in flight; finish or abort them first")
         if kv_integrity is not None:
             self.config = replace(self.config, kv_integrity=kv_integrity)
+        if self.tp.size > 1 and self.tp.is_leader:
+            self.tp.broadcast(RankReset(self.config.kv_integrity))  # every rank's pool starts over
         self._new_kv_bookkeeping()
+        self.runner.rank_checks = self.rank_checks
 
     def _new_kv_bookkeeping(self) -> None:
         config = self.config
         self.tracker = make_tracker(config.kv_integrity, self.kv_pool)  # None when "off"
+        # at --tp N rank 0 has the other ranks check their own pools too (`integrity.ranks`)
+        self.rank_checks: RankLeader | None = None
+        if self.tracker is not None and self.tp.size > 1 and self.tp.is_leader:
+            self.rank_checks = RankLeader(self.tp, self.tracker)
         self.block_manager = BlockManager(
             self.kv_pool.num_pages, config.page_size, config.enable_prefix_caching, self.tracker
         )
@@ -325,6 +334,8 @@ class Engine:
             if not mismatches:
                 batch = self.runner.prepare(seqs, is_prefill)
                 mismatches = tracker.check(seqs, batch)
+                if not mismatches and self.rank_checks is not None:
+                    mismatches = self.rank_checks.check(seqs, batch)
                 if not mismatches:
                     break
             seqs, hit = remove_hit(mismatches, seqs, self.scheduler, tracker)

@@ -7,6 +7,7 @@ Imports torch and kvq.runtime.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from kvq.runtime.kernels import PagedDecodePlan, plan_paged_decode
 from kvq.runtime.kernels.step_check import guard_slot_mapping
 from kvq.runtime.models.llama import LlamaForCausalLM
 from kvq.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvq.runtime.integrity.ranks import RankLeader
 
 
 class ModelRunner:
@@ -31,6 +35,7 @@ class ModelRunner:
         self.model, self.page_size, self.zero_page, self.device = model, page_size, zero_page, device
         self.num_kv_heads = num_kv_heads  # of this rank's KV pool layout: one for the MLA latent
         self.tp = tp or TpGroup.single()
+        self.rank_checks: RankLeader | None = None  # rank 0 at --tp N with --kv-integrity on (`Engine`)
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
         """Prefill: every token after the cached prefix; decode: the last token of each sequence."""
@@ -110,14 +115,15 @@ class ModelRunner:
         (its block tables, lengths, positions and slot mapping, as the kernels will use them) between
         `prepare` and here, and its write guard, applied here on the device before the first layer
         stores, skips any write whose page moved on since (a batch run late). Under tensor parallelism
-        rank 0 first sends the batch to the other ranks, which run it alongside (the guard and the
-        check are rank 0's: the other ranks write the slots the broadcast names)."""
+        rank 0 first sends the batch to the other ranks, which run it alongside (with --kv-integrity on,
+        `rank_checks`' message: each rank guards its own writes, `integrity.ranks`)."""
         guard = batch.write_guard
         if guard is not None:
             slots = guard_slot_mapping(guard.page_tags, batch.slot_mapping, guard.write_tags, self.page_size)
             batch = replace(batch, slot_mapping=slots)
-        if self.tp.size > 1:
-            self.tp.broadcast(batch.inputs)
+        if self.tp.size > 1 and self.tp.is_leader:
+            checks = self.rank_checks
+            self.tp.broadcast(batch.inputs if checks is None else checks.step_message(batch))
         return self.forward_local(batch)
 
     @torch.inference_mode()

@@ -20,6 +20,7 @@ from functools import cached_property
 
 import torch
 
+from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.engine import Engine, Prompt, RequestOutput
@@ -37,6 +38,11 @@ from kvq.runtime.sequence import Sequence
 
 class PDEngine(Engine):
     def __init__(self, config: EngineConfig) -> None:
+        if config.tp > 1:  # a handoff holds this process's pool: one rank's share of the KV heads
+            raise KvqError(
+                f"the prefill/decode split runs at --tp 1 (got --tp {config.tp}): a handoff carries rank 0's "
+                "KV pages only; drop --tp, or serve --role single at --tp N"
+            )
         super().__init__(config)
         self._arrived: deque[tuple[Sequence, KVHandoff]] = deque()  # verified, waiting for pages
         self._to_hand_off: set[int] = set()  # queued here for their prefill only

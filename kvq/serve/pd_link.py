@@ -1,4 +1,5 @@
-"""The one-host transport of the prefill/decode split: a Unix socket for messages, shared memory for pages.
+"""The one-host transport of the prefill/decode split: a Unix socket for messages, shared memory for pages
+(and the handoff messages both transports share; torch.distributed's link between hosts is `pd_torch`).
 
 The decode worker listens on a Unix socket (`multiprocessing.connection`, in a directory only its user
 reads); a prefill worker connects and says hello with its `kv_identity`, which the decode worker checks
@@ -25,6 +26,9 @@ import torch
 from kvq.errors import KvqError
 from kvq.runtime.kv_transfer import KVHandoff, PageRecord
 from kvq.runtime.sampling import SamplingParams
+from kvq.serve.pd_torch import TorchLink
+
+Link = Connection | TorchLink  # the shared-memory transport's socket, or torch.distributed's link
 
 
 @dataclass
@@ -37,7 +41,7 @@ class HandoffMeta:
     page_shape: tuple[int, ...]
 
 
-def send_handoff(conn: Connection, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:
+def send_handoff(conn: Link, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:
     """Pages into a new shared-memory segment, the rest (and the segment's name) over `conn`."""
     pages = handoff.pages
     meta = HandoffMeta(
@@ -48,6 +52,9 @@ def send_handoff(conn: Connection, request_id: int, handoff: KVHandoff, params: 
     )
     if not pages:  # a one-token prompt: the decode side computes it all
         conn.send(("handoff", request_id, meta, params, None))
+        return
+    if getattr(conn, "carries_pages", False):  # torch.distributed (`pd_torch`): the bytes in the message
+        conn.send(("handoff", request_id, meta, params, torch.cat([p.data.flatten() for p in pages])))
         return
     segment = SharedMemory(create=True, size=handoff.num_bytes)
     # the receiver unlinks it; our resource tracker would otherwise unlink it again at exit, with a warning
@@ -65,24 +72,29 @@ def send_handoff(conn: Connection, request_id: int, handoff: KVHandoff, params: 
         segment.close()
 
 
-def receive_handoff(meta: HandoffMeta, segment_name: str | None) -> KVHandoff:
-    """The handoff a "handoff" message names, its pages copied out of the segment (which is then removed)."""
-    if segment_name is None:
+def receive_handoff(meta: HandoffMeta, segment: str | torch.Tensor | None) -> KVHandoff:
+    """The handoff a "handoff" message names, its pages copied out of the segment (which is then removed),
+    or taken from the message itself (`pd_torch`)."""
+    if segment is None:
         return KVHandoff(meta.prompt_token_ids, meta.identity, [])
-    segment = SharedMemory(name=segment_name)
-    try:
-        page_bytes = math.prod(meta.page_shape)
-        count = page_bytes * len(meta.pages)
-        flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=count).clone()
-    finally:
-        segment.close()
-        segment.unlink()
+    count = math.prod(meta.page_shape) * len(meta.pages)
+    if isinstance(segment, torch.Tensor):
+        if segment.dtype != torch.uint8 or segment.numel() != count:
+            raise OSError(f"the message holds {segment.numel()} {segment.dtype} page bytes, expected {count}")
+        flat = segment
+    else:
+        shared = SharedMemory(name=segment)
+        try:
+            flat = torch.frombuffer(shared.buf, dtype=torch.uint8, count=count).clone()
+        finally:
+            shared.close()
+            shared.unlink()
     data = flat.view(len(meta.pages), *meta.page_shape)
     pages = [PageRecord(index, tag, digest, data[i]) for i, (index, tag, digest) in enumerate(meta.pages)]
     return KVHandoff(meta.prompt_token_ids, meta.identity, pages)
 
 
-def connect(socket_path: str, identity: dict[str, str], name: str, timeout_s: float = 30.0) -> Connection:
+def connect(socket_path: str, identity: dict[str, str], name: str, timeout_s: float = 30.0) -> Link:
     """A connection to the decode worker at `socket_path` that accepted our KV identity."""
     try:
         conn = Client(socket_path, family="AF_UNIX")
@@ -91,12 +103,17 @@ def connect(socket_path: str, identity: dict[str, str], name: str, timeout_s: fl
             f"{socket_path}: no decode worker answers there ({e}); start `kvq serve MODEL --role decode "
             f"--pd-socket {socket_path}` first"
         ) from e
+    return hello(conn, identity, name, socket_path, timeout_s)
+
+
+def hello(conn: Link, identity: dict[str, str], name: str, where: str, timeout_s: float = 30.0) -> Link:
+    """`conn` once the decode worker at `where` accepted our KV identity (either transport)."""
     conn.send(("hello", identity, name))
     if not conn.poll(timeout_s):
         conn.close()
-        raise KvqError(f"{socket_path}: the decode worker did not answer in {timeout_s:.0f} s")
+        raise KvqError(f"{where}: the decode worker did not answer in {timeout_s:.0f} s")
     kind, error = conn.recv()
     if kind != "hello" or error is not None:
         conn.close()
-        raise KvqError(f"{socket_path}: the decode worker refused this prefill worker: {error}")
+        raise KvqError(f"{where}: the decode worker refused this prefill worker: {error}")
     return conn

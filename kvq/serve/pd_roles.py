@@ -18,8 +18,10 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Listener
 from pathlib import Path
+
+import torch
 
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
@@ -28,18 +30,24 @@ from kvq.runtime.kv_transfer import KVHandoff, KvTransferError, check_same_kv
 from kvq.runtime.pd_engine import PDEngine, failed_output
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.sequence import Sequence
-from kvq.serve.pd_link import connect, receive_handoff, send_handoff
+from kvq.serve.pd_link import Link, connect, hello, receive_handoff, send_handoff
+from kvq.serve.pd_torch import TorchListener, connect_torch, parse_addr
 
 log = logging.getLogger("kvq.serve")
 IDLE_POLL_S = 0.005  # how long a step with only remote requests waits for the decode worker's outputs
 
 
 class PrefillFront(PDEngine):
-    def __init__(self, config: EngineConfig, socket_path: str | None) -> None:
+    def __init__(self, config: EngineConfig, socket_path: str | None, pd_addr: str | None = None) -> None:
+        """Hand off to the decode worker on the Unix socket `socket_path`, or over torch.distributed at
+        `pd_addr` (HOST:PORT, `pd_torch`); neither: decode here."""
         super().__init__(config)
-        self.link: Connection | None = None
+        self.link: Link | None = None
         if socket_path is not None:
             self.link = connect(socket_path, self.kv_identity, str(self.ckpt.root))
+        elif pd_addr is not None:
+            link = connect_torch(pd_addr)
+            self.link = hello(link, self.kv_identity, str(self.ckpt.root), f"--pd-addr {pd_addr}")
         self._params: dict[int, SamplingParams] = {}  # queued to hand off
         self._remote: dict[int, list[int]] = {}  # handed off: request id -> its prompt
         self.num_handoffs = 0
@@ -145,6 +153,18 @@ def run_decode_worker(engine: PDEngine, socket_path: str) -> None:
     finally:
         os.umask(old_umask)
     log.info("decode worker listening on %s", path)
+    serve_links(engine, listener)
+
+
+def run_torch_decode_worker(engine: PDEngine, pd_addr: str) -> None:
+    """Serve prefill workers joining over torch.distributed at `pd_addr` (`pd_torch`), as on a socket."""
+    listener = TorchListener(pd_addr)
+    log.info("decode worker listening on %s (torch.distributed, gloo)", pd_addr)
+    serve_links(engine, listener)
+
+
+def serve_links(engine: PDEngine, listener: Listener | TorchListener) -> None:
+    """One prefill worker's link at a time, from `listener`, until interrupted."""
     try:
         while True:
             conn = listener.accept()
@@ -157,7 +177,7 @@ def run_decode_worker(engine: PDEngine, socket_path: str) -> None:
         listener.close()
 
 
-def _hello(engine: PDEngine, conn: Connection) -> bool:
+def _hello(engine: PDEngine, conn: Link) -> bool:
     if not conn.poll(30.0):
         return False
     kind, identity, name = conn.recv()
@@ -172,7 +192,7 @@ def _hello(engine: PDEngine, conn: Connection) -> bool:
     return True
 
 
-def _serve_prefill_worker(engine: PDEngine, conn: Connection) -> None:
+def _serve_prefill_worker(engine: PDEngine, conn: Link) -> None:
     """Admit handoffs, send outputs back, until the prefill worker disconnects (its requests abort)."""
     live: dict[int, int] = {}  # local request id -> the prefill worker's
     try:
@@ -191,7 +211,7 @@ def _serve_prefill_worker(engine: PDEngine, conn: Connection) -> None:
             engine.abort(request_id)
 
 
-def _handle(engine: PDEngine, conn: Connection, message: tuple, live: dict[int, int]) -> None:
+def _handle(engine: PDEngine, conn: Link, message: tuple, live: dict[int, int]) -> None:
     kind, rid = message[0], message[1]
     if kind == "abort":
         for request_id, remote_id in list(live.items()):
@@ -204,8 +224,9 @@ def _handle(engine: PDEngine, conn: Connection, message: tuple, live: dict[int, 
     try:
         handoff = receive_handoff(meta, segment)
     except OSError as e:  # the segment is gone or unreadable: this request only
-        log.error("request %d refused: its pages' shared memory %s: %s", rid, segment, e)
-        conn.send(("refused", rid, f"the pages of this request could not be read from shared memory ({e})"))
+        where = "the message" if isinstance(segment, torch.Tensor) else f"shared memory {segment}"
+        log.error("request %d refused: its pages in %s: %s", rid, where, e)
+        conn.send(("refused", rid, f"the pages of this request could not be read from {where} ({e})"))
         return
     try:
         live[engine.add_prefilled(handoff, params)] = rid
@@ -263,3 +284,23 @@ def engine_flags(config: EngineConfig) -> list[str]:
     if config.require_kv_scales:
         flags.append("--require-kv-scales")
     return flags
+
+
+def check_transport(role: str, transport: str, socket_path: str | None, pd_addr: str | None) -> None:
+    """`kvq serve`'s --pd-transport, --pd-socket and --pd-addr for `role` (a `KvqError` naming the fix)."""
+    if transport not in ("shm", "torch"):
+        raise KvqError(f"--pd-transport is {transport!r}; pick shm or torch")
+    if role == "pd" and transport == "torch":
+        raise KvqError(
+            "--role pd runs both workers on this host over shared memory; drop --pd-transport torch"
+        )
+    if role not in ("prefill", "decode"):
+        return
+    if transport == "shm" and socket_path is None:
+        raise KvqError(f"--role {role} needs --pd-socket PATH (the decode worker's Unix socket)")
+    if transport == "torch":
+        if pd_addr is None:
+            raise KvqError(
+                f"--role {role} --pd-transport torch needs --pd-addr HOST:PORT (the decode worker's)"
+            )
+        parse_addr(pd_addr)

@@ -48,6 +48,47 @@ def decode_worker(path: Path, socket_path: Path) -> subprocess.Popen:
     return child
 
 
+def assert_a_page_corrupted_in_transit_ends_its_request(
+    front: PrefillFront, expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A byte flipped on the way (after its digest was taken): the decode worker refuses that request only."""
+
+    def corrupting(conn, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:  # noqa: ANN001
+        if handoff.prompt_token_ids == prompts()[2]:
+            handoff.pages[1].data[0, 1, 7] ^= 0x01
+        send_handoff(conn, request_id, handoff, params)
+
+    monkeypatch.setattr(pd_roles, "send_handoff", corrupting)
+    outputs = front.generate(prompts(), GREEDY)
+    assert outputs[2].finish_reason == "error" and "bytes digest" in (outputs[2].error or "")
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 2] == expected[:2] + expected[3:]
+    monkeypatch.undo()
+
+
+def assert_a_vanished_decode_worker_fails_only_in_flight(
+    front: PrefillFront, child: subprocess.Popen, expected: list[list[int]]
+) -> None:
+    """In flight on the decode worker when it is killed: those requests end with an error, in bounded
+    time, and the prefill side keeps serving (new requests decode there)."""
+    slow = SamplingParams(max_tokens=200, ignore_eos=True)
+    handed_off = front.num_handoffs
+    ids = [front.add_request(p, slow) for p in prompts()[2:4]]
+    while front.num_handoffs < handed_off + 2:
+        front.step()
+    child.kill()
+    child.wait(timeout=30)
+    finished, deadline = {}, time.monotonic() + 60
+    while len(finished) < 2 and time.monotonic() < deadline:
+        finished.update({o.request_id: o for o in front.step() if o.finished})
+    assert sorted(finished) == sorted(ids)
+    assert all(
+        o.finish_reason == "error" and "decode worker went away" in (o.error or "") for o in finished.values()
+    )
+    assert front.link is None
+    assert [o.token_ids for o in front.generate(prompts(), GREEDY)] == expected
+    assert front.block_manager.num_free_pages == front.kv_pool.num_pages
+
+
 @pytest.fixture
 def llama(tiny_checkpoint) -> Path:
     return tiny_checkpoint("llama", "bf16")
@@ -71,35 +112,8 @@ def test_split_over_shared_memory_then_a_vanished_decode_worker(
     assert [o.token_ids for o in outputs] == expected
     assert front.num_handoffs == len(prompts()) and front.handoff_bytes > 0
 
-    # a byte flipped on the way (after its digest was taken): the decode worker refuses that request only
-    def corrupting(conn, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:  # noqa: ANN001
-        if handoff.prompt_token_ids == prompts()[2]:
-            handoff.pages[1].data[0, 1, 7] ^= 0x01
-        send_handoff(conn, request_id, handoff, params)
-
-    monkeypatch.setattr(pd_roles, "send_handoff", corrupting)
-    outputs = front.generate(prompts(), GREEDY)
-    assert outputs[2].finish_reason == "error" and "bytes digest" in (outputs[2].error or "")
-    assert [o.token_ids for i, o in enumerate(outputs) if i != 2] == expected[:2] + expected[3:]
-    monkeypatch.undo()
-    # in flight on the decode worker when it is killed: those requests end with an error, in bounded time
-    slow = SamplingParams(max_tokens=200, ignore_eos=True)
-    ids = [front.add_request(p, slow) for p in prompts()[2:4]]
-    while front.num_handoffs < 2 * len(prompts()) + 2:
-        front.step()
-    child.kill()
-    child.wait(timeout=30)
-    finished, deadline = {}, time.monotonic() + 60
-    while len(finished) < 2 and time.monotonic() < deadline:
-        finished.update({o.request_id: o for o in front.step() if o.finished})
-    assert sorted(finished) == sorted(ids)
-    assert all(
-        o.finish_reason == "error" and "decode worker went away" in (o.error or "") for o in finished.values()
-    )
-    # and the prefill side keeps serving: new requests decode there
-    assert front.link is None
-    assert [o.token_ids for o in front.generate(prompts(), GREEDY)] == expected
-    assert front.block_manager.num_free_pages == front.kv_pool.num_pages
+    assert_a_page_corrupted_in_transit_ends_its_request(front, expected, monkeypatch)
+    assert_a_vanished_decode_worker_fails_only_in_flight(front, child, expected)
 
 
 def test_a_decode_worker_on_another_model_refuses_by_field(tiny_checkpoint, worker) -> None:

@@ -136,6 +136,14 @@ class TpGroup:
         dist.all_gather(parts, torch.tensor([value], dtype=torch.int64), group=self.control)
         return [int(p.item()) for p in parts]
 
+    def gather(self, value: object) -> list[object]:
+        """Every rank's `value` on rank 0, in rank order (the other ranks get []), over the control group."""
+        if self.size == 1:
+            return [value]
+        out: list[object] | None = [None] * self.size if self.is_leader else None
+        dist.gather_object(value, out, dst=0, group=self.control)
+        return out or []
+
     def close(self) -> None:
         """Rank 0: tell the other ranks to stop, wait for the ones it started and leave the group (at
         exit, or `Engine.close`); once only."""

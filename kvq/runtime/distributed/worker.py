@@ -14,21 +14,28 @@ import time
 from typing import TYPE_CHECKING
 
 from kvq.errors import KvqError
+from kvq.runtime.batch import StepInputs
 from kvq.runtime.distributed.group import STOP
+from kvq.runtime.integrity.ranks import follow
 
 if TYPE_CHECKING:
-    from kvq.runtime.model_runner import ModelRunner
+    from kvq.runtime.engine import Engine
 
 PARENT_POLL_S = 1.0
 
 
-def serve_steps(runner: ModelRunner) -> None:
-    """Run rank 0's steps on this rank's shard until rank 0 sends the stop."""
+def serve_steps(engine: Engine) -> None:
+    """Run rank 0's steps on this rank's shard until rank 0 sends the stop: a bare batch (integrity off),
+    or a checked pool's message (`integrity.ranks`: this rank's own page checks and guarded writes)."""
+    runner = engine.runner
     while True:
-        message = runner.tp.broadcast(None)
-        if message == STOP:
+        message = engine.tp.broadcast(None)
+        if isinstance(message, StepInputs):
+            runner.forward_local(runner.batch_of(message))
+        elif message == STOP:
             return
-        runner.forward_local(runner.batch_of(message))  # type: ignore[arg-type]
+        else:
+            follow(engine, message)
 
 
 def _watch_parent() -> None:

@@ -10,7 +10,7 @@ Imports torch and kvq.runtime.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -32,9 +32,16 @@ class PageMismatch:
     found: int | None = None  # None: the page id is not a page of the pool
     position: int | None = None  # "slot": the token's position
     detail: str = ""  # "bookkeeping", "length" and "slot": what disagreed
+    rank: int = 0  # the tensor-parallel rank whose pool or batch failed (`integrity.ranks`)
 
     def message(self) -> str:
-        """What failed, naming the page, its logical index and both values."""
+        """What failed, naming the page, its logical index and both values (and the rank, past 0)."""
+        text = self._what()
+        if self.rank:
+            text = text.replace("KV integrity: ", f"KV integrity: on tensor-parallel rank {self.rank}, ", 1)
+        return text
+
+    def _what(self) -> str:
         where = f"page {self.page_id} (logical page {self.logical_index})"
         if self.kind == "bytes":
             return (
@@ -83,16 +90,14 @@ class StepMismatches:
             self._length(self.seqs, f"attention's bound {batch.max_context_len} is below a context")
         return True
 
-    def from_step_check(
-        self, is_bad: torch.Tensor, expected: list[int], tag_of: Callable[[int], int]
-    ) -> None:
-        """Turn `check_step`'s flags into mismatches (read back only on failure)."""
+    def from_step_check(self, bad: list[int], expected: list[int], tag_of: Callable[[int], int]) -> None:
+        """Turn `check_step`'s flags (the indices set) into mismatches."""
         batch, size = self.batch, self.page_size
         num_rows, width = batch.block_tables.shape
         num_entries, num_tokens = num_rows * width, batch.positions.shape[0]
         pages = batch.block_tables.flatten().tolist()
         token_base = num_entries + num_rows
-        for k in is_bad.nonzero().flatten().tolist():
+        for k in bad:
             if k < num_entries:
                 row, index = divmod(k, width)
                 page = pages[k]
@@ -141,3 +146,54 @@ class StepMismatches:
         self.found.append(
             PageMismatch(seq, "slot", position // size, slot // size, own, slot, position, detail)
         )
+
+
+@dataclass(frozen=True)
+class CheckedStep:
+    """What a step's pages were checked against (made on rank 0 from the requests' own state): the flat
+    expectations of `check_step` and, in full mode, the sealed pages the step reads."""
+
+    expected: list[int]
+    sealed: list[int]
+
+
+@dataclass
+class PageFindings:
+    """One pool's check of one batch, on its device: `check_step`'s flags and write tags, and in full
+    mode the sealed pages' sampled-bytes hashes now and as recorded."""
+
+    is_bad: torch.Tensor  # [B * M + B + T] bool
+    write_tags: torch.Tensor  # [T] int64
+    any_bad: torch.Tensor  # [] bool
+    found: torch.Tensor | None = None  # [len(sealed)] int64
+    recorded: torch.Tensor | None = None
+    is_changed: torch.Tensor | None = None
+
+    def on_host(self) -> HostFindings:
+        """The failures as plain lists (read back only on failure; what a rank past 0 sends rank 0)."""
+        if not self.any_bad.item():
+            return HostFindings()
+        changed = [] if self.is_changed is None else self.is_changed.nonzero().flatten().tolist()
+        found = self.found.tolist() if changed and self.found is not None else []
+        recorded = self.recorded.tolist() if changed and self.recorded is not None else []
+        return HostFindings(self.is_bad.nonzero().flatten().tolist(), changed, found, recorded)
+
+
+@dataclass(frozen=True)
+class HostFindings:
+    """`PageFindings`' failures on the host: the flags set, the changed pages (indices into `sealed`)
+    and every sealed page's hash found and recorded (when any changed)."""
+
+    bad: list[int] = field(default_factory=list)
+    changed: list[int] = field(default_factory=list)
+    found: list[int] = field(default_factory=list)
+    recorded: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.bad or self.changed)
+
+    def report(self, mismatches: StepMismatches, step: CheckedStep, tag_of: Callable[[int], int]) -> None:
+        """Add the failures to `mismatches` (the batch they were found in)."""
+        mismatches.from_step_check(self.bad, step.expected, tag_of)
+        if self.changed:
+            mismatches.from_rehash(step.sealed, self.changed, self.found, self.recorded)

@@ -22,7 +22,7 @@ import torch
 
 from kvq.runtime.batch import ForwardBatch, WriteGuard
 from kvq.runtime.integrity.ledger import Holding, PageLedger
-from kvq.runtime.integrity.mismatch import PageMismatch, StepMismatches
+from kvq.runtime.integrity.mismatch import CheckedStep, PageFindings, PageMismatch, StepMismatches
 from kvq.runtime.integrity.page_sample import PageSample
 from kvq.runtime.integrity.tags import FREE_TAG
 from kvq.runtime.kernels.integrity_check import sampled_page_hash
@@ -53,6 +53,7 @@ class TagTracker(PageLedger):
         self.is_full = sample is not None
         self.byte_hashes = torch.full((num_pages,), NO_BYTE_HASH, dtype=torch.int64, device=device)
         self._write_tags: torch.Tensor | None = None  # [T]: of the last batch that passed its check
+        self.last_check: CheckedStep | None = None  # what the last `check` that got to the pages used
 
     # -- the step check ---------------------------------------------------------------------------------
     def screen(self, seqs: list[Sequence]) -> list[PageMismatch]:
@@ -77,13 +78,34 @@ class TagTracker(PageLedger):
         return out
 
     def check(self, seqs: list[Sequence], batch: ForwardBatch) -> list[PageMismatch]:
-        """Every failure of this step's batch (empty: all good). One gather-and-compare, one host sync."""
+        """Every failure of this step's batch (empty: all good). One gather-and-compare, one host sync.
+        What it checked against stays in `last_check` (tensor-parallel ranks past 0 check their own pool
+        against the same, `integrity.ranks`)."""
         mismatches = StepMismatches(seqs, batch, self.num_pages, self.page_size)
+        self.last_check = None
         if mismatches.check_lists(self._query_lens(seqs, batch.is_prefill)):
             return mismatches.found  # the batch's host lists disagree: its tokens cannot be lined up
+        expected = self._expected(seqs, batch.query_lens, batch.block_tables.shape[1])
+        size = self.page_size
+        sealed = (
+            list(dict.fromkeys(p for s in seqs for p in s.block_table[: s.num_tokens // size]))
+            if self.is_full
+            else []
+        )
+        findings = self.check_pages(batch, expected, sealed)
+        self.last_check = step = CheckedStep(expected, sealed)
+        failed = findings.on_host()
+        if not failed:
+            self._write_tags = findings.write_tags
+            return []
+        failed.report(mismatches, step, self.tag_of)
+        return mismatches.found
+
+    def check_pages(self, batch: ForwardBatch, expected: list[int], sealed: list[int]) -> PageFindings:
+        """This pool's half of `check`, against expectations made on rank 0 (`_expected`): the step
+        check of `batch`'s tensors and, in full mode, the sampled-bytes hashes of `sealed` pages."""
         self._flush()
         num_rows, width = batch.block_tables.shape
-        expected = self._expected(seqs, batch.query_lens, width)
         expected_t = torch.tensor(expected, dtype=torch.int64).to(self.device, non_blocking=True)
         num_tokens = batch.positions.shape[0]
         tags, lens, rows, positions = expected_t.split([num_rows * width, num_rows, num_tokens, num_tokens])
@@ -91,22 +113,12 @@ class TagTracker(PageLedger):
             self.page_tags, batch.block_tables, batch.context_lens, batch.positions, batch.slot_mapping,
             tags.view(num_rows, width), lens, rows, positions, self.page_size,
         )  # fmt: skip
-        any_bad = is_bad.any()
-        if self.is_full:
-            sealed = list(
-                dict.fromkeys(p for s in seqs for p in s.block_table[: s.num_tokens // self.page_size])
-            )
-            found, recorded = self._rehash(sealed)
-            is_changed = (recorded != NO_BYTE_HASH) & (found != recorded)
-            any_bad = any_bad | is_changed.any()
-        if not any_bad.item():
-            self._write_tags = write_tags
-            return []
-        mismatches.from_step_check(is_bad, expected, self.tag_of)
-        if self.is_full:
-            changed = is_changed.nonzero().flatten().tolist()
-            mismatches.from_rehash(sealed, changed, found.tolist(), recorded.tolist())
-        return mismatches.found
+        findings = PageFindings(is_bad, write_tags, is_bad.any())
+        if self.is_full and sealed:
+            findings.found, findings.recorded = self.rehash(sealed)
+            findings.is_changed = (findings.recorded != NO_BYTE_HASH) & (findings.found != findings.recorded)
+            findings.any_bad = findings.any_bad | findings.is_changed.any()
+        return findings
 
     def guard(self, batch: ForwardBatch) -> ForwardBatch:
         """`batch` (which passed `check`) with its write guard: each write lands only if its page still
@@ -120,9 +132,25 @@ class TagTracker(PageLedger):
         pages = [p for p in self.sealed_now if self._host[p] != FREE_TAG] if is_forward_run else []
         self.sealed_now.clear()
         self._write_tags = None
+        self.hash_pages(pages)
+
+    def hash_pages(self, pages: list[int]) -> None:
+        """Record the sampled-bytes hash of `pages` as they are now (full mode; a no-op otherwise)."""
         if self.is_full and pages:
             pages_t = torch.tensor(pages, dtype=torch.int64).to(self.device)
             self.byte_hashes[pages_t] = self._hash(pages_t)
+
+    def mirror_tags(self, pages: list[int], tags: list[int]) -> None:
+        """A tensor-parallel rank past 0: rank 0's tag changes to this pool's table (`integrity.ranks`);
+        a page whose tag changed has no recorded hash until the forward that seals it hashes it."""
+        if not pages:
+            return
+        pages_t = torch.tensor(pages, dtype=torch.int64)
+        self.host_tags[pages_t] = torch.tensor(tags, dtype=torch.int64)
+        self._is_dirty = True
+        self._flush()
+        if self.is_full:
+            self.byte_hashes[pages_t.to(self.device)] = NO_BYTE_HASH
 
     def after_import(self) -> None:
         """Pages were written outside a forward (K/V transferred from another engine, `kv_transfer`):
@@ -176,7 +204,7 @@ class TagTracker(PageLedger):
         assert self.pool_bytes is not None and self.sample is not None
         return sampled_page_hash(self.pool_bytes, pages, self.sample.offsets, self.sample.coeffs)
 
-    def _rehash(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rehash(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sampled-bytes hash of `pages` now, the hash recorded after their sealing forward)."""
         pages_t = torch.tensor(pages, dtype=torch.int64).to(self.device)
         return self._hash(pages_t), self.byte_hashes[pages_t]
