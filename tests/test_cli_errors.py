@@ -13,7 +13,9 @@ from tests.checkpoint.test_reader import make_sharded
 
 
 def run_kvq(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvq", *args], capture_output=True, text=True, timeout=120)
+    """`kvq ARGS` in a subprocess. The timeout only stops a hang: on a loaded 2-core box a kvq that starts
+    a server and benches it took over 120 s (a quiet one: ~45 s)."""
+    return subprocess.run([sys.executable, "-m", "kvq", *args], capture_output=True, text=True, timeout=600)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
