@@ -1,9 +1,9 @@
 """`kvq bench decode`: the runtime's decode speed, weight memory and KV capacity on SmolLM2, in one run.
 
 1. Concurrency 1: kvq with BF16 weights, kvq with INT4 weights (kvq compress, W4A16 group 64; BF16 and
-   FP8 KV; and with the opt-in INT4 lm_head copy), and transformers `generate` (BF16) on the same chat
-   prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median (and range) over the repeats. Concurrency 32:
-   the same prompt 32 times, decoded together, BF16 vs INT4 weights. The CPU's ISA and the W4A16 path
+   FP8 KV; and with the opt-in INT8 and INT4 lm_head copies), and transformers `generate` (BF16) on the
+   same chat prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median (and range) over the repeats.
+   Concurrency 32: the same prompt 32 times, decoded together, BF16 vs INT4 weights (and INT8 lm_head). The CPU's ISA and the W4A16 path
    that ran (KVQ_CPU_ISA) are printed with the results.
 1b. Host time per token over one long completion (INT4, 2,048 tokens): each step's wall time minus its
    model forward (`Engine.stats`), early tokens vs late ones: flat when no per-token host cost grows.
@@ -74,7 +74,7 @@ class DecodeBenchResult:
     admission: dict[str, dict] = field(default_factory=dict)
 
 
-LM_HEAD_CONTENDER = "kvq int4 weights + int4 lm_head, fp8 kv"
+LM_HEAD_CONTENDERS = {mode: f"kvq int4 weights + {mode} lm_head, fp8 kv" for mode in ("int8", "int4")}
 _LOAD_SNIPPET = """
 import ctypes, gc, json, sys, psutil, torch
 torch.set_num_threads(1)
@@ -202,20 +202,28 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
         "kvq bf16 weights, bf16 kv": kvq_generate(one(bf16, "bf16"), 1),
         "kvq int4 weights, bf16 kv": kvq_generate(one(int4, "bf16"), 1),
         "kvq int4 weights, fp8 kv": kvq_generate(one(int4, "fp8_e4m3"), 1),
-        LM_HEAD_CONTENDER: kvq_generate(one(int4, "fp8_e4m3", lm_head_weights="int4"), 1),
+        **{
+            name: kvq_generate(one(int4, "fp8_e4m3", lm_head_weights=mode), 1)
+            for mode, name in LM_HEAD_CONTENDERS.items()
+        },
         "transformers generate, bf16": transformers_generate(bf16),
     }
     runs = decode_tok_s(contenders, 1, config.new_tokens, config.repeats)
     del contenders
     n = config.batch_seqs
 
-    def batch(path: Path, kv: str) -> object:
-        return engine(path, config, kv_cache_dtype=kv, kv_memory=config.batch_kv_memory, max_num_seqs=n)
+    def batch(path: Path, kv: str, **kwargs) -> object:
+        return engine(
+            path, config, kv_cache_dtype=kv, kv_memory=config.batch_kv_memory, max_num_seqs=n, **kwargs
+        )
 
     contenders = {
         f"c={n}: kvq bf16 weights, bf16 kv": kvq_generate(batch(bf16, "bf16"), n),
         f"c={n}: kvq int4 weights, bf16 kv": kvq_generate(batch(int4, "bf16"), n),
         f"c={n}: kvq int4 weights, fp8 kv": kvq_generate(batch(int4, "fp8_e4m3"), n),
+        f"c={n}: {LM_HEAD_CONTENDERS['int8']}": kvq_generate(
+            batch(int4, "fp8_e4m3", lm_head_weights="int8"), n
+        ),
     }
     batch_runs = decode_tok_s(contenders, n, config.batch_new_tokens, config.repeats)
     del contenders
@@ -260,7 +268,12 @@ def render(result: DecodeBenchResult) -> Table:
         f"c={n}: INT4 / BF16 weights (bf16 kv)": tok[f"c={n}: kvq {int4}"] / tok[f"c={n}: kvq {bf16}"],
         "c=1: INT4 + FP8 kv / INT4 + BF16 kv": tok[f"kvq {fp8}"] / tok[f"kvq {int4}"],
         f"c={n}: INT4 + FP8 kv / INT4 + BF16 kv": tok[f"c={n}: kvq {fp8}"] / tok[f"c={n}: kvq {int4}"],
-        "c=1: INT4 + int4 lm_head + FP8 kv / BF16 weights": tok[LM_HEAD_CONTENDER] / tok[f"kvq {bf16}"],
+        **{
+            f"c=1: INT4 + {mode} lm_head + FP8 kv / BF16 weights": tok[name] / tok[f"kvq {bf16}"]
+            for mode, name in LM_HEAD_CONTENDERS.items()
+        },
+        f"c={n}: INT4 + int8 lm_head + FP8 kv / BF16 weights": tok[f"c={n}: {LM_HEAD_CONTENDERS['int8']}"]
+        / tok[f"c={n}: kvq {bf16}"],
         "c=1: kvq INT4 + FP8 kv / transformers": tok[f"kvq {fp8}"] / tok["transformers generate, bf16"],
     }
     for name, ratio in ratios.items():

@@ -57,8 +57,9 @@ KvIntegrityOption = Annotated[
 LmHeadWeightsOption = Annotated[
     str,
     typer.Option(
-        help="stored (the lm_head as the checkpoint has it; a tied embedding stays BF16) or int4 (a W4A16 "
-        "copy made at load, group 32: faster decode on CPU, some quality cost: measure it with kvq eval)."
+        help="stored (the lm_head as the checkpoint has it; a tied embedding stays BF16), int8 (a W8A16 copy "
+        "made at load, a scale per row) or int4 (W4A16, group 32): faster decode on CPU for some quality "
+        "cost (int4 more than int8): measure it with kvq eval."
     ),
 ]
 TpOption = Annotated[

@@ -19,7 +19,7 @@ from kvq.kv_cache_dtypes import AUTO, BF16, FP8_E4M3, check_kv_cache_dtype
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 KV_TORCH_DTYPES = {BF16: torch.bfloat16, FP8_E4M3: torch.float8_e4m3fn}  # names: kvq.kv_cache_dtypes
 FP8_WEIGHT_MODES = ("per-use", "bf16")
-LM_HEAD_WEIGHT_MODES = ("stored", "int4")
+LM_HEAD_WEIGHT_MODES = ("stored", "int8", "int4")
 LM_HEAD_GROUP_SIZE = 32  # the int4 copy's group size: the finest the kernels run
 DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
@@ -42,9 +42,10 @@ class EngineConfig:
     fp8_weights: FP8-block weights dequantized at every use ("per-use", memory as stored) or once at
       load to BF16 ("bf16", faster, twice the memory).
     lm_head_weights: "stored" runs the lm_head as the checkpoint stores it (a tied embedding: dense);
-      "int4" makes a runtime W4A16 copy (group 32, round to nearest) of a dense lm_head at load, so the
-      largest matmul of a small model's decode step reads a quarter of the bytes (opt-in: it costs some
-      quality, `kvq eval --lm-head-weights int4` measures how much). Not in reference mode.
+      "int8" makes a runtime W8A16 copy (a scale per row, round to nearest) of a dense lm_head at load,
+      "int4" a W4A16 one (group 32), so the largest matmul of a small model's decode step reads a half or
+      a quarter of the bytes (opt-in: each costs some quality, `kvq eval --lm-head-weights int8`
+      measures how much). Not in reference mode.
     kv_integrity: checked KV pages (`kvq.runtime.integrity`). "off" builds no tracker and does no work;
       "tags" checks, once per step before any page is read, that every page a request reads or writes
       carries the tag its own state expects; "full" also re-hashes sampled bytes of every sealed page

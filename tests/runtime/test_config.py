@@ -20,7 +20,7 @@ from kvq.runtime.config import EngineConfig
         ({"kv_memory": "many"}, "kv_memory"),
         ({"decode_reserve_ratio": 2.0}, "decode_reserve_ratio"),
         ({"fp8_weights": "fp4"}, "fp8_weights"),
-        ({"lm_head_weights": "int2"}, "lm_head_weights is 'int2'; pick one of stored, int4"),
+        ({"lm_head_weights": "int2"}, "lm_head_weights is 'int2'; pick one of stored, int8, int4"),
         ({"lm_head_weights": "int4", "dtype": "float32"}, "reference mode"),
     ],
 )

@@ -1,5 +1,5 @@
-"""The opt-in INT4 runtime copy of a dense lm_head (`lm_head_weights="int4"`): what it holds, what it
-computes, and that the rest of the model is untouched."""
+"""The opt-in INT4 and INT8 runtime copies of a dense lm_head (`lm_head_weights="int4"` / `"int8"`): what
+each holds, what it computes, and that the rest of the model is untouched."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from kvq.formats.pack_quantized import quantize_pack_int4
 from kvq.runtime.config import LM_HEAD_GROUP_SIZE, EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import w4a16_reference
-from kvq.runtime.layers.linear import DenseLinear, Int4Linear
+from kvq.runtime.kernels.w8a16 import quantize_int8_rows, w8a16_reference
+from kvq.runtime.layers.linear import DenseLinear, Int4Linear, Int8Linear
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
 
 
@@ -31,5 +32,30 @@ def test_int4_lm_head_is_the_quantized_dense_one(tiny_checkpoint) -> None:
     # the copy replaces the dense lm_head: a quarter of its bytes plus the group scales
     saved = dense.numel() * 2 - (dense.numel() // 2 + weight_scale.numel() * 2)
     assert stored.weight_bytes - quantized.weight_bytes == saved
+    layers = zip(stored.model.layers[0].tensors(), quantized.model.layers[0].tensors(), strict=True)
+    assert all(torch.equal(a, b) for a, b in layers)
+
+
+def test_int8_lm_head_is_the_quantized_dense_one(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("llama", "bf16")
+    stored = Engine(EngineConfig(model=str(path), kv_memory="4MiB"))
+    quantized = Engine(EngineConfig(model=str(path), kv_memory="4MiB", lm_head_weights="int8"))
+    assert isinstance(stored.model.lm_head, DenseLinear) and isinstance(quantized.model.lm_head, Int8Linear)
+    dense = stored.model.lm_head.weight  # [V, H]
+    vocab, hidden = dense.shape
+    weight, weight_scale = quantize_int8_rows(dense)
+    w = quantized.model.lm_head.weight
+    assert torch.equal(w.weight, weight) and torch.equal(w.weight_scale, weight_scale)
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits = quantized.model.compute_logits(x)
+    assert logits.dtype == torch.float32
+    assert_close_rel(logits, w8a16_reference(x, weight, weight_scale), REL_TOL[torch.bfloat16])
+    # closer to the dense lm_head than the INT4 copy is
+    dense_logits = stored.model.compute_logits(x)
+    int4 = Engine(EngineConfig(model=str(path), kv_memory="4MiB", lm_head_weights="int4"))
+    err8 = (logits - dense_logits).abs().max()
+    assert err8 < (int4.model.compute_logits(x) - dense_logits).abs().max()
+    # the copy replaces the dense lm_head: half its bytes plus a fp32 scale per row
+    assert stored.weight_bytes - quantized.weight_bytes == dense.numel() * 2 - (dense.numel() + vocab * 4)
     layers = zip(stored.model.layers[0].tensors(), quantized.model.layers[0].tensors(), strict=True)
     assert all(torch.equal(a, b) for a, b in layers)

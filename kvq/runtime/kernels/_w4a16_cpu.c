@@ -10,7 +10,8 @@
    gemm(isa, threads, x, x_dtype, M, K, weight_packed, weight_scale, scale_dtype, N, group, y, y_dtype)
    takes addresses (torch data_ptr) and dtype codes 0 fp32, 1 bf16, 2 fp16; the caller checks shapes,
    dtypes and contiguity (kvq/runtime/kernels/w4a16_cpu.py). The GIL is released while it runs; calls
-   from several threads take turns. */
+   from several threads take turns. `gemm_w8` is the same for int8 weights with a scale per row
+   (_w8a16_cpu.h, _w8a16_cpu_simd.h). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -91,16 +92,29 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float x_at(const Job *job, int64_t m, int64_t k) {
-    int64_t i = m * job->K + k;
-    switch (job->x_dtype) {
+/* Element i of an fp32 / bf16 / fp16 array as fp32, and v stored into one (rounded to nearest even). */
+static inline float load_f32(const void *p, int dtype, int64_t i) {
+    switch (dtype) {
     case DTYPE_BF16:
-        return bits_f32((uint32_t)((const uint16_t *)job->x)[i] << 16);
+        return bits_f32((uint32_t)((const uint16_t *)p)[i] << 16);
     case DTYPE_F16:
-        return f16_to_f32(((const uint16_t *)job->x)[i]);
+        return f16_to_f32(((const uint16_t *)p)[i]);
     default:
-        return ((const float *)job->x)[i];
+        return ((const float *)p)[i];
     }
+}
+
+static inline void store_f32(void *p, int dtype, int64_t i, float v) {
+    if (dtype == DTYPE_F32)
+        ((float *)p)[i] = v;
+    else if (dtype == DTYPE_BF16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((uint16_t *)p)[i] = f32_to_f16(v);
+}
+
+static inline float x_at(const Job *job, int64_t m, int64_t k) {
+    return load_f32(job->x, job->x_dtype, m * job->K + k);
 }
 
 static inline float scale_at(const Job *job, const uint8_t *srow, int64_t g) {
@@ -110,13 +124,22 @@ static inline float scale_at(const Job *job, const uint8_t *srow, int64_t g) {
 }
 
 static inline void store_y(const Job *job, int64_t m, int64_t n, float v) {
-    int64_t i = m * job->N + n;
-    if (job->y_dtype == DTYPE_F32)
-        ((float *)job->y)[i] = v;
-    else if (job->y_dtype == DTYPE_BF16)
-        ((uint16_t *)job->y)[i] = f32_to_bf16(v);
-    else
-        ((uint16_t *)job->y)[i] = f32_to_f16(v);
+    store_f32(job->y, job->y_dtype, m * job->N + n, v);
+}
+
+/* A W8A16 call (see _w8a16_cpu.h): int8 weights [N, K] with one scale per row. */
+typedef struct {
+    int isa, x_dtype, scale_dtype, y_dtype;
+    int64_t M, K, N;
+    const void *x;
+    const int8_t *w;
+    const void *scale;
+    void *y;
+    float *xp; /* activations in fp32, [M, K] */
+} W8Job;
+
+static inline void w8_store(const W8Job *job, int64_t m, int64_t n, float dot) {
+    store_f32(job->y, job->y_dtype, m * job->N + n, dot * load_f32(job->scale, job->scale_dtype, n));
 }
 
 static inline int isa_lanes(int isa) { return isa == ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 0; }
@@ -207,12 +230,14 @@ static void scalar_rows(const Job *job, int64_t n0, int64_t n1) {
                           _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))
 #define VI_AND(a, b) _mm256_and_si256(a, b)
 #define VI_SRLI(v, i) _mm256_srli_epi32(v, i)
+#define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 TARGET static inline float hsum_avx2(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 #include "_w4a16_cpu_simd.h"
+#include "_w8a16_cpu_simd.h"
 #undef ISA
 #undef TARGET
 #undef L
@@ -235,6 +260,7 @@ TARGET static inline float hsum_avx2(__m256 v) {
 #undef VI_LOAD_FIRST
 #undef VI_AND
 #undef VI_SRLI
+#undef V_LOAD_I8
 
 #define ISA avx512
 #define TARGET TARGET_AVX512
@@ -258,7 +284,9 @@ TARGET static inline float hsum_avx2(__m256 v) {
 #define VI_LOAD_FIRST(p, n) _mm512_maskz_loadu_epi32((1u << (n)) - 1u, (const void *)(p))
 #define VI_AND(a, b) _mm512_and_si512(a, b)
 #define VI_SRLI(v, i) _mm512_srli_epi32(v, i)
+#define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #include "_w4a16_cpu_simd.h"
+#include "_w8a16_cpu_simd.h"
 #endif
 
 static int isa_supported(int isa) {
@@ -302,18 +330,25 @@ static float *scratch;
 static size_t scratch_floats;
 
 /* Runs a checked job under call_lock: activations into fp32 scratch, then the rows over the threads. */
-static int run_job(Job *job, int threads) {
-    size_t need = (size_t)(job->M * job->xp_stride) + 16;
+/* The fp32 activation scratch, grown to `floats` (+16 for the SIMD tails); NULL when out of memory. */
+static float *scratch_of(size_t floats) {
+    size_t need = floats + 16;
     if (need > scratch_floats) {
         free(scratch);
         scratch_floats = 0;
         if (posix_memalign((void **)&scratch, 64, need * sizeof(float)) != 0) {
             scratch = NULL;
-            return -1;
+            return NULL;
         }
         scratch_floats = need;
     }
-    job->xp = scratch;
+    return scratch;
+}
+
+static int run_job(Job *job, int threads) {
+    job->xp = scratch_of((size_t)(job->M * job->xp_stride));
+    if (job->xp == NULL)
+        return -1;
     int64_t work = job->M * job->N * job->K, useful = work / MIN_WORK_PER_THREAD;
     int nt = useful < threads ? (int)(useful > 1 ? useful : 1) : threads;
     int64_t tiles = (job->N + 3) / 4, chunks = (int64_t)nt * CHUNKS_PER_THREAD;
@@ -372,6 +407,8 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#include "_w8a16_cpu.h"
+
 static PyObject *isas(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -395,12 +432,13 @@ static PyObject *isas(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"gemm", gemm, METH_VARARGS, "y = x @ dequantize(weight_packed, weight_scale)^T (see the module source)."},
+    {"gemm_w8", gemm_w8, METH_VARARGS, "y = x @ (w * scale[:, None])^T for int8 w (see _w8a16_cpu.h)."},
     {"isas", isas, METH_NOARGS, "The kernel paths this CPU can run, by code: ('scalar', 'avx2', ...)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "_w4a16_cpu", .m_doc = "W4A16 GEMV/GEMM on CPU.", .m_size = -1,
+    PyModuleDef_HEAD_INIT, .m_name = "_w4a16_cpu", .m_doc = "W4A16 and W8A16 GEMV/GEMM on CPU.", .m_size = -1,
     .m_methods = methods,
 };
 

@@ -38,3 +38,17 @@ static inline float kvq_reduce_add_ps(__m512 v) {
 }
 #define _mm512_reduce_add_ps kvq_reduce_add_ps
 #endif
+
+#ifndef _mm512_cvtepi8_epi32
+static inline __m512i kvq_cvtepi8_epi32(__m128i v) {
+    int8_t in[16];
+    int32_t out[16];
+    __m512i r;
+    memcpy(in, &v, sizeof in);
+    for (int i = 0; i < 16; i++)
+        out[i] = in[i];
+    memcpy(&r, out, sizeof r);
+    return r;
+}
+#define _mm512_cvtepi8_epi32 kvq_cvtepi8_epi32
+#endif

@@ -1,6 +1,7 @@
-"""Linear layers over weights kept in their stored form: dense, FP8 block (float-quantized) or INT4 packed.
+"""Linear layers over weights kept in their stored form: dense, FP8 block (float-quantized) or INT4 packed,
+and the runtime INT4 / INT8 copies of a dense weight (the lm_head's `lm_head_weights`).
 
-Built by the loader from `StoredLinear` records; INT4 matmuls go through `kvq.runtime.kernels`.
+Built by the loader from `StoredLinear` records; INT4 and INT8 matmuls go through `kvq.runtime.kernels`.
 Imports torch, kvq.formats/kvq.checkpoint (FP8 dequantization) and kvq.runtime.kernels.
 """
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
 from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
+from kvq.runtime.kernels.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
 
 DENSE, FP8, INT4 = "dense", "fp8", "int4"
 
@@ -108,6 +110,25 @@ def int4_copy(weight: torch.Tensor, group_size: int) -> Int4Linear:
     arithmetic of `kvq compress` (compressed-tensors'), prepared for the kernels on weight's device."""
     weight_packed, weight_scale = quantize_pack_int4(weight, group_size)
     return Int4Linear(prepare_w4a16(weight_packed, weight_scale, group_size), None)
+
+
+class Int8Linear(Linear):
+    """INT8 weight with a scale per output row (W8A16) through `kernels.w8a16.w8a16_linear`."""
+
+    def __init__(self, weight: W8A16Weight) -> None:
+        self.weight, self.bias = weight, None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a16_linear(x, self.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight.weight, self.weight.weight_scale]
+
+
+def int8_copy(weight: torch.Tensor) -> Int8Linear:
+    """A W8A16 runtime copy of a dense weight `[N, K]`: symmetric round-to-nearest INT8 rows, one fp32
+    scale per row (`kernels.w8a16.quantize_int8_rows`), on weight's device."""
+    return Int8Linear(prepare_w8a16(*quantize_int8_rows(weight)))
 
 
 class ConcatLinear(Linear):

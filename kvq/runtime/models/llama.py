@@ -24,7 +24,7 @@ from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.kernels.cpu_ops import native_ops_apply, silu_mul_native
 from kvq.runtime.layers.attention import PagedAttention
-from kvq.runtime.layers.linear import DenseLinear, Linear, int4_copy
+from kvq.runtime.layers.linear import DenseLinear, Linear, int4_copy, int8_copy
 from kvq.runtime.layers.norm import RMSNorm
 from kvq.runtime.layers.rotary import RotaryEmbedding
 from kvq.runtime.loader import WeightLoader
@@ -189,7 +189,7 @@ class DecoderLayer:
 
 class LlamaForCausalLM:
     """Embedding, decoder layers, final norm, lm_head (tied to the embedding when the config says so; an
-    INT4 runtime copy of a dense one with `lm_head_weights="int4"`)."""
+    INT8 / INT4 runtime copy of a dense one with `lm_head_weights="int8"` / `"int4"`)."""
 
     def __init__(self, config: PretrainedConfig, loader: WeightLoader) -> None:
         self.config, self.tp = config, loader.tp
@@ -213,8 +213,10 @@ class LlamaForCausalLM:
             self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
         else:
             self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)], split=ROWS)
-        if loader.config.lm_head_weights == "int4" and isinstance(self.lm_head, DenseLinear):
+        if isinstance(self.lm_head, DenseLinear) and loader.config.lm_head_weights == "int4":
             self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE)
+        elif isinstance(self.lm_head, DenseLinear) and loader.config.lm_head_weights == "int8":
+            self.lm_head = int8_copy(self.lm_head.weight)
 
     def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
         return RotaryEmbedding(self.config, self.head_dim, self.max_positions, loader.dtype, loader.device)

@@ -1,0 +1,104 @@
+/* The W8A16 entry of kvq.runtime.kernels._w4a16_cpu, included by _w4a16_cpu.c after run_job.
+
+   y[m, n] = scale[n] * sum_k w[n, k] * x[m, k], fp32 sums, for int8 weights w [N, K] (one symmetric scale
+   per row, fp32 or bf16), activations x [M, K] and output y [M, N] in fp32, bf16 or fp16, all contiguous:
+   the lm_head's INT8 runtime copy. Same paths (scalar reference, AVX2 + FMA, AVX-512F), thread pool and
+   fp32 activation scratch as the W4A16 kernel.
+
+   gemm_w8(isa, threads, x, x_dtype, M, K, w, scale, scale_dtype, N, y, y_dtype) takes addresses and dtype
+   codes; the caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/w8a16.py). */
+
+/* The reference: per output, a plain fp32 sum in k order, then times the row's scale. */
+static void w8_scalar_rows(const W8Job *job, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < job->M; m++)
+        for (int64_t n = n0; n < n1; n++) {
+            const int8_t *w = job->w + n * job->K;
+            const float *x = job->xp + m * job->K;
+            float sum = 0.0f;
+            for (int64_t k = 0; k < job->K; k++)
+                sum += (float)w[k] * x[k];
+            w8_store(job, m, n, sum);
+        }
+}
+
+static void w8_rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    const W8Job *job = (const W8Job *)ctx;
+    int64_t tiles = (job->N + 3) / 4; /* chunks are whole tiles of 4 rows */
+    int64_t n0 = tiles * chunk / num_chunks * 4, n1 = tiles * (chunk + 1) / num_chunks * 4;
+    n1 = n1 < job->N ? n1 : job->N;
+    if (n0 >= n1)
+        return;
+#ifdef KVQ_X86
+    if (job->isa == ISA_AVX2) {
+        w8_run_avx2(job, n0, n1);
+        return;
+    }
+    if (job->isa == ISA_AVX512) {
+        w8_run_avx512(job, n0, n1);
+        return;
+    }
+#endif
+    w8_scalar_rows(job, n0, n1);
+}
+
+static void w8_convert_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    const W8Job *job = (const W8Job *)ctx;
+    int64_t size = job->M * job->K;
+    for (int64_t i = size * chunk / num_chunks; i < size * (chunk + 1) / num_chunks; i++)
+        job->xp[i] = load_f32(job->x, job->x_dtype, i);
+}
+
+static PyObject *gemm_w8(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, threads, x_dtype, scale_dtype, y_dtype;
+    unsigned long long x, w, scale, y;
+    long long M, K, N;
+    if (!PyArg_ParseTuple(args, "iiKiLLKKiLKi", &isa, &threads, &x, &x_dtype, &M, &K, &w, &scale, &scale_dtype,
+                          &N, &y, &y_dtype))
+        return NULL;
+    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !isa_supported(isa))
+        return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (M < 0 || N < 0 || K <= 0)
+        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld", M, N, K);
+    if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2 || (scale_dtype != DTYPE_F32 &&
+                                                                      scale_dtype != DTYPE_BF16))
+        return PyErr_Format(PyExc_ValueError, "bad dtype codes x=%d scale=%d y=%d", x_dtype, scale_dtype,
+                            y_dtype);
+    if (M == 0 || N == 0)
+        Py_RETURN_NONE;
+    W8Job job = {
+        .isa = isa,
+        .x_dtype = x_dtype,
+        .scale_dtype = scale_dtype,
+        .y_dtype = y_dtype,
+        .M = M,
+        .K = K,
+        .N = N,
+        .x = (const void *)(uintptr_t)x,
+        .w = (const int8_t *)(uintptr_t)w,
+        .scale = (const void *)(uintptr_t)scale,
+        .y = (void *)(uintptr_t)y,
+    };
+    int64_t useful = M * N * K / MIN_WORK_PER_THREAD, tiles = (N + 3) / 4;
+    int nt = threads < 1 ? 1 : threads;
+    nt = useful < nt ? (int)(useful > 1 ? useful : 1) : nt;
+    int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD;
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&call_lock);
+    job.xp = scratch_of((size_t)(M * K));
+    if (job.xp == NULL)
+        status = -1;
+    else {
+        if (M * K > 65536)
+            run_parallel(w8_convert_task, &job, chunks, nt);
+        else
+            w8_convert_task(&job, 0, 1);
+        run_parallel(w8_rows_task, &job, chunks < tiles ? chunks : tiles, nt);
+    }
+    pthread_mutex_unlock(&call_lock);
+    Py_END_ALLOW_THREADS;
+    if (status < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
