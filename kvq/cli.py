@@ -27,7 +27,7 @@ COMMANDS = {
 }
 BENCH_COMMANDS = {
     "compress": ("kvq.bench.compress", "bench_compress_command"),
-    "decode": ("kvq.bench.decode", "bench_decode_command"),
+    "decode": ("kvq.bench.decode_cmd", "bench_decode_command"),
     "integrity": ("kvq.bench.integrity", "bench_integrity_command"),
     "calibrate": ("kvq.bench.calibrate", "bench_calibrate_command"),
     "handoff": ("kvq.bench.handoff", "bench_handoff_command"),

@@ -3,8 +3,8 @@
 1. Concurrency 1: kvq with BF16 weights, kvq with INT4 weights (kvq compress, W4A16 group 64; BF16 and
    FP8 KV; and with the opt-in INT8 and INT4 lm_head copies), and transformers `generate` (BF16) on the
    same chat prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median (and range) over the repeats.
-   Concurrency 32: the same prompt 32 times, decoded together, BF16 vs INT4 weights (and INT8 lm_head). The CPU's ISA and the W4A16 path
-   that ran (KVQ_CPU_ISA) are printed with the results.
+   Concurrency 32: the same prompt 32 times, decoded together, BF16 vs INT4 weights (and INT8 lm_head).
+   The CPU's ISA and the W4A16 path that ran (KVQ_CPU_ISA) are printed with the results.
 1b. Host time per token over one long completion (INT4, 2,048 tokens): each step's wall time minus its
    model forward (`Engine.stats`), early tokens vs late ones: flat when no per-token host cost grows.
 2. Resident weights after load (fresh subprocesses, RSS delta) vs the checkpoint's tensor bytes, and
@@ -24,17 +24,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated
 
 import psutil
 import torch
-import typer
 from rich.table import Table
 
 from kvq.bench.decode_speed import decode_tok_s, kvq_generate, transformers_generate
 from kvq.byte_sizes import format_bytes
-from kvq.commands.render import console
-from kvq.errors import KvqError
 from kvq.paths import cache_dir
 
 
@@ -303,116 +299,3 @@ def render(result: DecodeBenchResult) -> Table:
     a = result.admission
     table.add_row("FP8 / BF16 total throughput", f"{a['fp8_e4m3']['tok_s'] / a['bf16']['tok_s']:.2f}x")
     return table
-
-
-def bench_decode_command(
-    threads: Annotated[
-        int, typer.Option(help="torch threads (pinned for every contender).")
-    ] = DecodeBenchConfig.threads,
-    repeats: Annotated[
-        int, typer.Option(help="Timed runs per contender (median).")
-    ] = DecodeBenchConfig.repeats,
-    new_tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Tokens generated per concurrency-1 run (default: 64; glm_moe_dsa 16).", show_default=False
-        ),
-    ] = None,
-    int4: Annotated[
-        Path | None,
-        typer.Option(
-            help="A compressed + calibrated SmolLM2 (default: built once with kvq compress + kvq calibrate)."
-        ),
-    ] = None,
-    batch_seqs: Annotated[
-        int, typer.Option(help="Requests decoded together in the concurrent comparison (BF16 vs INT4).")
-    ] = DecodeBenchConfig.batch_seqs,
-    batch_new_tokens: Annotated[
-        int, typer.Option(help="Tokens generated per request in the concurrent comparison.")
-    ] = DecodeBenchConfig.batch_new_tokens,
-    admission_slots: Annotated[
-        int, typer.Option(help="Requests a BF16 KV budget admits (FP8 pages of the same bytes: twice).")
-    ] = DecodeBenchConfig.admission_bf16_slots,
-    admission_requests: Annotated[
-        int, typer.Option(help="Requests in the admission workload.")
-    ] = DecodeBenchConfig.admission_requests,
-    long_tokens: Annotated[
-        int,
-        typer.Option(
-            help="Length of the one long completion whose early vs late host ms per token are compared "
-            "(each end: 256 tokens, or a quarter of it when shorter)."
-        ),
-    ] = DecodeBenchConfig.long_tokens,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
-    ] = None,
-    model: Annotated[
-        str,
-        typer.Option(
-            help="smollm2: the embedded SmolLM2 (every measure above); glm_moe_dsa: the MLA bench fixture, "
-            "INT4 vs FP8-block weights and FP8 vs BF16 latent at concurrency 1 and 32 (kvq.bench.decode_mla)."
-        ),
-    ] = "smollm2",
-    tp: Annotated[
-        int,
-        typer.Option(
-            "--tp",
-            help="Above 1: the kvq contenders at --tp 1 and --tp N (torch.distributed ranks on this host), "
-            "with each rank's weight and KV bytes (kvq.bench.decode_tp); the one-process sections are "
-            "not run.",
-        ),
-    ] = 1,
-    bf16: Annotated[
-        Path | None,
-        typer.Option(help="The BF16 checkpoint (default: the embedded SmolLM2); pass --int4 with it."),
-    ] = None,
-) -> None:
-    """Decode speed (INT4 vs BF16 weights vs transformers, at concurrency 1 and --batch-seqs), resident
-    weight memory, FP8 vs BF16 KV capacity and admission throughput on the embedded SmolLM2-135M-Instruct;
-    all ratios from one run. KVQ_CPU_ISA picks the CPU W4A16 path (printed with the results). With
-    `--model glm_moe_dsa`: MLA decode on a GLM-5-shaped bench fixture."""
-    from kvq.data.embedded_model import ensure_smollm2
-
-    if model == "glm_moe_dsa" and tp > 1:
-        raise KvqError("--tp is for --model smollm2 (or --bf16/--int4); run the MLA bench at --tp 1")
-    if model == "glm_moe_dsa":
-        from kvq.bench.decode_mla import MlaBenchConfig, render_mla, run_mla_bench
-
-        mla = run_mla_bench(
-            MlaBenchConfig(
-                threads=threads, repeats=repeats, new_tokens=new_tokens or MlaBenchConfig.new_tokens
-            )
-        )
-        console.print(render_mla(mla))
-        if json_out is not None:
-            json_out.write_text(json.dumps(asdict(mla), indent=2))
-        return
-    if model != "smollm2":
-        raise KvqError(f"--model is {model!r}; pick smollm2 or glm_moe_dsa")
-    config = DecodeBenchConfig(
-        threads=threads,
-        repeats=repeats,
-        new_tokens=new_tokens or DecodeBenchConfig.new_tokens,
-        batch_seqs=batch_seqs,
-        batch_new_tokens=batch_new_tokens,
-        admission_bf16_slots=admission_slots,
-        admission_requests=admission_requests,
-        long_tokens=long_tokens,
-        long_window=min(DecodeBenchConfig.long_window, max(1, long_tokens // 4)),
-    )
-    if bf16 is not None and int4 is None:
-        raise KvqError("--bf16 is given without --int4; pass the INT4 checkpoint made from it too")
-    bf16 = bf16 or ensure_smollm2().bf16
-    int4 = int4 or int4_model(config, bf16)
-    if tp > 1:
-        from kvq.bench.decode_tp import render_tp, run_tp_bench
-
-        tp_result = run_tp_bench(config, bf16, int4, tp)
-        console.print(render_tp(tp_result))
-        if json_out is not None:
-            json_out.write_text(json.dumps(asdict(tp_result), indent=2))
-        return
-    result = run_bench(config, bf16, int4)
-    console.print(render(result))
-    if json_out is not None:
-        json_out.write_text(json.dumps(asdict(result), indent=2))
