@@ -47,8 +47,8 @@ TARGET static inline VF FN(scale_vec)(const Job *job, const uint8_t *srow, int64
     return V_EXPAND4(s4, idx);
 }
 
-/* acc + scale * sum_j plane_j(w) * x_j, for one block. */
-TARGET static inline VF FN(block_dot)(VI w, const float *xb, VF scale, VF acc) {
+/* sum_j plane_j(w) * x_j - 8 * sum(x), i.e. sum(q x) per lane, for one block (no scale). */
+TARGET static inline VF FN(block_raw)(VI w, const float *xb) {
     const VI low4 = VI_SET1(15);
     VF p0 = V_MUL(V_CVT(VI_AND(w, low4)), V_LOAD(xb));
     VF p1 = V_MUL(V_CVT(VI_AND(VI_SRLI(w, 4), low4)), V_LOAD(xb + L));
@@ -58,7 +58,12 @@ TARGET static inline VF FN(block_dot)(VI w, const float *xb, VF scale, VF acc) {
     p1 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 20), low4)), V_LOAD(xb + 5 * L), p1);
     p0 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 24), low4)), V_LOAD(xb + 6 * L), p0);
     p1 = V_FMA(V_CVT(VI_SRLI(w, 28)), V_LOAD(xb + 7 * L), p1);
-    return V_FMA(V_SUB(V_ADD(p0, p1), V_LOAD(xb + 8 * L)), scale, acc);
+    return V_SUB(V_ADD(p0, p1), V_LOAD(xb + 8 * L));
+}
+
+/* acc + scale * sum_j plane_j(w) * x_j, for one block. */
+TARGET static inline VF FN(block_dot)(VI w, const float *xb, VF scale, VF acc) {
+    return V_FMA(FN(block_raw)(w, xb), scale, acc);
 }
 
 TARGET static inline VI FN(load_block)(const int32_t *wrow, int64_t b, int64_t words) {
@@ -73,14 +78,26 @@ TARGET static VI FN(expand_index)(int group) {
     return VI_LOADU(idx);
 }
 
+/* Groups of one or more whole blocks (group >= 8 * L: AVX2 at 64 and 128, AVX-512 at 128) take their
+   scale once per group, broadcast, after the group's blocks are summed; the rest (smaller groups, the
+   tail block) a per-lane scale vector per block. */
 TARGET static void FN(gemv)(const Job *job, int64_t n0, int64_t n1) {
     const int64_t words = job->K / 8, num_blocks = (words + L - 1) / L;
+    const int blocks_per_group = job->group_shift >= BW_SHIFT ? 1 << (job->group_shift - BW_SHIFT) : 0;
+    const int64_t whole_groups = blocks_per_group ? words / L / blocks_per_group : 0;
     const VI idx = FN(expand_index)(job->group);
     for (int64_t n = n0; n < n1; n++) {
         const int32_t *wrow = job->packed + n * words;
         const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
         VF acc = V_ZERO();
-        for (int64_t b = 0; b < num_blocks; b++)
+        int64_t b = 0;
+        for (int64_t g = 0; g < whole_groups; g++) {
+            VF sum = FN(block_raw)(VI_LOADU(wrow + b * L), job->xp + b * BLOCK_FLOATS);
+            for (b++; b < (g + 1) * blocks_per_group; b++)
+                sum = V_ADD(sum, FN(block_raw)(VI_LOADU(wrow + b * L), job->xp + b * BLOCK_FLOATS));
+            acc = V_FMA(sum, V_SET1(scale_at(job, srow, g)), acc);
+        }
+        for (; b < num_blocks; b++)
             acc = FN(block_dot)(FN(load_block)(wrow, b, words), job->xp + b * BLOCK_FLOATS,
                                 FN(scale_vec)(job, srow, b, idx), acc);
         store_y(job, 0, n, V_HSUM(acc));
