@@ -29,7 +29,7 @@ import psutil
 import torch
 from rich.table import Table
 
-from kvq.bench.decode_speed import decode_tok_s, kvq_generate, transformers_generate
+from kvq.bench.decode_speed import PROMPT, decode_tok_s, kvq_generate, transformers_generate
 from kvq.byte_sizes import format_bytes
 from kvq.paths import cache_dir
 
@@ -55,6 +55,7 @@ class DecodeBenchConfig:
     admission_prompt_tokens: int = 32
     admission_max_tokens: int = 64
     page_size: int = 16
+    vllm_python: str | None = None  # vLLM's venv interpreter: its CPU build as a BF16 contender
 
 
 @dataclass
@@ -68,6 +69,7 @@ class DecodeBenchResult:
     memory: dict[str, dict] = field(default_factory=dict)
     pool_tokens: dict[str, int] = field(default_factory=dict)
     admission: dict[str, dict] = field(default_factory=dict)
+    vllm: dict = field(default_factory=dict)  # `decode_vllm.vllm_decode`'s report, when asked for
 
 
 LM_HEAD_CONTENDERS = {mode: f"kvq int4 weights + {mode} lm_head, fp8 kv" for mode in ("int8", "int4")}
@@ -246,6 +248,19 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
     )
     for name in ("bf16", "fp8_e4m3"):
         result.admission[name] = {"kv_bytes": budget, **admission_run(int4, config, name, budget)}
+    if config.vllm_python:
+        from kvq.bench.decode_vllm import vllm_decode
+
+        result.vllm = vllm_decode(
+            Path(config.vllm_python),
+            bf16,
+            e.encode_chat(PROMPT),
+            threads=config.threads,
+            repeats=config.repeats,
+            new_tokens=config.new_tokens,
+            batch_seqs=n,
+            batch_new_tokens=config.batch_new_tokens,
+        )
     return result
 
 
@@ -298,4 +313,13 @@ def render(result: DecodeBenchResult) -> Table:
         )
     a = result.admission
     table.add_row("FP8 / BF16 total throughput", f"{a['fp8_e4m3']['tok_s'] / a['bf16']['tok_s']:.2f}x")
+    if result.vllm:
+        v = result.vllm
+        table.add_row("vLLM", f"{v['vllm']}, BF16 weights, torch CPU capability {v['cpu_capability']}")
+        for key, kvq_name in (("c=1", f"kvq {fp8}"), (f"c={n}", f"c={n}: kvq {fp8}")):
+            median = statistics.median(v[key])
+            table.add_row(
+                f"{key}: vLLM bf16 weights", f"{median:.1f} tok/s ({min(v[key]):.1f}-{max(v[key]):.1f})"
+            )
+            table.add_row(f"{key}: kvq INT4 + FP8 kv / vLLM BF16", f"{tok[kvq_name] / median:.2f}x")
     return table

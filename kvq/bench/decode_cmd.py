@@ -78,6 +78,13 @@ def bench_decode_command(
         Path | None,
         typer.Option(help="The BF16 checkpoint (default: the embedded SmolLM2); pass --int4 with it."),
     ] = None,
+    vllm_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="The Python of a venv with vLLM's CPU build (make test-vllm: .venv-vllm/bin/python): adds "
+            "vLLM on the BF16 weights as a contender at concurrency 1 and --batch-seqs (decode_vllm.py)."
+        ),
+    ] = None,
 ) -> None:
     """Decode speed (INT4 vs BF16 weights vs transformers, at concurrency 1 and --batch-seqs), resident
     weight memory, FP8 vs BF16 KV capacity and admission throughput on the embedded SmolLM2-135M-Instruct;
@@ -107,6 +114,7 @@ def bench_decode_command(
         admission_requests=admission_requests,
         long_tokens=long_tokens,
         long_window=min(DecodeBenchConfig.long_window, max(1, long_tokens // 4)),
+        vllm_python=str(vllm_python) if vllm_python else None,
     )
     if bf16 is not None and int4 is None:
         raise KvqError("--bf16 is given without --int4; pass the INT4 checkpoint made from it too")
