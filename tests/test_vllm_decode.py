@@ -19,7 +19,7 @@ SETTINGS = {"threads": 1, "repeats": 1, "new_tokens": 6, "batch_seqs": 3, "batch
 
 def test_a_missing_vllm_interpreter_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(
-        KvqError, match=r"--vllm-python .*: no such interpreter; build vLLM's venv: make test-vllm"
+        KvqError, match=r"--vllm-python .*: no such interpreter; build the vLLM venv with make test-vllm"
     ):
         vllm_decode(tmp_path / "nope" / "python", tmp_path, [1, 2], **SETTINGS)
 
