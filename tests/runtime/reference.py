@@ -62,6 +62,13 @@ def hf_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([token_ids])).logits[0].float()
 
 
+@torch.inference_mode()
+def hf_last_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits `[V]` after the last token of `token_ids` (`logits_to_keep=1`: the same forward, with
+    the lm_head on the last row alone)."""
+    return model(torch.tensor([token_ids]), logits_to_keep=1).logits[0, -1].float()
+
+
 def engine_greedy(engine: Engine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     outs = engine.generate(prompts, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
     return [o.token_ids for o in outs]
