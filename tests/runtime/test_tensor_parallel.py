@@ -33,7 +33,7 @@ PROMPTS = random_prompts((5, 14), seed=3)
 
 
 def plan_per_gpu(path: Path, tp: int) -> int:
-    result = _kvq("plan", str(path), "--tp", str(tp), "--gpu-mem", "1GiB", "--json")
+    result = run_kvq_in_process("plan", str(path), "--tp", str(tp), "--gpu-mem", "1GiB", "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["serving"]["weight_bytes_per_gpu"]
 
