@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -16,6 +18,25 @@ def run_kvq(*args: str) -> subprocess.CompletedProcess[str]:
     """`kvq ARGS` in a subprocess. The timeout only stops a hang: on a loaded 2-core box a kvq that starts
     a server and benches it took over 120 s (a quiet one: ~45 s)."""
     return subprocess.run([sys.executable, "-m", "kvq", *args], capture_output=True, text=True, timeout=600)
+
+
+def run_kvq_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`kvq ARGS` through the console script's own `main` in this process, stdout and stderr captured: for
+    tests about what a command prints and returns, where a fresh interpreter (seconds of imports) is not
+    the point. An exception `main` does not turn into a one-line error propagates and fails the test."""
+    from kvq.entry import main
+
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = ["kvq", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(["kvq", *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -90,25 +111,36 @@ def _kimi_with(tiny_checkpoint, tmp_path: Path, **text_fields: object) -> Path:
     return root
 
 
+# The first case runs every command as its own process; the others run them in-process (the same `main`,
+# without an interpreter start each): they differ from it only in the field the check names.
 @pytest.mark.parametrize(
-    "field, fragments",
+    "field, fragments, run",
     [
-        ({"topk_method": "greedy"}, ("text_config.topk_method 'greedy'", "supported topk_method: noaux_tc")),
+        (
+            {"topk_method": "greedy"},
+            ("text_config.topk_method 'greedy'", "supported topk_method: noaux_tc"),
+            run_kvq,
+        ),
         (
             {"scoring_func": "softmax"},
             ("text_config.scoring_func 'softmax'", "supported scoring_func: sigmoid"),
+            run_kvq_in_process,
         ),
         (
             {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
             ("'dynamic'", "supported RoPE types: default, yarn"),
+            run_kvq_in_process,
         ),
     ],
+    ids=["topk_method", "scoring_func", "rope_scaling"],
 )
-def test_mla_settings_kvq_does_not_implement_are_one_line_errors(tiny_checkpoint, tmp_path, field, fragments):
+def test_mla_settings_kvq_does_not_implement_are_one_line_errors(
+    tiny_checkpoint, tmp_path, field, fragments, run
+):
     root = _kimi_with(tiny_checkpoint, tmp_path, **field)
-    assert_one_line_error(run_kvq("plan", str(root), "--tp", "2", "--gpu-mem", "8GB"), *fragments)
-    assert_one_line_error(run_kvq("plan", str(root / "config.json")), *fragments)  # the bare config
-    assert_one_line_error(run_kvq("calibrate", str(root), "--num-samples", "1", "--seq-len", "8"), *fragments)
+    assert_one_line_error(run("plan", str(root), "--tp", "2", "--gpu-mem", "8GB"), *fragments)
+    assert_one_line_error(run("plan", str(root / "config.json")), *fragments)  # the bare config
+    assert_one_line_error(run("calibrate", str(root), "--num-samples", "1", "--seq-len", "8"), *fragments)
     inspected = run_kvq("inspect", str(root))  # inspect reads any checkpoint and says why kvq won't run it
     assert inspected.returncode == 0 and fragments[0] in inspected.stdout.replace("\n", " ")
 

@@ -17,7 +17,7 @@ from kvq.config_file import ENGINE_KEYS, load_config
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
 from kvq.serve.server_config import ServerConfig
-from tests.test_cli_errors import assert_one_line_error, run_kvq
+from tests.test_cli_errors import assert_one_line_error, run_kvq, run_kvq_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -108,19 +108,22 @@ def test_generate_reads_the_config_and_flags_override_it(tiny_checkpoint, tmp_pa
     config = tmp_path / "tiny.yaml"
     config.write_text(f"model: {model}\nengine: {{kv_memory: 1MiB, dtype: float32, kv_integrity: tags}}\n")
     from_file = run_kvq("generate", "--config", str(config), "hello", "--max-tokens", "3", "--no-chat")
-    given = run_kvq("generate", str(model), "hello", "--max-tokens", "3", "--no-chat", "--dtype", "float32")
+    # the rest in-process (same `main`, no interpreter start): the file is read by the same code either way
+    given = run_kvq_in_process(
+        "generate", str(model), "hello", "--max-tokens", "3", "--no-chat", "--dtype", "float32"
+    )
     assert from_file.returncode == 0 and given.returncode == 0, from_file.stderr + given.stderr
     assert from_file.stdout == given.stdout and from_file.stdout.strip()
-    overridden = run_kvq("generate", "--config", str(config), "hello", "--kv-integrity", "bogus")
+    overridden = run_kvq_in_process("generate", "--config", str(config), "hello", "--kv-integrity", "bogus")
     assert_one_line_error(overridden, "kv_integrity is 'bogus'")
     (tmp_path / "typo.yaml").write_text("engine: {kv_memroy: 1MiB}\n")
-    assert_one_line_error(
-        run_kvq("generate", "--config", str(tmp_path / "typo.yaml"), "hi"), "unknown key engine.kv_memroy"
-    )
+    typo = run_kvq_in_process("generate", "--config", str(tmp_path / "typo.yaml"), "hi")
+    assert_one_line_error(typo, "unknown key engine.kv_memroy")
 
 
 def test_serve_and_generate_refuse_a_paper_deployment() -> None:
     path = ROOT / "configs" / "glm5-int4-fp8kv-tp8-h200.yaml"
-    for command in ("serve", "generate"):
-        args = ["--config", str(path)] + (["hi"] if command == "generate" else [])
-        assert_one_line_error(run_kvq(command, *args), "tensor parallel", "kvq plan --config")
+    # serve as a process (a serve that did not refuse would not return); generate through the same main
+    assert_one_line_error(run_kvq("serve", "--config", str(path)), "tensor parallel", "kvq plan --config")
+    refused = run_kvq_in_process("generate", "--config", str(path), "hi")
+    assert_one_line_error(refused, "tensor parallel", "kvq plan --config")

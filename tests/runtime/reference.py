@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.initialization import no_init_weights
 
 from kvq.checkpoint.dense import read_dense
 from kvq.checkpoint.expert_layout import fuse_experts
@@ -20,7 +21,9 @@ def hf_reference(path: Path) -> PreTrainedModel:
     """transformers' model of `path`'s language model (Kimi: DeepseekV3 of `text_config`) in fp32 holding
     `read_dense` of its (possibly quantized) weights."""
     config, prefix = load_text_config(path)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with no_init_weights():  # every weight is loaded below: skip the random init (~3 s on SmolLM2)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.tie_weights()  # which post_init's skipped init_weights would have done
     dense = read_dense(Checkpoint.open(path), prefix, torch.float32)
     state = fuse_experts({k.removeprefix(prefix): v for k, v in dense.items()})
     state = {k: v for k, v in state.items() if not k.endswith(("k_scale", "v_scale"))}
@@ -60,6 +63,13 @@ def hf_stepped_logits(model: PreTrainedModel, prompt: list[int], forced: list[in
 def hf_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
     """fp32 logits `[L, V]` at every position of `token_ids`."""
     return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@torch.inference_mode()
+def hf_last_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits `[V]` after the last token of `token_ids` (`logits_to_keep=1`: the same forward, with
+    the lm_head on the last row alone)."""
+    return model(torch.tensor([token_ids]), logits_to_keep=1).logits[0, -1].float()
 
 
 def engine_greedy(engine: Engine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:

@@ -24,7 +24,7 @@ import torch
 from tests.runtime.reference import hf_greedy, hf_logits, hf_reference
 from tests.runtime.test_models_vs_transformers import random_prompts
 from tests.runtime.tp_run import run, run_in_process
-from tests.test_cli_errors import assert_one_line_error
+from tests.test_cli_errors import assert_one_line_error, run_kvq_in_process
 
 pytestmark = pytest.mark.slow
 NUM_TOKENS = 12
@@ -33,7 +33,7 @@ PROMPTS = random_prompts((5, 14), seed=3)
 
 
 def plan_per_gpu(path: Path, tp: int) -> int:
-    result = _kvq("plan", str(path), "--tp", str(tp), "--gpu-mem", "1GiB", "--json")
+    result = run_kvq_in_process("plan", str(path), "--tp", str(tp), "--gpu-mem", "1GiB", "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["serving"]["weight_bytes_per_gpu"]
 
@@ -172,7 +172,7 @@ def test_eval_at_tp2_scores_as_tp1_twice_in_one_process(tiny_checkpoint, tmp_pat
     args = ["eval", path, "--baseline", path, "--tasks", "text", "--kv-cache-dtype", "bf16,auto"]
     args += ["--num-windows", "2", "--seq-len", "32", "--kv-memory", "4MiB"]
     args += ["--dtype", "float32", "--baseline-dtype", "float32"]
-    one = _kvq(*args, "--json", str(tmp_path / "one.json"))
+    one = run_kvq_in_process(*args, "--json", str(tmp_path / "one.json"))  # --tp 1 needs no process
     two = _kvq(*args, "--tp", "2", "--json", str(tmp_path / "two.json"))
     assert one.returncode == two.returncode == 0, two.stderr
 
