@@ -262,12 +262,15 @@ def bench_compress_command(
             "the 8-layer glm4_moe bench fixture (BF16).",
         ),
     ] = "rtn",
+    threads: Annotated[
+        int, typer.Option("--threads", help="Torch threads of every contender (--method gptq).")
+    ] = 2,
 ) -> None:
     """Time and peak RSS of kvq compress vs llm-compressor model_free_ptq vs the I/O floor (1.4 GB FP8).
 
     Every run starts after `sync` with the input in the page cache."""
     if method == "gptq":
-        _bench_gptq(json_out, workers)
+        _bench_gptq(json_out, workers, threads)
         return
     config = CompressBenchConfig(recipe=recipe, workers=workers, repeats=repeats)
     work = cache_dir() / "bench" / "compress-work"
@@ -282,10 +285,11 @@ def bench_compress_command(
     console.print(f"results: {path}")
 
 
-def _bench_gptq(json_out: Path | None, workers: int) -> None:
+def _bench_gptq(json_out: Path | None, workers: int, threads: int) -> None:
     from kvq.bench.compress_gptq import GptqBenchConfig, render, run_gptq_bench
 
-    report = run_gptq_bench(GptqBenchConfig(workers=workers), cache_dir() / "bench" / "compress-gptq-work")
+    config = GptqBenchConfig(workers=workers, threads=threads)
+    report = run_gptq_bench(config, cache_dir() / "bench" / "compress-gptq-work")
     console.print(render(report))
     path = json_out or cache_dir() / "bench" / "compress-gptq.json"
     path.write_text(json.dumps(report, indent=2))

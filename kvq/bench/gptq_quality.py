@@ -61,27 +61,35 @@ def _run(argv: list[str], threads: int) -> float:
 
 
 def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str, dict]:
-    """The three INT4 checkpoints of `src`, with the wall time each took."""
+    """The three INT4 checkpoints of `src`, with the wall time each took. A step recorded as done in
+    `work/walls.json` (same settings) is not run again: an interrupted bench resumes."""
     py = sys.executable
     kvq = [py, "-m", "kvq", "compress", str(src)]
     common = ["--group-size", str(config.group_size), "--workers", "2", "--quiet"]
     gptq = ["--num-samples", str(config.num_samples), "--seq-len", str(config.seq_len)]
     outs = {name: work / name for name in ("rtn", "kvq-gptq", "llm-compressor-gptq")}
-    walls = {
-        "rtn": _run([*kvq, str(outs["rtn"]), "--recipe", "w4a16-linear", *common], config.threads),
-        "kvq-gptq": _run(
-            [*kvq, str(outs["kvq-gptq"]), "--recipe", "w4a16-linear-gptq", *common, *gptq], config.threads
-        ),
-    }
     ids_path = work / "ids.pt"
     fingerprint = calibration_ids(src, config.num_samples, config.seq_len, ids_path)
-    manifest = json.loads((outs["kvq-gptq"] / "kvq_manifest.json").read_text())
-    assert manifest["job"]["method"]["calibration"]["token_ids_sha256"] == fingerprint
     out = str(outs["llm-compressor-gptq"])
     call = f"oneshot_gptq({str(src)!r}, {out!r}, 'w4a16-linear-gptq', {str(ids_path)!r}, {config.group_size})"
-    walls["llm-compressor-gptq"] = _run(
-        [py, "-c", f"from kvq.bench.compress_gptq import oneshot_gptq; {call}"], config.threads
-    )
+    steps = {
+        "rtn": [*kvq, str(outs["rtn"]), "--recipe", "w4a16-linear", *common],
+        "kvq-gptq": [*kvq, str(outs["kvq-gptq"]), "--recipe", "w4a16-linear-gptq", *common, *gptq],
+        "llm-compressor-gptq": [py, "-c", f"from kvq.bench.compress_gptq import oneshot_gptq; {call}"],
+    }
+    record = work / "walls.json"
+    settings = {**asdict(config), "token_ids_sha256": fingerprint}
+    done = json.loads(record.read_text()) if record.exists() else {}
+    walls = done.get("walls", {}) if done.get("settings") == settings else {}
+    for name, argv in steps.items():
+        if name in walls:
+            console.print(f"{name}: done before ({walls[name]:.0f} s)")
+            continue
+        shutil.rmtree(outs[name], ignore_errors=True)
+        walls[name] = _run(argv, config.threads)
+        record.write_text(json.dumps({"settings": settings, "walls": walls}, indent=2))
+    manifest = json.loads((outs["kvq-gptq"] / "kvq_manifest.json").read_text())
+    assert manifest["job"]["method"]["calibration"]["token_ids_sha256"] == fingerprint
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (src / name).exists():
             shutil.copy2(src / name, outs["llm-compressor-gptq"] / name)
@@ -91,7 +99,7 @@ def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str,
 def perplexity(config: GptqQualityConfig, model: Path, text: Path | None, out: Path) -> float:
     """`kvq eval MODEL` (BF16 KV pages: the weights alone) on `text` (None: held-out Wikipedia)."""
     argv = [sys.executable, "-m", "kvq", "eval", str(model), "--json", str(out)]
-    argv += ["--kv-cache-dtype", "bf16", "--threads", str(config.threads)]
+    argv += ["--tasks", "text", "--kv-cache-dtype", "bf16", "--threads", str(config.threads)]
     argv += ["--num-windows", str(config.eval_windows), "--seq-len", str(config.eval_seq_len)]
     _run(argv + ([] if text is None else ["--text", str(text)]), config.threads)
     value = json.loads(out.read_text())["rows"][0]["perplexity"]
@@ -103,8 +111,7 @@ def run_quality_bench(config: GptqQualityConfig, work: Path) -> dict:
     from kvq.data.embedded_model import ensure_smollm2
 
     src = ensure_smollm2().bf16
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work.mkdir(parents=True, exist_ok=True)
     outputs = build_outputs(config, src, work)
     texts = {"wikipedia (held out)": None, "news (Lee corpus)": news_jsonl(work / "news.jsonl")}
     models = {"bf16": src} | {name: Path(output["path"]) for name, output in outputs.items()}
