@@ -102,7 +102,8 @@ def perplexity(config: GptqQualityConfig, model: Path, text: Path | None, out: P
     argv += ["--tasks", "text", "--kv-cache-dtype", "bf16", "--threads", str(config.threads)]
     argv += ["--num-windows", str(config.eval_windows), "--seq-len", str(config.eval_seq_len)]
     _run(argv + ([] if text is None else ["--text", str(text)]), config.threads)
-    value = json.loads(out.read_text())["rows"][0]["perplexity"]
+    metrics = json.loads(out.read_text())["runs"][0]["metrics"]
+    value = next(m["model"] for m in metrics if m["key"] == "perplexity")
     console.print(f"kvq eval {model} ({'held-out Wikipedia' if text is None else text.name}): {value:.4f}")
     return value
 
