@@ -14,6 +14,8 @@ CPU_ISAS = [
     ),
     "torch",
 ]
+SIMD_ISAS = CPU_ISAS[:2]  # the native SIMD paths, each skipped where this CPU or build cannot run it
+needs_native = pytest.mark.skipif("scalar" not in runnable_isas(), reason="kvq's CPU extension is not built")
 
 
 @pytest.fixture(params=CPU_ISAS)

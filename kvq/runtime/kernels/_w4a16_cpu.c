@@ -305,12 +305,19 @@ static int isa_supported(int isa) {
     return 0;
 }
 
+/* Output rows [n0, n1) of chunk `chunk` of `num_chunks` over N rows, in whole tiles of 4; 0 when empty. */
+static int chunk_rows(int64_t N, int64_t chunk, int64_t num_chunks, int64_t *n0, int64_t *n1) {
+    int64_t tiles = (N + 3) / 4;
+    *n0 = tiles * chunk / num_chunks * 4;
+    *n1 = tiles * (chunk + 1) / num_chunks * 4;
+    *n1 = *n1 < N ? *n1 : N;
+    return *n0 < *n1;
+}
+
 static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const Job *job = (const Job *)ctx;
-    int64_t tiles = (job->N + 3) / 4; /* chunks are whole tiles of 4 rows */
-    int64_t n0 = tiles * chunk / num_chunks * 4, n1 = tiles * (chunk + 1) / num_chunks * 4;
-    n1 = n1 < job->N ? n1 : job->N;
-    if (n0 >= n1)
+    int64_t n0, n1;
+    if (!chunk_rows(job->N, chunk, num_chunks, &n0, &n1))
         return;
 #ifdef KVQ_X86
     if (job->isa == ISA_AVX2) {

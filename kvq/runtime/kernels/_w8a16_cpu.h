@@ -23,10 +23,8 @@ static void w8_scalar_rows(const W8Job *job, int64_t n0, int64_t n1) {
 
 static void w8_rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const W8Job *job = (const W8Job *)ctx;
-    int64_t tiles = (job->N + 3) / 4; /* chunks are whole tiles of 4 rows */
-    int64_t n0 = tiles * chunk / num_chunks * 4, n1 = tiles * (chunk + 1) / num_chunks * 4;
-    n1 = n1 < job->N ? n1 : job->N;
-    if (n0 >= n1)
+    int64_t n0, n1;
+    if (!chunk_rows(job->N, chunk, num_chunks, &n0, &n1))
         return;
 #ifdef KVQ_X86
     if (job->isa == ISA_AVX2) {

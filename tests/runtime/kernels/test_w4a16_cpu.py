@@ -21,13 +21,9 @@ from kvq.runtime.kernels.w4a16_cpu import (
     runnable_isas,
     w4a16_native,
 )
+from tests.runtime.cpu_isa import SIMD_ISAS, needs_native
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
 
-SIMD_ISAS = [
-    pytest.param(isa, marks=pytest.mark.skipif(isa not in runnable_isas(), reason=f"no {isa} path here"))
-    for isa in ("avx512", "avx2")
-]
-needs_native = pytest.mark.skipif("scalar" not in runnable_isas(), reason="kvq's CPU extension is not built")
 # (N, K, group_size): N not a multiple of the 4-row tile, K with partial SIMD blocks (K/8 words not a
 # multiple of 8 or 16 lanes) and several dequantized tiles (K > 512 / 1024)
 SHAPES = [

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq.runtime.kernels.w4a16_cpu import runnable_isas
 from kvq.runtime.kernels.w8a16 import (
     INT8_MAX,
     prepare_w8a16,
@@ -17,13 +16,9 @@ from kvq.runtime.kernels.w8a16 import (
     w8a16_native,
     w8a16_reference,
 )
+from tests.runtime.cpu_isa import SIMD_ISAS, needs_native
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
 
-SIMD_ISAS = [
-    pytest.param(isa, marks=pytest.mark.skipif(isa not in runnable_isas(), reason=f"no {isa} path here"))
-    for isa in ("avx512", "avx2")
-]
-needs_native = pytest.mark.skipif("scalar" not in runnable_isas(), reason="kvq's CPU extension is not built")
 # (N, K): N not a multiple of the 4-row tile, K not a multiple of 8 / 16 / 64 lanes (the scalar tails),
 # K over the 1024-input fp32 tile (several tiles, a partial last one)
 SHAPES = [(1, 1), (7, 37), (13, 576), (33, 100), (66, 1056), (5, 2500), (200, 384)]
