@@ -1,4 +1,5 @@
-"""The native CPU W4A16 kernel: which path runs (`KVQ_CPU_ISA`) and the launcher over the C extension.
+"""The native CPU W4A16 kernel: which path runs (`KVQ_CPU_ISA`) and the launchers over the C extension
+(the W8A16 entry's too, `gemm_w8`).
 
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
 `w4a16.py`) with AVX-512, AVX2 + FMA or scalar C loops chosen at run time. Without the extension, or
@@ -22,6 +23,7 @@ CPU_ISA_CHOICES = ("auto", "avx512", "avx2", "scalar", "torch")
 NATIVE_ISAS = ("avx512", "avx2", "scalar")
 _ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+NATIVE_DTYPES = tuple(_DTYPE_CODES)  # activation / output dtypes the native kernels take
 _REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile")
 
 _ext: ModuleType | None
@@ -143,3 +145,17 @@ def _gemm(
     args = (x.data_ptr(), x_code, num_rows, in_features, packed, scale, scale_code, out_features)
     _ext.gemm(isa_code, threads, *args, group_size, y.data_ptr(), y_code)
     return y
+
+
+def gemm_w8(
+    isa: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, y: torch.Tensor
+) -> None:
+    """The W8A16 C call (`kernels.w8a16`): contiguous x `[M, K]` into y `[M, N]` for int8 weight `[N, K]`
+    and its fp32 / bf16 row scales (dtypes and shapes checked by the caller)."""
+    assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
+    (num_rows, in_features), out_features = x.shape, weight.shape[0]
+    _ext.gemm_w8(
+        _ISA_CODES[isa], torch.get_num_threads(), x.data_ptr(), _DTYPE_CODES[x.dtype], num_rows, in_features,
+        weight.data_ptr(), weight_scale.data_ptr(), _DTYPE_CODES[weight_scale.dtype], out_features,
+        y.data_ptr(), _DTYPE_CODES[y.dtype],
+    )  # fmt: skip

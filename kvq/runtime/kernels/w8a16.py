@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvq.runtime.kernels import w4a16_cpu
-from kvq.runtime.kernels.w4a16_cpu import resolve_cpu_isa
+from kvq.runtime.kernels.w4a16_cpu import NATIVE_DTYPES, gemm_w8, resolve_cpu_isa
 
 INT8_MAX = 127
 _INT8PACK_K_MULTIPLE = 16  # `aten._weight_int8pack_mm` is right only for K % 16 == 0 (test_w8a16.py)
@@ -77,19 +76,11 @@ def w8a16_native(
     """y `[M, N]` in out_dtype (default x.dtype) = x `[M, K]` @ (weight * scale)^T on native path `isa`
     (fp32 sums); x fp32, bf16 or fp16; weight int8 `[N, K]` and weight_scale fp32 or bf16 `[N]`, both
     contiguous (checked at prepare). Threads: torch.get_num_threads()."""
-    ext = w4a16_cpu._ext
-    assert ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
-    codes = w4a16_cpu._DTYPE_CODES
-    if x.dtype not in codes:
+    if x.dtype not in NATIVE_DTYPES:
         raise TypeError(f"the CPU W8A16 kernel takes fp32, bf16 or fp16 activations, got {x.dtype}")
     x = x.contiguous()
-    (num_rows, in_features), out_features = x.shape, weight.shape[0]
-    y = torch.empty((num_rows, out_features), dtype=out_dtype or x.dtype)
-    ext.gemm_w8(
-        w4a16_cpu._ISA_CODES[isa], torch.get_num_threads(), x.data_ptr(), codes[x.dtype], num_rows,
-        in_features, weight.data_ptr(), weight_scale.data_ptr(), codes[weight_scale.dtype], out_features,
-        y.data_ptr(), codes[y.dtype],
-    )  # fmt: skip
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
+    gemm_w8(isa, x, weight, weight_scale, y)
     return y
 
 
