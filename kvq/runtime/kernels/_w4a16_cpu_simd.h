@@ -6,8 +6,8 @@
    vectors of plane inputs, then a vector of 8 * (sum of each word's 8 inputs), which turns the
    stored nibble u = q + 8 into q without a per-element subtraction: sum(u x) - 8 sum(x) = sum(q x).
 
-   gemv (M = 1): per row, per block: 8 planes (shift, and, convert) times their inputs, fp32 sums,
-   times the lane's group scale. gemm (M >= 2): per tile of 4 rows and KC_BLOCKS blocks, the weights are
+   gemv (M = 1): per row, per block: 8 planes (V_PLANE: shift, and, convert; AVX-512: shift and a
+   16-entry table lookup) times their inputs, fp32 sums, times the lane's group scale; rows in fours. gemm (M >= 2): per tile of 4 rows and KC_BLOCKS blocks, the weights are
    dequantized once (q * scale, fp32) into an L1 buffer, then every activation row (in pairs) is dotted
    with all 4 rows from it: 8 accumulators, 6 loads per 8 FMAs. */
 
@@ -21,49 +21,47 @@
 #define TILE_VECS (KC_BLOCKS * 8)
 #define M_BLOCK 64 /* activation rows per pass over a tile */
 
-/* The per-lane group scales of block b of row `srow` (lanes past K get 0). Groups and blocks are powers
-   of two: shifts, no division, in this per-block path. */
+/* The per-lane group scales of block b of row `srow`. Groups and blocks are powers of two: shifts, no
+   division, in this per-block path. In a tail block the lanes past K get any finite scale (their weights
+   and activations are 0), or 0 where the block's groups end before the vector does. */
 TARGET static inline VF FN(scale_vec)(const Job *job, const uint8_t *srow, int64_t b, VI idx) {
     const int gs = job->group_shift;
-    int64_t words = job->K / 8, first_word = b * L;
-    if (first_word + L > words) { /* the tail block */
-        float lanes[L];
-        for (int i = 0; i < L; i++)
-            lanes[i] = first_word + i < words ? scale_at(job, srow, ((first_word + i) * 8) >> gs) : 0.0f;
-        return V_LOADU(lanes);
-    }
-    if (gs >= BW_SHIFT)
+    if (gs >= BW_SHIFT) /* one group covers the block (a tail block starts inside K too) */
         return V_SET1(scale_at(job, srow, (b << BW_SHIFT) >> gs));
-    int per_block = 1 << (BW_SHIFT - gs); /* 2 or 4 groups in this block */
-    const uint8_t *p = srow + (b * per_block) * job->scale_size;
+    const int per_block = 1 << (BW_SHIFT - gs); /* 2 or 4 groups in this block */
+    const int64_t first = b * per_block, valid = job->num_groups - first;
+    const uint8_t *p = srow + first * job->scale_size;
     __m128 s4;
-    if (job->scale_dtype == DTYPE_F32) {
+    if (valid < per_block) { /* 1 to 3 groups; no loop, which the compiler would make a memcpy call */
+        float s1 = valid > 1 ? scale_at(job, srow, first + 1) : 0.0f;
+        float s2 = valid > 2 ? scale_at(job, srow, first + 2) : 0.0f;
+        s4 = _mm_setr_ps(scale_at(job, srow, first), s1, s2, 0.0f);
+    } else if (job->scale_dtype == DTYPE_F32) {
         s4 = per_block == 4 ? _mm_loadu_ps((const float *)p) : _mm_castpd_ps(_mm_load_sd((const double *)p));
-    } else {
-        uint64_t bits = 0;
-        memcpy(&bits, p, (size_t)per_block * 2);
-        s4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_cvtsi64_si128((long long)bits)), 16));
+    } else { /* fixed-size loads: a memcpy of a run-time size is a libc call per block */
+        __m128i bits = per_block == 4 ? _mm_loadl_epi64((const __m128i *)p) : _mm_loadu_si32(p);
+        s4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16));
     }
     return V_EXPAND4(s4, idx);
 }
 
 /* sum_j plane_j(w) * x_j - 8 * sum(x), i.e. sum(q x) per lane, for one block (no scale). */
-TARGET static inline VF FN(block_raw)(VI w, const float *xb) {
-    const VI low4 = VI_SET1(15);
-    VF p0 = V_MUL(V_CVT(VI_AND(w, low4)), V_LOAD(xb));
-    VF p1 = V_MUL(V_CVT(VI_AND(VI_SRLI(w, 4), low4)), V_LOAD(xb + L));
-    p0 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 8), low4)), V_LOAD(xb + 2 * L), p0);
-    p1 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 12), low4)), V_LOAD(xb + 3 * L), p1);
-    p0 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 16), low4)), V_LOAD(xb + 4 * L), p0);
-    p1 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 20), low4)), V_LOAD(xb + 5 * L), p1);
-    p0 = V_FMA(V_CVT(VI_AND(VI_SRLI(w, 24), low4)), V_LOAD(xb + 6 * L), p0);
-    p1 = V_FMA(V_CVT(VI_SRLI(w, 28)), V_LOAD(xb + 7 * L), p1);
+TARGET static inline VF FN(block_raw)(VI w, const float *xb, VF lut) {
+    (void)lut;
+    VF p0 = V_MUL(V_PLANE(w, 0, lut), V_LOAD(xb));
+    VF p1 = V_MUL(V_PLANE(w, 1, lut), V_LOAD(xb + L));
+    p0 = V_FMA(V_PLANE(w, 2, lut), V_LOAD(xb + 2 * L), p0);
+    p1 = V_FMA(V_PLANE(w, 3, lut), V_LOAD(xb + 3 * L), p1);
+    p0 = V_FMA(V_PLANE(w, 4, lut), V_LOAD(xb + 4 * L), p0);
+    p1 = V_FMA(V_PLANE(w, 5, lut), V_LOAD(xb + 5 * L), p1);
+    p0 = V_FMA(V_PLANE(w, 6, lut), V_LOAD(xb + 6 * L), p0);
+    p1 = V_FMA(V_PLANE(w, 7, lut), V_LOAD(xb + 7 * L), p1);
     return V_SUB(V_ADD(p0, p1), V_LOAD(xb + 8 * L));
 }
 
 /* acc + scale * sum_j plane_j(w) * x_j, for one block. */
-TARGET static inline VF FN(block_dot)(VI w, const float *xb, VF scale, VF acc) {
-    return V_FMA(FN(block_raw)(w, xb), scale, acc);
+TARGET static inline VF FN(block_dot)(VI w, const float *xb, VF scale, VF acc, VF lut) {
+    return V_FMA(FN(block_raw)(w, xb, lut), scale, acc);
 }
 
 TARGET static inline VI FN(load_block)(const int32_t *wrow, int64_t b, int64_t words) {
@@ -78,30 +76,44 @@ TARGET static VI FN(expand_index)(int group) {
     return VI_LOADU(idx);
 }
 
-/* Groups of one or more whole blocks (group >= 8 * L: AVX2 at 64 and 128, AVX-512 at 128) take their
-   scale once per group, broadcast, after the group's blocks are summed; the rest (smaller groups, the
-   tail block) a per-lane scale vector per block. */
-TARGET static void FN(gemv)(const Job *job, int64_t n0, int64_t n1) {
+/* Row n's per-lane sums over all its blocks. Groups of one or more whole blocks (group >= 8 * L: AVX2
+   at 64 and 128, AVX-512 at 128) take their scale once per group, broadcast, after the group's blocks are
+   summed; the rest (smaller groups, the tail block) a per-lane scale vector per block. */
+TARGET static inline VF FN(row_dot)(const Job *job, int64_t n, VI idx, VF lut) {
     const int64_t words = job->K / 8, num_blocks = (words + L - 1) / L;
     const int blocks_per_group = job->group_shift >= BW_SHIFT ? 1 << (job->group_shift - BW_SHIFT) : 0;
     const int64_t whole_groups = blocks_per_group ? words / L / blocks_per_group : 0;
-    const VI idx = FN(expand_index)(job->group);
-    for (int64_t n = n0; n < n1; n++) {
-        const int32_t *wrow = job->packed + n * words;
-        const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
-        VF acc = V_ZERO();
-        int64_t b = 0;
-        for (int64_t g = 0; g < whole_groups; g++) {
-            VF sum = FN(block_raw)(VI_LOADU(wrow + b * L), job->xp + b * BLOCK_FLOATS);
-            for (b++; b < (g + 1) * blocks_per_group; b++)
-                sum = V_ADD(sum, FN(block_raw)(VI_LOADU(wrow + b * L), job->xp + b * BLOCK_FLOATS));
-            acc = V_FMA(sum, V_SET1(scale_at(job, srow, g)), acc);
-        }
-        for (; b < num_blocks; b++)
-            acc = FN(block_dot)(FN(load_block)(wrow, b, words), job->xp + b * BLOCK_FLOATS,
-                                FN(scale_vec)(job, srow, b, idx), acc);
-        store_y(job, 0, n, V_HSUM(acc));
+    const int32_t *wrow = job->packed + n * words;
+    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+    VF acc = V_ZERO();
+    int64_t b = 0;
+    for (int64_t g = 0; g < whole_groups; g++) {
+        VF sum = FN(block_raw)(VI_LOADU(wrow + b * L), job->xp + b * BLOCK_FLOATS, lut);
+        for (b++; b < (g + 1) * blocks_per_group; b++)
+            sum = V_ADD(sum, FN(block_raw)(VI_LOADU(wrow + b * L), job->xp + b * BLOCK_FLOATS, lut));
+        acc = V_FMA(sum, V_SET1(scale_at(job, srow, g)), acc);
     }
+    for (; b < num_blocks; b++)
+        acc = FN(block_dot)(FN(load_block)(wrow, b, words), job->xp + b * BLOCK_FLOATS,
+                            FN(scale_vec)(job, srow, b, idx), acc, lut);
+    return acc;
+}
+
+/* gemv rows in fours: the four horizontal sums share their shuffles. */
+TARGET static void FN(gemv)(const Job *job, int64_t n0, int64_t n1) {
+    const VI idx = FN(expand_index)(job->group);
+    const VF lut = V_NIBBLE_LUT();
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        VF a0 = FN(row_dot)(job, n, idx, lut), a1 = FN(row_dot)(job, n + 1, idx, lut);
+        VF a2 = FN(row_dot)(job, n + 2, idx, lut), a3 = FN(row_dot)(job, n + 3, idx, lut);
+        float sums[4];
+        _mm_storeu_ps(sums, V_HSUM4(a0, a1, a2, a3));
+        for (int r = 0; r < 4; r++)
+            store_y(job, 0, n + r, sums[r]);
+    }
+    for (; n < n1; n++)
+        store_y(job, 0, n, V_HSUM(FN(row_dot)(job, n, idx, lut)));
 }
 
 /* Dequantize blocks b0..b0+nb of row n (fp32 q * scale, the activations' plane order) into tile. */
@@ -109,20 +121,20 @@ TARGET static void FN(dequantize)(const Job *job, int64_t n, int64_t b0, int64_t
     const int64_t words = job->K / 8;
     const int32_t *wrow = job->packed + n * words;
     const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
-    const VI low4 = VI_SET1(15);
-    const VF eight = V_SET1(8.0f);
+    const VF eight = V_SET1(8.0f), lut = V_NIBBLE_LUT();
+    (void)lut;
     for (int64_t b = 0; b < nb; b++) {
         VI w = FN(load_block)(wrow, b0 + b, words);
         VF scale = FN(scale_vec)(job, srow, b0 + b, idx), offset = V_MUL(scale, eight);
         VF *t = tile + b * 8;
-        t[0] = V_FMSUB(V_CVT(VI_AND(w, low4)), scale, offset);
-        t[1] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 4), low4)), scale, offset);
-        t[2] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 8), low4)), scale, offset);
-        t[3] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 12), low4)), scale, offset);
-        t[4] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 16), low4)), scale, offset);
-        t[5] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 20), low4)), scale, offset);
-        t[6] = V_FMSUB(V_CVT(VI_AND(VI_SRLI(w, 24), low4)), scale, offset);
-        t[7] = V_FMSUB(V_CVT(VI_SRLI(w, 28)), scale, offset);
+        t[0] = V_FMSUB(V_PLANE(w, 0, lut), scale, offset);
+        t[1] = V_FMSUB(V_PLANE(w, 1, lut), scale, offset);
+        t[2] = V_FMSUB(V_PLANE(w, 2, lut), scale, offset);
+        t[3] = V_FMSUB(V_PLANE(w, 3, lut), scale, offset);
+        t[4] = V_FMSUB(V_PLANE(w, 4, lut), scale, offset);
+        t[5] = V_FMSUB(V_PLANE(w, 5, lut), scale, offset);
+        t[6] = V_FMSUB(V_PLANE(w, 6, lut), scale, offset);
+        t[7] = V_FMSUB(V_PLANE(w, 7, lut), scale, offset);
     }
 }
 
