@@ -226,9 +226,7 @@ static void scalar_rows(const Job *job, int64_t n0, int64_t n1) {
 #define V_HSUM4(a, b, c, d) hsum4_avx2(a, b, c, d)
 /* Nibble j of each lane as a float (the top one needs no mask); the table is AVX-512's. */
 #define V_PLANE(w, j, lut)                                                                                   \
-    ((j) == 7 ? _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 28))                                                 \
-              : _mm256_cvtepi32_ps(_mm256_and_si256((j) ? _mm256_srli_epi32(w, 4 * (j)) : (w),               \
-                                                    _mm256_set1_epi32(15))))
+    ((j) == 7 ? V_CVT(VI_SRLI(w, 28)) : V_CVT(VI_AND((j) ? VI_SRLI(w, 4 * (j)) : (w), VI_SET1(15))))
 #define V_NIBBLE_LUT() _mm256_setzero_ps()
 #define VI_SET1(i) _mm256_set1_epi32(i)
 #define VI_LOADU(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -291,21 +289,21 @@ TARGET static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
 #define V_MUL(a, b) _mm512_mul_ps(a, b)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_FMSUB(a, b, c) _mm512_fmsub_ps(a, b, c)
-#define V_CVT(v) _mm512_cvtepi32_ps(v)
 #define V_EXPAND4(s4, idx) _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s4))
 #define V_HSUM(v) _mm512_reduce_add_ps(v)
-#define V_HSUM4(a, b, c, d) hsum4_avx2(half_sum_avx512(a), half_sum_avx512(b), half_sum_avx512(c), half_sum_avx512(d))
+#define V_HSUM4(a, b, c, d)                                                                                  \
+    hsum4_avx2(half_sum_avx512(a), half_sum_avx512(b), half_sum_avx512(c), half_sum_avx512(d))
 /* Nibble j of each lane as a float: vpermps reads the index's low 4 bits, so no mask and no convert. */
-#define V_PLANE(w, j, lut) _mm512_permutexvar_ps((j) ? _mm512_srli_epi32(w, 4 * (j)) : (w), lut)
+#define V_PLANE(w, j, lut) _mm512_permutexvar_ps((j) ? VI_SRLI(w, 4 * (j)) : (w), lut)
 #define V_NIBBLE_LUT() _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define VI_SET1(i) _mm512_set1_epi32(i)
 #define VI_LOADU(p) _mm512_loadu_si512((const void *)(p))
 #define VI_LOAD_FIRST(p, n) _mm512_maskz_loadu_epi32((1u << (n)) - 1u, (const void *)(p))
-#define VI_AND(a, b) _mm512_and_si512(a, b)
 #define VI_SRLI(v, i) _mm512_srli_epi32(v, i)
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 TARGET static inline __m256 half_sum_avx512(__m512 v) { /* the two 256-bit halves added */
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return _mm256_add_ps(_mm512_castps512_ps256(v), high);
 }
 #include "_w4a16_cpu_simd.h"
 #include "_w8a16_cpu_simd.h"

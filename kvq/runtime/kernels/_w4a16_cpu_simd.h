@@ -2,14 +2,15 @@
      ISA (name suffix), TARGET (function attribute), L (fp32 lanes), VF / VI (float / int vectors) and the
      vector operations below (V_*).
    A block is L int32 words of one weight row (8 * L elements, word i in lane i); nibble plane j holds
-   elements 8i + j. Activations are permuted once per call to match (see permute_rows): per block, 8
+   elements 8i + j. Activations are permuted once per call to match (see convert_row): per block, 8
    vectors of plane inputs, then a vector of 8 * (sum of each word's 8 inputs), which turns the
    stored nibble u = q + 8 into q without a per-element subtraction: sum(u x) - 8 sum(x) = sum(q x).
 
    gemv (M = 1): per row, per block: 8 planes (V_PLANE: shift, and, convert; AVX-512: shift and a
-   16-entry table lookup) times their inputs, fp32 sums, times the lane's group scale; rows in fours. gemm (M >= 2): per tile of 4 rows and KC_BLOCKS blocks, the weights are
-   dequantized once (q * scale, fp32) into an L1 buffer, then every activation row (in pairs) is dotted
-   with all 4 rows from it: 8 accumulators, 6 loads per 8 FMAs. */
+   16-entry table lookup) times their inputs, fp32 sums, times the lane's group scale; rows in fours.
+   gemm (M >= 2): per tile of 4 rows and KC_BLOCKS blocks, the weights are dequantized once (q * scale,
+   fp32) into an L1 buffer, then every activation row (in pairs) is dotted with all 4 rows from it:
+   8 accumulators, 6 loads per 8 FMAs. */
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
