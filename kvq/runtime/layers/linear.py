@@ -69,12 +69,28 @@ class Linear:
 class DenseLinear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias  # [N, K]
+        self.is_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_cpu_bf16 and x.shape[0] == 1:
+            return linear_one_row_cpu(x, self.weight)
         return F.linear(x, self.weight)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.bias) if t is not None]
+
+
+def linear_one_row_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear of one bf16 row `[1, K]` on CPU through torch's own GEMV, not oneDNN: on AVX-512 BF16 CPUs
+    oneDNN's matmul copies the whole weight into a blocked buffer at every call, which made a BF16 decode
+    step ~1.8x slower (SmolLM2, BENCHMARKS "kvq bench decode"); elsewhere torch takes its own path anyway.
+    The switch is process-wide for the length of the call (decode runs one forward at a time)."""
+    was_enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.linear(x, weight)
+    finally:
+        torch._C._set_mkldnn_enabled(was_enabled)
 
 
 class Fp8Linear(Linear):

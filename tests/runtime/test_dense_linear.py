@@ -1,0 +1,57 @@
+"""DenseLinear on CPU bf16: one row goes through torch's own GEMV (`linear_one_row_cpu`), more rows through
+F.linear; both equal the fp32 product within bf16 rounding, and the oneDNN switch is left as it was."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvq.runtime.layers.linear import DenseLinear, linear_one_row_cpu
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), weight.float())
+
+
+@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize(("out_features", "in_features"), [(7, 96), (130, 576), (33, 1000)])
+def test_dense_bf16_rows_equal_the_fp32_product(num_rows: int, out_features: int, in_features: int) -> None:
+    g = torch.Generator().manual_seed(out_features * in_features + num_rows)
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(num_rows, in_features, generator=g).to(torch.bfloat16)
+    layer = DenseLinear(weight, bias)
+    assert layer.is_cpu_bf16
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (num_rows, out_features)
+    expected = _reference(x, weight) + bias.float()
+    scale = expected.abs().max().item()
+    assert (y.float() - expected).abs().max().item() <= 2e-2 * scale  # bf16 output rounding, K-long sums
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_one_row_gemv_restores_the_onednn_switch(enabled_before: bool) -> None:
+    weight = torch.randn(40, 64).to(torch.bfloat16)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    was = torch._C._get_mkldnn_enabled()
+    try:
+        torch._C._set_mkldnn_enabled(enabled_before)
+        y = linear_one_row_cpu(x, weight)
+        assert torch._C._get_mkldnn_enabled() is enabled_before
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+    expected = _reference(x, weight)
+    assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+
+
+def test_one_row_gemv_restores_the_switch_when_the_matmul_raises() -> None:
+    was = torch._C._get_mkldnn_enabled()
+    with pytest.raises(RuntimeError):
+        linear_one_row_cpu(torch.randn(1, 5).to(torch.bfloat16), torch.randn(4, 6).to(torch.bfloat16))
+    assert torch._C._get_mkldnn_enabled() is was
+
+
+def test_fp32_weights_take_f_linear_unchanged() -> None:
+    weight, x = torch.randn(9, 16), torch.randn(1, 16)
+    layer = DenseLinear(weight, None)
+    assert not layer.is_cpu_bf16
+    assert torch.equal(layer(x), F.linear(x, weight))
