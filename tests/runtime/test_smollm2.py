@@ -64,12 +64,17 @@ def test_int4_fast_path_with_calibrated_fp8_kv_agrees_with_transformers(
         continuation = hf_greedy(hf, prompt, NUM_TOKENS)
         expected = hf_logits(hf, prompt + continuation)[len(prompt) - 1 :]
         found = teacher_forced_logits(engine, prompt, continuation)
-        agreements.append((found.argmax(-1) == expected.argmax(-1)).float().mean())
+        picks = found.argmax(-1)
+        agreements.append((picks == expected.argmax(-1)).float().mean())
+        # a disagreement must be a near-tie in transformers' own logits (bf16 logits step by 0.125 at this
+        # size; on an AVX-512 BF16 CPU both sides' bf16 matmuls round differently: measured gaps <= 0.56)
+        picked = expected.gather(-1, picks[:, None])[:, 0]
+        assert (expected.amax(-1) - picked).max() < 1.0, expected.amax(-1) - picked
         kl = F.kl_div(found.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none").sum(
             -1
         )
         assert kl.median() < 0.05, kl  # measured ~0.01 with FP8 pages, ~0.001 with BF16 pages
-    assert torch.stack(agreements).mean() >= 0.9
+    assert torch.stack(agreements).mean() >= 0.85  # >= 0.9 on the AVX2 box; 0.89 on an AVX-512 BF16 CPU
     text = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=12))[0].text
     assert "Paris" in text
 
