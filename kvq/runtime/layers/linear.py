@@ -100,7 +100,10 @@ class Fp8Linear(Linear):
         self.stored, self.bias = stored, bias
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.stored.dense(x.dtype))
+        weight = self.stored.dense(x.dtype)
+        if x.shape[0] == 1 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            return linear_one_row_cpu(x, weight)  # as DenseLinear: no oneDNN weight copy per call
+        return F.linear(x, weight)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.stored.tensors.values(), *([self.bias] if self.bias is not None else [])]
