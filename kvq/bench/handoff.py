@@ -74,10 +74,7 @@ def bench_paths(model: str) -> tuple[Path, Path, str]:
 
 def run_handoff_bench(config: HandoffBenchConfig) -> HandoffBenchResult:
     from kvq.runtime.config import EngineConfig
-    from kvq.runtime.kv_transfer import export_handoff
     from kvq.runtime.pd_engine import PDEngine
-    from kvq.runtime.sampling import SamplingParams
-    from kvq.serve.pd_link import receive_handoff, send_handoff
 
     torch.set_num_threads(config.threads)
     prefill_path, decode_path, kv_dtype = bench_paths(config.model)
@@ -101,8 +98,26 @@ def run_handoff_bench(config: HandoffBenchConfig) -> HandoffBenchResult:
     pool = prefill.kv_pool
     result = HandoffBenchResult(asdict(config), str(prefill_path), str(decode_path))
     result.kv_bytes_per_token = pool.num_layers * pool.layout.num_parts * pool.row_bytes
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
     sender, receiver = links(config.transport)
+    try:
+        result.us_per_token = time_handoffs(config, prefill, decode, sender, receiver)
+    finally:
+        close_links(sender, receiver)
+    return result
+
+
+def time_handoffs(
+    config: HandoffBenchConfig, prefill: Any, decode: Any, sender: Any, receiver: Any
+) -> dict[int, dict[str, float]]:
+    """Median microseconds per prompt token of each stage, per prompt length: prompts prefilled on
+    `prefill`, handed over the link to `decode` and admitted there."""
+    from kvq.runtime.kv_transfer import export_handoff
+    from kvq.runtime.sampling import SamplingParams
+    from kvq.serve.pd_link import receive_handoff, send_handoff
+
+    pool = prefill.kv_pool
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    us_per_token: dict[int, dict[str, float]] = {}
     gen = torch.Generator().manual_seed(0)
     vocab = prefill.model.config.vocab_size
     for n in config.prompt_tokens:
@@ -138,8 +153,18 @@ def run_handoff_bench(config: HandoffBenchConfig) -> HandoffBenchResult:
                 runs[stage].append(value)
         medians = {stage: statistics.median(v[1:]) * 1e6 / n for stage, v in runs.items()}
         medians["total"] = sum(medians[stage] for stage in STAGES)
-        result.us_per_token[n] = medians
-    return result
+        us_per_token[n] = medians
+    return us_per_token
+
+
+def close_links(sender: Any, receiver: Any) -> None:
+    """Close both ends of a link at once: a torch link's close waits for the peer's goodbye, which from
+    the same thread would only come after that wait; left to exit, gloo threads still receiving abort the
+    process ("terminate called without an active exception")."""
+    closing = threading.Thread(target=sender.close)
+    closing.start()
+    receiver.close()
+    closing.join()
 
 
 def links(transport: str) -> tuple[Any, Any]:

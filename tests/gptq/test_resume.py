@@ -77,8 +77,11 @@ def test_interrupted_run_resumes_byte_identical(tiny_checkpoint: TinyCheckpoint,
     assert snapshot(out) == expected and {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
     assert snapshot(src) == source_files
 
-    # the scales written in the GPTQ pass are those kvq calibrate measures on the quantized output
+    # the scales written in the GPTQ pass are those kvq calibrate measures on the quantized output, to one
+    # bf16 step: both carry bf16 hidden states through the layers with matmuls of different shapes, which
+    # AVX-512 BF16 CPUs round differently (seen: layer 1's v_scale 0.0033264 vs 0.0033112, one step apart)
     calibrated = calibrate(shutil.copytree(whole, tmp_path / "calibrated"), CALIBRATION)
     written = Checkpoint.open(whole)
     for name, scale in calibrated.scales.items():
-        torch.testing.assert_close(written.read(name).float(), scale.float(), rtol=BF16_ULP, atol=0, msg=name)
+        got = written.read(name).float()
+        torch.testing.assert_close(got, scale.float(), rtol=2 * BF16_ULP, atol=0, msg=name)
