@@ -18,10 +18,11 @@ setup(
             depends=[
                 "kvq/runtime/kernels/_w4a16_cpu_pool.h",
                 "kvq/runtime/kernels/_w4a16_cpu_simd.h",
+                "kvq/runtime/kernels/_w4a16_cpu_bf16.h",
                 "kvq/runtime/kernels/_w8a16_cpu.h",
                 "kvq/runtime/kernels/_w8a16_cpu_simd.h",
             ],
-            # one build for every x86 CPU: the AVX2 and AVX-512 loops carry their own target attributes
+            # one build for every x86 CPU: the AVX2, AVX-512 and AVX-512 BF16 loops carry their own target attributes
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", "-fno-fast-math"],
             extra_link_args=["-pthread"],
             optional=True,

@@ -10,11 +10,11 @@ from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, runnable_isas
 CPU_ISAS = [
     *(
         pytest.param(isa, marks=pytest.mark.skipif(isa not in runnable_isas(), reason=f"no {isa} path here"))
-        for isa in ("avx512", "avx2", "scalar")
+        for isa in ("avx512bf16", "avx512", "avx2", "scalar")
     ),
     "torch",
 ]
-SIMD_ISAS = CPU_ISAS[:2]  # the native SIMD paths, each skipped where this CPU or build cannot run it
+SIMD_ISAS = CPU_ISAS[:3]  # the native SIMD paths, each skipped where this CPU or build cannot run it
 needs_native = pytest.mark.skipif("scalar" not in runnable_isas(), reason="kvq's CPU extension is not built")
 
 

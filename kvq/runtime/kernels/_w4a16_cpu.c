@@ -3,7 +3,8 @@
    y[m, n] = sum_g scale[n, g] * sum_{k in group g} q[n, k] * x[m, k], fp32 sums, for weight_packed int32
    [N, K/8] (nibble j of word k is q[n, 8k + j] + 8), weight_scale [N, K/G] (bf16 or fp32), activations
    x [M, K] and output y [M, N] in fp32, bf16 or fp16 (rounded to nearest even), all contiguous.
-   Paths (isa): 0 scalar (the C reference: plain loops in the natural order), 1 AVX2 + FMA, 2 AVX-512F;
+   Paths (isa): 0 scalar (the C reference: plain loops in the natural order), 1 AVX2 + FMA, 2 AVX-512F,
+   3 AVX-512 BF16 (path 2, but M >= 2 rows of bf16 activations go through vdpbf16ps: _w4a16_cpu_bf16.h);
    one build holds all of them (per-function target attributes) and `isas()` says which this CPU runs.
    Threads split the output rows (N); activations are converted to fp32 once per call.
 
@@ -28,15 +29,17 @@
 #include "_w4a16_cpu_simde.h"
 #define TARGET_AVX2
 #define TARGET_AVX512
+#define TARGET_AVX512BF16
 #elif defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVQ_X86 1
 #include <immintrin.h>
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
 #endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 #define MIN_WORK_PER_THREAD 32768 /* multiply-adds: below this a thread costs more than it saves */
 #define CHUNKS_PER_THREAD 4         /* row ranges per thread, taken dynamically (see _w4a16_cpu_pool.h) */
 
@@ -47,7 +50,8 @@ typedef struct {
     const int32_t *packed;
     const uint8_t *scale;
     void *y;
-    float *xp; /* activations in fp32: natural order (scalar) or permuted blocks (SIMD) */
+    float *xp; /* activations in fp32: natural order (scalar) or permuted blocks (SIMD); bf16 pair planes
+                  (avx512bf16) */
 } Job;
 
 static inline uint32_t f32_bits(float f) {
@@ -142,20 +146,42 @@ static inline void w8_store(const W8Job *job, int64_t m, int64_t n, float dot) {
     store_f32(job->y, job->y_dtype, m * job->N + n, dot * load_f32(job->scale, job->scale_dtype, n));
 }
 
-static inline int isa_lanes(int isa) { return isa == ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 0; }
+static inline int isa_lanes(int isa) { return isa >= ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 0; }
 
-/* fp32 activations per row: K (scalar) or per block of `lanes` words 8 * lanes planes + lanes sums. */
+/* Activations per row, in 4-byte units: K fp32 (scalar), per block of `lanes` words 8 * lanes fp32
+   planes + lanes fp32 sums (SIMD), or per block of 16 words 4 * 16 bf16 pairs (avx512bf16). */
 static int64_t xp_stride_of(int isa, int64_t K) {
     int lanes = isa_lanes(isa);
     if (lanes == 0)
         return K;
     int64_t words = K / 8, num_blocks = (words + lanes - 1) / lanes;
-    return num_blocks * (8 * lanes + lanes);
+    return num_blocks * (isa == ISA_AVX512BF16 ? 4 * lanes : 8 * lanes + lanes);
+}
+
+/* Row m of bf16 activations as avx512bf16's tiles read them, zero past K: per block of 16 words, pair
+   plane p (0..3), lane i (0..15) is the block's 32-bit word 4i + p (see _w4a16_cpu_bf16.h). */
+static void convert_row_pairs(const Job *job, int64_t m) {
+    const uint8_t *x = (const uint8_t *)job->x + m * job->K * 2;
+    uint32_t *out = (uint32_t *)(job->xp + m * job->xp_stride);
+    const int64_t pairs = job->K / 2;
+    for (int64_t base = 0; base < job->xp_stride; base += 64)
+        for (int p = 0; p < 4; p++)
+            for (int i = 0; i < 16; i++) {
+                int64_t pair = base + 4 * i + p;
+                uint32_t v = 0;
+                if (pair < pairs)
+                    memcpy(&v, x + pair * 4, 4);
+                out[base + 16 * p + i] = v;
+            }
 }
 
 static void convert_row(const Job *job, int64_t m) {
     float *out = job->xp + m * job->xp_stride;
     int lanes = isa_lanes(job->isa);
+    if (job->isa == ISA_AVX512BF16) {
+        convert_row_pairs(job, m);
+        return;
+    }
     if (lanes == 0) {
         for (int64_t k = 0; k < job->K; k++)
             out[k] = x_at(job, m, k);
@@ -307,6 +333,7 @@ TARGET static inline __m256 half_sum_avx512(__m512 v) { /* the two 256-bit halve
 }
 #include "_w4a16_cpu_simd.h"
 #include "_w8a16_cpu_simd.h"
+#include "_w4a16_cpu_bf16.h"
 #endif
 
 static int isa_supported(int isa) {
@@ -319,8 +346,11 @@ static int isa_supported(int isa) {
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (isa == ISA_AVX2)
         return avx2;
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f");
     if (isa == ISA_AVX512)
-        return avx2 && __builtin_cpu_supports("avx512f");
+        return avx512;
+    if (isa == ISA_AVX512BF16)
+        return avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
 #endif
     return 0;
 }
@@ -346,6 +376,10 @@ static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     }
     if (job->isa == ISA_AVX512) {
         run_avx512(job, n0, n1);
+        return;
+    }
+    if (job->isa == ISA_AVX512BF16) {
+        gemm_bf16(job, n0, n1);
         return;
     }
 #endif
@@ -395,8 +429,10 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKi", &isa, &threads, &x, &x_dtype, &M, &K, &packed, &scale,
                           &scale_dtype, &N, &group, &y, &y_dtype))
         return NULL;
-    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !isa_supported(isa))
+    if (isa < ISA_SCALAR || isa > ISA_AVX512BF16 || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (isa == ISA_AVX512BF16 && (M < 2 || x_dtype != DTYPE_BF16))
+        isa = ISA_AVX512; /* its GEMV, and other activations, are the AVX-512 path's */
     if ((group != 32 && group != 64 && group != 128) || M < 0 || N < 0 || K <= 0 || K % group)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld group=%d", M, N, K, group);
     if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2 || (scale_dtype != DTYPE_F32 &&
@@ -439,10 +475,10 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
 static PyObject *isas(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    static const char *names[] = {"scalar", "avx2", "avx512"};
-    const char *runnable[3];
+    static const char *names[] = {"scalar", "avx2", "avx512", "avx512bf16"};
+    const char *runnable[4];
     Py_ssize_t count = 0;
-    for (int isa = ISA_SCALAR; isa <= ISA_AVX512; isa++)
+    for (int isa = ISA_SCALAR; isa <= ISA_AVX512BF16; isa++)
         if (isa_supported(isa))
             runnable[count++] = names[isa];
     PyObject *out = PyTuple_New(count);

@@ -54,8 +54,10 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiKiLLKKiLKi", &isa, &threads, &x, &x_dtype, &M, &K, &w, &scale, &scale_dtype,
                           &N, &y, &y_dtype))
         return NULL;
-    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !isa_supported(isa))
+    if (isa < ISA_SCALAR || isa > ISA_AVX512BF16 || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (isa == ISA_AVX512BF16)
+        isa = ISA_AVX512; /* W8A16 has no bf16 path of its own */
     if (M < 0 || N < 0 || K <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld", M, N, K);
     if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2 || (scale_dtype != DTYPE_F32 &&

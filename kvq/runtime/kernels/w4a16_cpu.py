@@ -2,7 +2,8 @@
 (the W8A16 entry's too, `gemm_w8`).
 
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
-`w4a16.py`) with AVX-512, AVX2 + FMA or scalar C loops chosen at run time. Without the extension, or
+`w4a16.py`) with AVX-512 BF16 (AVX-512, but several rows of bf16 activations through vdpbf16ps), AVX-512,
+AVX2 + FMA or scalar C loops chosen at run time. Without the extension, or
 with KVQ_CPU_ISA=torch, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
 """
 
@@ -19,9 +20,10 @@ import torch
 from kvq.errors import KvqError
 
 CPU_ISA_ENV = "KVQ_CPU_ISA"
-CPU_ISA_CHOICES = ("auto", "avx512", "avx2", "scalar", "torch")
-NATIVE_ISAS = ("avx512", "avx2", "scalar")
-_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+CPU_ISA_CHOICES = ("auto", "avx512bf16", "avx512", "avx2", "scalar", "torch")
+NATIVE_ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
+AUTO_ISAS = NATIVE_ISAS[:3]  # auto's order of preference ("scalar" is the reference, never auto's)
+_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NATIVE_DTYPES = tuple(_DTYPE_CODES)  # activation / output dtypes the native kernels take
 _REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile")
@@ -39,7 +41,7 @@ def runnable_isas() -> tuple[str, ...]:
 
 
 def resolve_cpu_isa(choice: str | None = None) -> str:
-    """The CPU W4A16 path: `choice`, else $KVQ_CPU_ISA, else auto (avx512, else avx2, else torch).
+    """The CPU W4A16 path: `choice`, else $KVQ_CPU_ISA, else auto (avx512bf16, avx512, avx2, else torch).
 
     "scalar" (the C reference) is never chosen by auto. Raises `KvqError` for an unknown choice or a path
     this CPU or build cannot run.
@@ -51,7 +53,7 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
         raise KvqError(f"{source} is {raw!r}; expected one of {', '.join(CPU_ISA_CHOICES)}")
     runnable = runnable_isas()
     if value == "auto":
-        return next((isa for isa in ("avx512", "avx2") if isa in runnable), "torch")
+        return next((isa for isa in AUTO_ISAS if isa in runnable), "torch")
     if value in NATIVE_ISAS and value not in runnable:
         if _ext is None:
             raise KvqError(

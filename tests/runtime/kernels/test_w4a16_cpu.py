@@ -150,15 +150,16 @@ def test_fused_moe_runs_on_each_cpu_path(cpu_isa: str) -> None:
 def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CPU_ISA_ENV, raising=False)
     runnable = runnable_isas()
-    expected = next((isa for isa in ("avx512", "avx2") if isa in runnable), "torch")
+    expected = next((isa for isa in ("avx512bf16", "avx512", "avx2") if isa in runnable), "torch")
     assert resolve_cpu_isa() == expected
     monkeypatch.setenv(CPU_ISA_ENV, " Torch ")
     assert resolve_cpu_isa() == "torch"
     assert resolve_cpu_isa("auto") == expected  # an argument beats the environment
     monkeypatch.setenv(CPU_ISA_ENV, "sse2")
-    with pytest.raises(KvqError, match=r"KVQ_CPU_ISA is 'sse2'; expected one of auto, avx512, avx2, scalar"):
+    expected_choices = r"KVQ_CPU_ISA is 'sse2'; expected one of auto, avx512bf16, avx512, avx2, scalar"
+    with pytest.raises(KvqError, match=expected_choices):
         resolve_cpu_isa()
-    for isa in ("avx512", "avx2", "scalar"):
+    for isa in ("avx512bf16", "avx512", "avx2", "scalar"):
         if isa not in runnable:
             monkeypatch.setenv(CPU_ISA_ENV, isa)
             with pytest.raises(KvqError, match=f"is '{isa}' but .* pick one of auto"):
@@ -196,3 +197,17 @@ def test_strided_and_leading_dims(cpu_isa: str) -> None:
     y = w4a16_linear(x.reshape(2, 3, 128), w)
     assert y.shape == (2, 3, 40)
     assert_close_rel(y.reshape(6, 40), expected, REL_TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")
+@pytest.mark.skipif(bool(os.environ.get("KVQ_SIMDE_CHECK")), reason="SIMDe's vdpbf16ps keeps denormals")
+def test_avx512bf16_runs_vdpbf16ps_for_bf16_batches_only() -> None:
+    """vdpbf16ps flushes denormal inputs to zero, the fp32 paths do not: which path ran, by its values."""
+    packed = torch.full((4, 4), -1, dtype=torch.int32)  # every nibble 15: q = 7
+    scale = torch.ones(4, 1)
+    tiny = torch.full((2, 32), 1e-39)  # denormal in bf16 and fp32; 32 * 7e-39 is a normal fp32
+    for x, batched in ((tiny.to(torch.bfloat16), True), (tiny.to(torch.bfloat16)[:1], False), (tiny, False)):
+        y = _native("avx512bf16", x, packed, scale, 32, out_dtype=torch.float32)
+        expected = _native("avx512", x, packed, scale, 32, out_dtype=torch.float32)
+        assert expected.min() > 1e-37
+        assert torch.equal(y, torch.zeros_like(y) if batched else expected), (x.dtype, x.shape[0])

@@ -1,0 +1,127 @@
+/* The AVX-512 BF16 W4A16 GEMM (path avx512bf16: M >= 2 rows of bf16 activations), included by
+   _w4a16_cpu.c after the AVX-512 path, whose block layout, scale vectors and tail loads it shares.
+
+   A block is 16 int32 words of one weight row (128 elements, word i in lane i). Here its elements go as
+   4 pair planes: plane p, lane i holds elements 8i + 2p and 8i + 2p + 1 as two bf16, the first in the low
+   half. That is how the activations already lie in memory (plane p, lane i is the block's 32-bit word
+   4i + p), so convert_row_pairs only transposes 32-bit words, and vdpbf16ps multiplies each pair and adds
+   both products to the lane's fp32 sum. The tile holds q (-8..7, exact in bf16), not q * scale: per block
+   and (activation row, weight row), 4 vdpbf16ps from zero give the lane's sum of q * x, which goes times
+   the lane's group scale into the fp32 accumulator. So the sums are the fp32 path's in another order
+   (products of bf16 pairs are exact in fp32; vdpbf16ps flushes denormals to zero), at about twice its
+   speed for M >= 8 on Zen 4.
+   Tried and slower: q * scale rounded to bf16 in the tile (compressed-tensors' bf16 decompression; no
+   multiply per block, but no faster and not exact), and lanes that each own 64 consecutive elements of a
+   1024-element range, so that one multiply per 32 elements suffices (gathered weights, and a whole range
+   of work for K = 576: 0.6-0.9x this layout). */
+
+#define BF_KC 8             /* blocks per dequantized tile */
+#define BF_TILE (BF_KC * 4) /* pair-plane vectors per tile row */
+#define BF_M_BLOCK 64       /* activation rows per pass over a tile */
+
+TARGET_AVX512BF16 static inline __m512bh as_bf16_pairs(__m512i v) {
+    __m512bh out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+}
+
+/* Blocks b0..b0+nb of row n as q pair planes into tile, their per-lane scales into scales. */
+TARGET_AVX512BF16 static void dequantize_bf16(const Job *job, int64_t n, int64_t b0, int64_t nb, __m512i idx,
+                                              __m512i *tile, __m512 *scales) {
+    const int64_t words = job->K / 8;
+    const int32_t *wrow = job->packed + n * words;
+    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+    const __m512 q_of = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i w = load_block_avx512(wrow, b0 + b, words);
+        scales[b] = scale_vec_avx512(job, srow, b0 + b, idx);
+        for (int p = 0; p < 4; p++) { /* bf16 is fp32's top half, and these fp32 have a zero bottom half */
+            __m512 low = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8 * p), q_of);
+            __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8 * p + 4), q_of);
+            tile[b * 4 + p] =
+                _mm512_or_si512(_mm512_castps_si512(high), _mm512_srli_epi32(_mm512_castps_si512(low), 16));
+        }
+    }
+}
+
+/* acc[r] (and acc[4 + r]) += row xa (and xb, where two) in pair planes . tile row r over nb blocks, scaled. */
+TARGET_AVX512BF16 static inline __attribute__((always_inline)) void
+tile_dot_bf16(const uint32_t *xa, const uint32_t *xb, int two, const __m512i *tile, const __m512 *scales,
+              int64_t nb, __m512 *acc) {
+    __m512 a[4], c[4];
+    for (int r = 0; r < 4; r++)
+        a[r] = acc[r], c[r] = two ? acc[4 + r] : _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint32_t *pa = xa + b * 64, *pc = (two ? xb : xa) + b * 64;
+        __m512bh a0 = as_bf16_pairs(_mm512_loadu_si512(pa)), a1 = as_bf16_pairs(_mm512_loadu_si512(pa + 16));
+        __m512bh a2 = as_bf16_pairs(_mm512_loadu_si512(pa + 32)), a3 = as_bf16_pairs(_mm512_loadu_si512(pa + 48));
+        __m512bh c0 = as_bf16_pairs(_mm512_loadu_si512(pc)), c1 = as_bf16_pairs(_mm512_loadu_si512(pc + 16));
+        __m512bh c2 = as_bf16_pairs(_mm512_loadu_si512(pc + 32)), c3 = as_bf16_pairs(_mm512_loadu_si512(pc + 48));
+        for (int r = 0; r < 4; r++) { /* each weight vector loaded once for both rows, two chains */
+            const __m512i *t = tile + r * BF_TILE + b * 4;
+            __m512bh t0 = as_bf16_pairs(t[0]), t1 = as_bf16_pairs(t[1]);
+            __m512bh t2 = as_bf16_pairs(t[2]), t3 = as_bf16_pairs(t[3]);
+            __m512 scale = scales[r * BF_KC + b];
+            __m512 sa = _mm512_dpbf16_ps(_mm512_setzero_ps(), t0, a0), sc = _mm512_setzero_ps();
+            if (two)
+                sc = _mm512_dpbf16_ps(sc, t0, c0);
+            sa = _mm512_dpbf16_ps(sa, t1, a1);
+            if (two)
+                sc = _mm512_dpbf16_ps(sc, t1, c1);
+            sa = _mm512_dpbf16_ps(sa, t2, a2);
+            if (two)
+                sc = _mm512_dpbf16_ps(sc, t2, c2);
+            sa = _mm512_dpbf16_ps(sa, t3, a3);
+            a[r] = _mm512_fmadd_ps(sa, scale, a[r]);
+            if (two)
+                c[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(sc, t3, c3), scale, c[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        acc[r] = a[r];
+        if (two)
+            acc[4 + r] = c[r];
+    }
+}
+
+TARGET_AVX512BF16 static void gemm_bf16(const Job *job, int64_t n0, int64_t n1) {
+    const int64_t num_blocks = (job->K / 8 + 15) / 16;
+    const __m512i idx = expand_index_avx512(job->group);
+    const uint32_t *xp = (const uint32_t *)job->xp;
+    __m512i tile[4 * BF_TILE];
+    __m512 scales[4 * BF_KC];
+    __m512 acc[BF_M_BLOCK * 4];
+    for (int64_t n = n0; n < n1; n += 4) {
+        int num_rows = n1 - n < 4 ? (int)(n1 - n) : 4;
+        for (int r = num_rows; r < 4; r++) { /* a missing row: q 0, scale 0 */
+            for (int v = 0; v < BF_TILE; v++)
+                tile[r * BF_TILE + v] = _mm512_setzero_si512();
+            for (int b = 0; b < BF_KC; b++)
+                scales[r * BF_KC + b] = _mm512_setzero_ps();
+        }
+        for (int64_t m0 = 0; m0 < job->M; m0 += BF_M_BLOCK) {
+            int64_t mb = job->M - m0 < BF_M_BLOCK ? job->M - m0 : BF_M_BLOCK;
+            for (int64_t i = 0; i < mb * 4; i++)
+                acc[i] = _mm512_setzero_ps();
+            for (int64_t b0 = 0; b0 < num_blocks; b0 += BF_KC) {
+                int64_t nb = num_blocks - b0 < BF_KC ? num_blocks - b0 : BF_KC;
+                for (int r = 0; r < num_rows; r++)
+                    dequantize_bf16(job, n + r, b0, nb, idx, tile + r * BF_TILE, scales + r * BF_KC);
+                const uint32_t *x = xp + m0 * job->xp_stride + b0 * 64;
+                int64_t m = 0;
+                for (; m + 1 < mb; m += 2)
+                    tile_dot_bf16(x + m * job->xp_stride, x + (m + 1) * job->xp_stride, 1, tile, scales, nb,
+                                  acc + m * 4);
+                if (m < mb)
+                    tile_dot_bf16(x + m * job->xp_stride, NULL, 0, tile, scales, nb, acc + m * 4);
+            }
+            for (int64_t m = 0; m < mb; m++)
+                for (int r = 0; r < num_rows; r++)
+                    store_y(job, m0 + m, n + r, _mm512_reduce_add_ps(acc[m * 4 + r]));
+        }
+    }
+}
+
+#undef BF_KC
+#undef BF_TILE
+#undef BF_M_BLOCK
