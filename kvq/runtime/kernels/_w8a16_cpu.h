@@ -3,7 +3,8 @@
    y[m, n] = scale[n] * sum_k w[n, k] * x[m, k], fp32 sums, for int8 weights w [N, K] (one symmetric scale
    per row, fp32 or bf16), activations x [M, K] and output y [M, N] in fp32, bf16 or fp16, all contiguous:
    the lm_head's INT8 runtime copy. Same paths (scalar reference, AVX2 + FMA, AVX-512F), thread pool and
-   fp32 activation scratch as the W4A16 kernel.
+   fp32 activation scratch as the W4A16 kernel; avx512bf16 runs M >= 2 rows of bf16 activations through
+   vdpbf16ps (w8_gemm_bf16 in _w4a16_cpu_bf16.h, no scratch), the rest as avx512.
 
    gemm_w8(isa, threads, x, x_dtype, M, K, w, scale, scale_dtype, N, y, y_dtype) takes addresses and dtype
    codes; the caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/w8a16.py). */
@@ -35,6 +36,10 @@ static void w8_rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
         w8_run_avx512(job, n0, n1);
         return;
     }
+    if (job->isa == ISA_AVX512BF16) {
+        w8_gemm_bf16(job, n0, n1);
+        return;
+    }
 #endif
     w8_scalar_rows(job, n0, n1);
 }
@@ -56,8 +61,8 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
         return NULL;
     if (isa < ISA_SCALAR || isa > ISA_AVX512BF16 || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
-    if (isa == ISA_AVX512BF16)
-        isa = ISA_AVX512; /* W8A16 has no bf16 path of its own */
+    if (isa == ISA_AVX512BF16 && (M < 2 || x_dtype != DTYPE_BF16))
+        isa = ISA_AVX512; /* its GEMV, and other activations, are the AVX-512 path's */
     if (M < 0 || N < 0 || K <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld", M, N, K);
     if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2 || (scale_dtype != DTYPE_F32 &&
@@ -86,16 +91,17 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
     int status = 0;
     Py_BEGIN_ALLOW_THREADS;
     pthread_mutex_lock(&call_lock);
-    job.xp = scratch_of((size_t)(M * K));
-    if (job.xp == NULL)
-        status = -1;
-    else {
-        if (M * K > 65536)
+    if (isa != ISA_AVX512BF16) { /* activations to fp32 first (avx512bf16 reads bf16 as it is) */
+        job.xp = scratch_of((size_t)(M * K));
+        if (job.xp == NULL)
+            status = -1;
+        else if (M * K > 65536)
             run_parallel(w8_convert_task, &job, chunks, nt);
         else
             w8_convert_task(&job, 0, 1);
-        run_parallel(w8_rows_task, &job, chunks < tiles ? chunks : tiles, nt);
     }
+    if (status == 0)
+        run_parallel(w8_rows_task, &job, chunks < tiles ? chunks : tiles, nt);
     pthread_mutex_unlock(&call_lock);
     Py_END_ALLOW_THREADS;
     if (status < 0)

@@ -5,9 +5,12 @@ prepare errors."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from kvq.runtime.kernels.w4a16_cpu import runnable_isas
 from kvq.runtime.kernels.w8a16 import (
     INT8_MAX,
     prepare_w8a16,
@@ -119,3 +122,16 @@ def test_prepare_and_call_errors_name_the_problem() -> None:
         prepare_w8a16(weight, scale[:4])
     with pytest.raises(ValueError, match=r"expected \[\.\.\., 32\]"):
         w8a16_linear(torch.zeros(1, 16), prepare_w8a16(weight, scale))
+
+
+@pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")
+@pytest.mark.skipif(bool(os.environ.get("KVQ_SIMDE_CHECK")), reason="SIMDe's vdpbf16ps keeps denormals")
+def test_avx512bf16_runs_vdpbf16ps_for_bf16_batches_only() -> None:
+    """vdpbf16ps flushes denormal inputs to zero, the fp32 paths do not: which path ran, by its values."""
+    weight, scale = torch.full((4, 40), 127, dtype=torch.int8), torch.ones(4)
+    tiny = torch.full((2, 40), 1e-39)  # denormal in bf16 and fp32; 40 * 127e-39 is a normal fp32
+    for x, batched in ((tiny.to(torch.bfloat16), True), (tiny.to(torch.bfloat16)[:1], False), (tiny, False)):
+        y = w8a16_native(x, weight, scale, "avx512bf16", out_dtype=torch.float32)
+        expected = w8a16_native(x, weight, scale, "avx512", out_dtype=torch.float32)
+        assert expected.min() > 1e-37
+        assert torch.equal(y, torch.zeros_like(y) if batched else expected), (x.dtype, x.shape[0])
