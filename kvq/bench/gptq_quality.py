@@ -38,6 +38,7 @@ class GptqQualityConfig:
     eval_windows: int = 16
     eval_seq_len: int = 256
     threads: int = 2
+    llm_compressor: bool = True  # also llm-compressor's oneshot GPTQ (the oracle; ~30 min at 16 x 512)
 
 
 def news_jsonl(path: Path) -> Path:
@@ -67,16 +68,18 @@ def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str,
     kvq = [py, "-m", "kvq", "compress", str(src)]
     common = ["--group-size", str(config.group_size), "--workers", "2", "--quiet"]
     gptq = ["--num-samples", str(config.num_samples), "--seq-len", str(config.seq_len)]
-    outs = {name: work / name for name in ("rtn", "kvq-gptq", "llm-compressor-gptq")}
+    names = ("rtn", "kvq-gptq", "llm-compressor-gptq")[: 3 if config.llm_compressor else 2]
+    outs = {name: work / name for name in names}
     ids_path = work / "ids.pt"
     fingerprint = calibration_ids(src, config.num_samples, config.seq_len, ids_path)
-    out = str(outs["llm-compressor-gptq"])
+    out = str(work / "llm-compressor-gptq")
     call = f"oneshot_gptq({str(src)!r}, {out!r}, 'w4a16-linear-gptq', {str(ids_path)!r}, {config.group_size})"
     steps = {
         "rtn": [*kvq, str(outs["rtn"]), "--recipe", "w4a16-linear", *common],
         "kvq-gptq": [*kvq, str(outs["kvq-gptq"]), "--recipe", "w4a16-linear-gptq", *common, *gptq],
         "llm-compressor-gptq": [py, "-c", f"from kvq.bench.compress_gptq import oneshot_gptq; {call}"],
     }
+    steps = {name: argv for name, argv in steps.items() if name in outs}
     record = work / "walls.json"
     settings = {**asdict(config), "token_ids_sha256": fingerprint}
     done = json.loads(record.read_text()) if record.exists() else {}
@@ -91,7 +94,7 @@ def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str,
     manifest = json.loads((outs["kvq-gptq"] / "kvq_manifest.json").read_text())
     assert manifest["job"]["method"]["calibration"]["token_ids_sha256"] == fingerprint
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (src / name).exists():
+        if (src / name).exists() and "llm-compressor-gptq" in outs:
             shutil.copy2(src / name, outs["llm-compressor-gptq"] / name)
     return {name: {"path": str(out), "wall_s": walls[name]} for name, out in outs.items()}
 
@@ -129,7 +132,9 @@ def run_quality_bench(config: GptqQualityConfig, work: Path) -> dict:
         "perplexity": results,
         "nibbles_shared_kvq_vs_llm_compressor": shared_nibbles(
             Path(outputs["kvq-gptq"]["path"]), Path(outputs["llm-compressor-gptq"]["path"])
-        ),
+        )
+        if config.llm_compressor
+        else None,
     }
 
 
@@ -143,10 +148,9 @@ def render(report: dict) -> Table:
             increase = value / ppl["bf16"] - 1
             share = f"{increase / rtn_increase:.2f}" if name != "bf16" else ""
             table.add_row(text, name, f"{value:.4f}", f"{increase:+.2%}" if name != "bf16" else "", share)
-    table.caption = (
-        f"weight_packed nibbles shared by kvq's and llm-compressor's GPTQ: "
-        f"{report['nibbles_shared_kvq_vs_llm_compressor']:.4f}"
-    )
+    shared = report["nibbles_shared_kvq_vs_llm_compressor"]
+    if shared is not None:
+        table.caption = f"weight_packed nibbles shared by kvq's and llm-compressor's GPTQ: {shared:.4f}"
     return table
 
 
@@ -157,12 +161,22 @@ def bench_gptq_command(
         int, typer.Option(help="Windows (of 256 tokens) kvq eval scores per text.")
     ] = GptqQualityConfig.eval_windows,
     threads: Annotated[int, typer.Option(help="Torch threads of every step.")] = GptqQualityConfig.threads,
+    llm_compressor: Annotated[
+        bool,
+        typer.Option(
+            help="Also run llm-compressor's oneshot GPTQ on the same token ids (the oracle: nibbles shared "
+            "with kvq's). --no-llm-compressor: RTN and kvq's GPTQ only."
+        ),
+    ] = GptqQualityConfig.llm_compressor,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
 ) -> None:
-    """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ, on two kinds of text."""
-    config = GptqQualityConfig(num_samples, seq_len, eval_windows=eval_windows, threads=threads)
+    """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ, on two kinds of text.
+    Resumes: a checkpoint built before with the same settings is not built again."""
+    config = GptqQualityConfig(
+        num_samples, seq_len, eval_windows=eval_windows, threads=threads, llm_compressor=llm_compressor
+    )
     report = run_quality_bench(config, cache_dir() / "bench" / "gptq-quality-work")
     console.print(render(report))
     path = json_out or cache_dir() / "bench" / "gptq-quality.json"

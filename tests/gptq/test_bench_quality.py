@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from kvq.bench.gptq_quality import GptqQualityConfig, perplexity
+from kvq.bench.gptq_quality import GptqQualityConfig, build_outputs, perplexity
 
 
 def test_perplexity_is_the_one_kvq_eval_reports(tiny_checkpoint, tmp_path: Path) -> None:
@@ -21,3 +21,15 @@ def test_perplexity_is_the_one_kvq_eval_reports(tiny_checkpoint, tmp_path: Path)
     # perplexity = exp(total NLL / predicted tokens) over the scored windows
     assert math.isclose(value, math.exp(sum(text["nll"]) / (text["num_predicted"] * 2)), rel_tol=1e-6)
     assert value > 1
+
+
+def test_without_llm_compressor_builds_rtn_and_kvq_gptq_only(tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint("llama", "bf16")
+    config = GptqQualityConfig(num_samples=10, seq_len=64, threads=1, llm_compressor=False)
+    outputs = build_outputs(config, src, tmp_path)
+    assert set(outputs) == {"rtn", "kvq-gptq"} and not (tmp_path / "llm-compressor-gptq").exists()
+    walls = json.loads((tmp_path / "walls.json").read_text())["walls"]
+    assert set(walls) == {"rtn", "kvq-gptq"} and all(w > 0 for w in walls.values())
+    manifest = json.loads((tmp_path / "kvq-gptq" / "kvq_manifest.json").read_text())
+    assert manifest["job"]["method"]["calibration"]["num_samples"] == 10
+    assert build_outputs(config, src, tmp_path) == outputs  # done before: not built again
