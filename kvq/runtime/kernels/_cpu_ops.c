@@ -16,12 +16,13 @@
             scales, slots, slots_int64, page_size): the step's bf16 K/V rows (heads packed) into their
      page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
      e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
-   decode_attention(q, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride, bt_int64,
-                    seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale):
+   decode_attention(q, q_row_stride, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride,
+                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
      bf16 or float8_e4m3fn K/V (read through a 256-entry table, times the fp32 per-head scale, no bf16
-     copy of the pages), fp32 scores, softmax and sums, out bf16 [B, Hq, D]. k/v strides are (page,
-     slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V).
+     copy of the pages), fp32 scores, softmax and sums, out bf16 [B, Hq, D]. q's rows are q_row_stride
+     elements apart (heads packed: a split of the rotary's [B, Hq + Hkv, D] output at B > 1); k/v strides
+     are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V).
    Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
    caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu_ops.py). */
 
@@ -150,6 +151,14 @@ static void fill_fp8_table(void) {
 }
 
 #define MAX_HEAD_DIM 512
+
+/* The attention's loops built for AVX-512 and AVX2 too, picked at load by the CPU (GCC/clang ifunc). Their
+   fp32 sums keep one order (explicit lanes, no contraction), so every clone gives the same bits. */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define KVQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KVQ_CLONES
+#endif
 #define FP8_MAX 448.0f
 
 /* fp32 -> float8_e4m3fn, round to nearest even; |f| <= 448 after the caller's clamp, NaN kept. */
@@ -240,19 +249,20 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *decode_attention(PyObject *self, PyObject *args) {
+KVQ_CLONES static PyObject *decode_attention(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long q, k, v, scales, tables, lens, out;
     int kv_fp8, bt_int64, sl_int64;
-    long long ks0, ks1, ks2, vs0, vs1, vs2, bt_stride, B, Hq, Hkv, D, page_size;
+    long long q_row_stride, ks0, ks1, ks2, vs0, vs1, vs2, bt_stride, B, Hq, Hkv, D, page_size;
     float sm_scale;
-    if (!PyArg_ParseTuple(args, "KKKi(LLL)(LLL)KKLiKiKLLLLLf", &q, &k, &v, &kv_fp8, &ks0, &ks1, &ks2, &vs0,
-                          &vs1, &vs2, &scales, &tables, &bt_stride, &bt_int64, &lens, &sl_int64, &out, &B,
-                          &Hq, &Hkv, &D, &page_size, &sm_scale))
+    if (!PyArg_ParseTuple(args, "KLKKi(LLL)(LLL)KKLiKiKLLLLLf", &q, &q_row_stride, &k, &v, &kv_fp8, &ks0,
+                          &ks1, &ks2, &vs0, &vs1, &vs2, &scales, &tables, &bt_stride, &bt_int64, &lens,
+                          &sl_int64, &out, &B, &Hq, &Hkv, &D, &page_size, &sm_scale))
         return NULL;
-    if (B < 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D > MAX_HEAD_DIM || page_size <= 0)
-        return PyErr_Format(PyExc_ValueError, "bad shape B=%lld Hq=%lld Hkv=%lld D=%lld page_size=%lld", B,
-                            Hq, Hkv, D, page_size);
+    if (B < 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D > MAX_HEAD_DIM || page_size <= 0 || q_row_stride < Hq * D)
+        return PyErr_Format(PyExc_ValueError,
+                            "bad shape B=%lld Hq=%lld Hkv=%lld D=%lld page_size=%lld q_row_stride=%lld", B, Hq,
+                            Hkv, D, page_size, q_row_stride);
     const Pages kp = {(const uint8_t *)(uintptr_t)k, ks0, ks1, ks2, kv_fp8};
     const Pages vp = {(const uint8_t *)(uintptr_t)v, vs0, vs1, vs2, kv_fp8};
     const float *scale = (const float *)(uintptr_t)scales;
@@ -278,7 +288,7 @@ static PyObject *decode_attention(PyObject *self, PyObject *args) {
                 continue;
             }
             for (int64_t i = 0; i < G * D; i++)
-                qs[i] = bf16_f32(qb[(b * Hq + h * G) * D + i]);
+                qs[i] = bf16_f32(qb[b * q_row_stride + h * G * D + i]);
             for (int64_t t = 0; t < L; t++) {
                 int64_t page = bt_int64 ? ((const int64_t *)table_row)[t / page_size]
                                         : ((const int32_t *)table_row)[t / page_size];

@@ -148,10 +148,11 @@ def store_kv_native(
 def native_attention_applies(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
 ) -> bool:
-    """True when `decode_attention_native` runs this call: bf16 queries (`native_ops_apply`), bf16 or FP8
-    pages, integer tables with rows of stride 1, head_dim <= 512."""
+    """True when `decode_attention_native` runs this call: bf16 queries (`native_ops_apply`, or rows of
+    packed heads: q split from the rotary's output), bf16 or FP8 pages, integer tables with rows of
+    stride 1, head_dim <= 512."""
     return (
-        native_ops_apply(q)
+        (native_ops_apply(q) or (native_ops_apply(q[0]) and q.stride(0) >= q[0].numel()))
         and k_cache.dtype in _KV_DTYPES
         and block_tables.dtype in _INDEX_DTYPES
         and seq_lens.dtype in _INDEX_DTYPES
@@ -180,9 +181,10 @@ def decode_attention_native(
     assert _ext is not None
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     _ext.decode_attention(
         q.data_ptr(),
+        q.stride(0) if num_seqs > 1 else num_heads * head_dim,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         int(k_cache.dtype == torch.float8_e4m3fn),

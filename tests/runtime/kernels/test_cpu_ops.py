@@ -97,6 +97,12 @@ def test_decode_attention_reads_the_pages_in_place(
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()  # NaN in unowned slots never read
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert_close_rel(out, expected, REL_TOL[torch.bfloat16])
+    # q as the model hands it over at batch > 1: a split of the rotary's [B, Hq + Hkv, D] output
+    q_split = torch.cat([q, torch.randn(len(seq_lens), 3, 64, generator=gen).bfloat16()], dim=1)[:, :9]
+    assert not q_split.is_contiguous() and native_attention_applies(q_split, k_cache, tables, lens)
+    out_split = decode_attention_native(q_split, k_cache, v_cache, scales, tables, lens, 0.3)
+    assert out_split.is_contiguous() and torch.equal(out_split, out)
+    assert not native_attention_applies(q.transpose(1, 2), k_cache, tables, lens)  # heads not packed
 
 
 @pytest.mark.parametrize(("num_tokens", "rotary_dim"), [(1, 64), (5, 64), (3, 32)])  # 32: partial (GLM)
