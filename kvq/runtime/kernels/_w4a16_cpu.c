@@ -131,6 +131,29 @@ static inline void store_y(const Job *job, int64_t m, int64_t n, float v) {
     store_f32(job->y, job->y_dtype, m * job->N + n, v);
 }
 
+#ifdef KVQ_X86
+/* y[m, n..n+3] = v, as four store_y (bf16: the same rounding, four lanes at once, in SSE2). */
+static inline void store_y4(const Job *job, int64_t m, int64_t n, __m128 v) {
+    if (job->y_dtype != DTYPE_BF16) {
+        float lanes[4];
+        _mm_storeu_ps(lanes, v);
+        for (int r = 0; r < 4; r++)
+            store_y(job, m, n + r, lanes[r]);
+        return;
+    }
+    const __m128i bits = _mm_castps_si128(v), one = _mm_set1_epi32(1);
+    __m128i odd = _mm_and_si128(_mm_srli_epi32(bits, 16), one);
+    __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(odd, _mm_set1_epi32(0x7FFF))), 16);
+    __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(v, v)); /* NaN: kept, made quiet */
+    __m128i quiet = _mm_or_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(0x40));
+    rounded = _mm_or_si128(_mm_and_si128(nan, quiet), _mm_andnot_si128(nan, rounded));
+    /* 4 x u32 below 2^16 -> 4 x u16: shifted into int16's range for the signed pack, and back */
+    __m128i biased = _mm_packs_epi32(_mm_sub_epi32(rounded, _mm_set1_epi32(0x8000)), _mm_setzero_si128());
+    _mm_storel_epi64((__m128i *)((uint16_t *)job->y + m * job->N + n),
+                     _mm_add_epi16(biased, _mm_set1_epi16((short)0x8000)));
+}
+#endif
+
 /* A W8A16 call (see _w8a16_cpu.h): int8 weights [N, K] with one scale per row. */
 typedef struct {
     int isa, x_dtype, scale_dtype, y_dtype;

@@ -115,9 +115,15 @@ TARGET_AVX512BF16 static void gemm_bf16(const Job *job, int64_t n0, int64_t n1) 
                 if (m < mb)
                     tile_dot_bf16(x + m * job->xp_stride, NULL, 0, tile, scales, nb, acc + m * 4);
             }
-            for (int64_t m = 0; m < mb; m++)
-                for (int r = 0; r < num_rows; r++)
-                    store_y(job, m0 + m, n + r, _mm512_reduce_add_ps(acc[m * 4 + r]));
+            for (int64_t m = 0; m < mb; m++) {
+                const __m512 *a = acc + m * 4;
+                if (num_rows == 4)
+                    store_y4(job, m0 + m, n, hsum4_avx2(half_sum_avx512(a[0]), half_sum_avx512(a[1]),
+                                                        half_sum_avx512(a[2]), half_sum_avx512(a[3])));
+                else
+                    for (int r = 0; r < num_rows; r++)
+                        store_y(job, m0 + m, n + r, _mm512_reduce_add_ps(a[r]));
+            }
         }
     }
 }

@@ -108,10 +108,7 @@ TARGET static void FN(gemv)(const Job *job, int64_t n0, int64_t n1) {
     for (; n + 4 <= n1; n += 4) {
         VF a0 = FN(row_dot)(job, n, idx, lut), a1 = FN(row_dot)(job, n + 1, idx, lut);
         VF a2 = FN(row_dot)(job, n + 2, idx, lut), a3 = FN(row_dot)(job, n + 3, idx, lut);
-        float sums[4];
-        _mm_storeu_ps(sums, V_HSUM4(a0, a1, a2, a3));
-        for (int r = 0; r < 4; r++)
-            store_y(job, 0, n + r, sums[r]);
+        store_y4(job, 0, n, V_HSUM4(a0, a1, a2, a3));
     }
     for (; n < n1; n++)
         store_y(job, 0, n, V_HSUM(FN(row_dot)(job, n, idx, lut)));
@@ -198,9 +195,14 @@ TARGET static void FN(gemm)(const Job *job, int64_t n0, int64_t n1) {
                 if (m < mb)
                     FN(tile_dot)(x + m * job->xp_stride, NULL, tile, nb, acc + m * 4);
             }
-            for (int64_t m = 0; m < mb; m++)
-                for (int r = 0; r < num_rows; r++)
-                    store_y(job, m0 + m, n + r, V_HSUM(acc[m * 4 + r]));
+            for (int64_t m = 0; m < mb; m++) {
+                const VF *a = acc + m * 4;
+                if (num_rows == 4)
+                    store_y4(job, m0 + m, n, V_HSUM4(a[0], a[1], a[2], a[3]));
+                else
+                    for (int r = 0; r < num_rows; r++)
+                        store_y(job, m0 + m, n + r, V_HSUM(a[r]));
+            }
         }
     }
 }
