@@ -6,7 +6,8 @@
    Paths (isa): 0 scalar (the C reference: plain loops in the natural order), 1 AVX2 + FMA, 2 AVX-512F,
    3 AVX-512 BF16 (path 2, but M >= 2 rows of bf16 activations go through vdpbf16ps: _w4a16_cpu_bf16.h);
    one build holds all of them (per-function target attributes) and `isas()` says which this CPU runs.
-   Threads split the output rows (N); activations are converted to fp32 once per call.
+   Threads split the output rows (N); activations are converted once per call (to fp32, or for
+   avx512bf16 to bf16 pairs in its block order).
 
    gemm(isa, threads, x, x_dtype, M, K, weight_packed, weight_scale, scale_dtype, N, group, y, y_dtype)
    takes addresses (torch data_ptr) and dtype codes 0 fp32, 1 bf16, 2 fp16; the caller checks shapes,

@@ -1,5 +1,6 @@
-/* The AVX-512 BF16 W4A16 GEMM (path avx512bf16: M >= 2 rows of bf16 activations), included by
-   _w4a16_cpu.c after the AVX-512 path, whose block layout, scale vectors and tail loads it shares.
+/* The AVX-512 BF16 GEMMs (path avx512bf16, for M >= 2 rows of bf16 activations): W4A16 (gemm_bf16) and,
+   at the end, W8A16 (w8_gemm_bf16). Included by _w4a16_cpu.c after the AVX-512 path, whose block layout,
+   scale vectors and tail loads the W4A16 one shares.
 
    A block is 16 int32 words of one weight row (128 elements, word i in lane i). Here its elements go as
    4 pair planes: plane p, lane i holds elements 8i + 2p and 8i + 2p + 1 as two bf16, the first in the low
