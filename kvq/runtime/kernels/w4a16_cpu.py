@@ -3,8 +3,8 @@
 
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
 `w4a16.py`) with AVX-512 BF16 (AVX-512, but several rows of bf16 activations through vdpbf16ps), AVX-512,
-AVX2 + FMA or scalar C loops chosen at run time. Without the extension, or
-with KVQ_CPU_ISA=torch, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
+AVX2 + FMA or scalar C loops chosen at run time. Without the extension, or with KVQ_CPU_ISA=torch, the
+CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
 """
 
 from __future__ import annotations
