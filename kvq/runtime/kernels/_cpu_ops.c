@@ -152,9 +152,9 @@ static void fill_fp8_table(void) {
 
 #define MAX_HEAD_DIM 512
 
-/* The attention's loops built for AVX-512 and AVX2 too, picked at load by the CPU (GCC/clang ifunc). Their
+/* The attention's loops built for AVX-512 and AVX2 too, picked at load by the CPU (glibc ifunc). Their
    fp32 sums keep one order (explicit lanes, no contraction), so every clone gives the same bits. */
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
 #define KVQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KVQ_CLONES
