@@ -19,7 +19,7 @@ def test_bench_decode_at_tp2_reports_every_rank(tiny_checkpoint, compressed, tmp
     bf16, int4 = tiny_checkpoint("llama", "bf16"), compressed("llama", "bf16", "w4a16-linear", 32)
     out = tmp_path / "decode.json"
     args = ["bench", "decode", "--tp", "2", "--bf16", str(bf16), "--int4", str(int4), "--threads", "1"]
-    args += ["--repeats", "1", "--new-tokens", "3", "--batch-seqs", "2", "--batch-new-tokens", "3"]
+    args += ["--repeats", "1", "--new-tokens", "16", "--batch-seqs", "2", "--batch-new-tokens", "16"]
     done = _kvq(*args, "--json", str(out))
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())

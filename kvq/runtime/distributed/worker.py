@@ -13,6 +13,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
 from kvq.errors import KvqError
 from kvq.runtime.batch import StepInputs
 from kvq.runtime.distributed.group import STOP
@@ -26,13 +28,15 @@ PARENT_POLL_S = 1.0
 
 def serve_steps(engine: Engine) -> None:
     """Run rank 0's steps on this rank's shard until rank 0 sends the stop: a bare batch (integrity off),
-    or a checked pool's message (`integrity.ranks`: this rank's own page checks and guarded writes)."""
+    or a checked pool's message (`integrity.ranks`: this rank's own page checks and guarded writes). Then
+    leave the process group: gloo's threads still running at interpreter exit abort the process."""
     runner = engine.runner
     while True:
         message = engine.tp.broadcast(None)
         if isinstance(message, StepInputs):
             runner.forward_local(runner.batch_of(message))
         elif message == STOP:
+            dist.destroy_process_group()
             return
         else:
             follow(engine, message)
