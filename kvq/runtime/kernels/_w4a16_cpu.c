@@ -4,7 +4,7 @@
    [N, K/8] (nibble j of word k is q[n, 8k + j] + 8), weight_scale [N, K/G] (bf16 or fp32), activations
    x [M, K] and output y [M, N] in fp32, bf16 or fp16 (rounded to nearest even), all contiguous.
    Paths (isa): 0 scalar (the C reference: plain loops in the natural order), 1 AVX2 + FMA, 2 AVX-512F,
-   3 AVX-512 BF16 (path 2, but M >= 2 rows of bf16 activations go through vdpbf16ps: _w4a16_cpu_bf16.h);
+   3 AVX-512 BF16 (path 2, but bf16 activations go through vdpbf16ps: _w4a16_cpu_bf16.h);
    one build holds all of them (per-function target attributes) and `isas()` says which this CPU runs.
    Threads split the output rows (N); activations are converted once per call (to fp32, or for
    avx512bf16 to bf16 pairs in its block order).
@@ -182,20 +182,17 @@ static int64_t xp_stride_of(int isa, int64_t K) {
     return num_blocks * (isa == ISA_AVX512BF16 ? 4 * lanes : 8 * lanes + lanes);
 }
 
-/* Row m of bf16 activations as avx512bf16's tiles read them, zero past K: per block of 16 words, pair
-   plane p (0..3), lane i (0..15) is the block's 32-bit word 4i + p (see _w4a16_cpu_bf16.h). */
+/* Row m of bf16 activations as avx512bf16's kernels read them, zero past K: per block of 16 words, pair
+   plane p (0..3), lane i (0..15) holds elements 8i + p (low half) and 8i + 4 + p (high half) of the
+   block (see _w4a16_cpu_bf16.h). */
 static void convert_row_pairs(const Job *job, int64_t m) {
-    const uint8_t *x = (const uint8_t *)job->x + m * job->K * 2;
+    const uint16_t *x = (const uint16_t *)job->x + m * job->K;
     uint32_t *out = (uint32_t *)(job->xp + m * job->xp_stride);
-    const int64_t pairs = job->K / 2;
-    for (int64_t base = 0; base < job->xp_stride; base += 64)
+    for (int64_t base = 0; base < job->xp_stride; base += 64) /* base: the block's first word, times 4 */
         for (int p = 0; p < 4; p++)
             for (int i = 0; i < 16; i++) {
-                int64_t pair = base + 4 * i + p;
-                uint32_t v = 0;
-                if (pair < pairs)
-                    memcpy(&v, x + pair * 4, 4);
-                out[base + 16 * p + i] = v;
+                int64_t k = 2 * base + 8 * i + p;
+                out[base + 16 * p + i] = k < job->K ? (uint32_t)x[k] | (uint32_t)x[k + 4] << 16 : 0;
             }
 }
 
@@ -403,7 +400,10 @@ static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
         return;
     }
     if (job->isa == ISA_AVX512BF16) {
-        gemm_bf16(job, n0, n1);
+        if (job->M == 1)
+            gemv_bf16(job, n0, n1);
+        else
+            gemm_bf16(job, n0, n1);
         return;
     }
 #endif
@@ -455,8 +455,8 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
         return NULL;
     if (isa < ISA_SCALAR || isa > ISA_AVX512BF16 || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
-    if (isa == ISA_AVX512BF16 && (M < 2 || x_dtype != DTYPE_BF16))
-        isa = ISA_AVX512; /* its GEMV, and other activations, are the AVX-512 path's */
+    if (isa == ISA_AVX512BF16 && x_dtype != DTYPE_BF16)
+        isa = ISA_AVX512; /* other activations are the AVX-512 path's */
     if ((group != 32 && group != 64 && group != 128) || M < 0 || N < 0 || K <= 0 || K % group)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld group=%d", M, N, K, group);
     if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2 || (scale_dtype != DTYPE_F32 &&

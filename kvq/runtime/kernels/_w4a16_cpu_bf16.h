@@ -1,16 +1,19 @@
-/* The AVX-512 BF16 GEMMs (path avx512bf16, for M >= 2 rows of bf16 activations): W4A16 (gemm_bf16) and,
-   at the end, W8A16 (w8_gemm_bf16). Included by _w4a16_cpu.c after the AVX-512 path, whose block layout,
-   scale vectors and tail loads the W4A16 one shares.
+/* The AVX-512 BF16 kernels (path avx512bf16, for bf16 activations): W4A16 (gemv_bf16 at M = 1, gemm_bf16
+   at M >= 2) and, at the end, W8A16's GEMM (w8_gemm_bf16). Included by _w4a16_cpu.c after the AVX-512
+   path, whose block layout, scale vectors and tail loads the W4A16 ones share.
 
-   A block is 16 int32 words of one weight row (128 elements, word i in lane i). Here its elements go as
-   4 pair planes: plane p, lane i holds elements 8i + 2p and 8i + 2p + 1 as two bf16, the first in the low
-   half. That is how the activations already lie in memory (plane p, lane i is the block's 32-bit word
-   4i + p), so convert_row_pairs only transposes 32-bit words, and vdpbf16ps multiplies each pair and adds
-   both products to the lane's fp32 sum. The tile holds q (-8..7, exact in bf16), not q * scale: per block
-   and (activation row, weight row), 4 vdpbf16ps from zero give the lane's sum of q * x, which goes times
-   the lane's group scale into the fp32 accumulator. So the sums are the fp32 path's in another order
-   (products of bf16 pairs are exact in fp32; vdpbf16ps flushes denormals to zero), at about twice its
-   speed for M >= 8 on Zen 4.
+   A block is 16 int32 words of one weight row (128 elements, word i in lane i, nibble j of word i is
+   element 8i + j). Here its elements go as 4 pair planes: plane p, lane i holds elements 8i + p (low
+   half) and 8i + 4 + p (high half), the nibbles p and 4 + p of word i, which sit at the same place in
+   its two 16-bit halves. So one 16-bit shift by 4p puts both at the bottom of their halves and one
+   vpermw (which reads 5 index bits: a table of 32 that repeats) turns them into q = u - 8 as two bf16
+   (exact: -8..7): two instructions per 32 weights (q_pairs). convert_row_pairs lays the activations out
+   as the same pairs. vdpbf16ps multiplies each pair and adds both products to the lane's fp32 sum. Per
+   block and (activation row, weight row), 4 vdpbf16ps from zero give the lane's sum of q * x, which goes
+   times the lane's group scale into the fp32 accumulator. So the sums are the fp32 path's in another
+   order (products of bf16 pairs are exact in fp32; vdpbf16ps flushes denormals to zero).
+   gemv_bf16 dequantizes in registers, one row after another; gemm_bf16
+   fills an L1 tile of 4 rows x BF_KC blocks once and runs every activation row (in pairs) through it.
    Tried and slower: q * scale rounded to bf16 in the tile (compressed-tensors' bf16 decompression; no
    multiply per block, but no faster and not exact), and lanes that each own 64 consecutive elements of a
    1024-element range, so that one multiply per 32 elements suffices (gathered weights, and a whole range
@@ -26,23 +29,70 @@ TARGET_AVX512BF16 static inline __m512bh as_bf16_pairs(__m512i v) {
     return out;
 }
 
+/* The vpermw table: entry j is q = (j & 15) - 8 as bf16 (the index's fifth bit is the next nibble's). */
+TARGET_AVX512BF16 static __m512i q_table(void) {
+    uint16_t t[32];
+    for (int j = 0; j < 32; j++) {
+        float q = (float)((j & 15) - 8);
+        uint32_t bits;
+        memcpy(&bits, &q, 4);
+        t[j] = (uint16_t)(bits >> 16); /* exact: these fp32 have a zero bottom half */
+    }
+    return _mm512_loadu_si512(t);
+}
+
+/* Pair plane p (0..3) of block w as bf16 q pairs (see the top of this file). */
+TARGET_AVX512BF16 static inline __m512i q_pairs(__m512i w, int p, __m512i table) {
+    return _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(w, 4 * p) : w, table);
+}
+
 /* Blocks b0..b0+nb of row n as q pair planes into tile, their per-lane scales into scales. */
 TARGET_AVX512BF16 static void dequantize_bf16(const Job *job, int64_t n, int64_t b0, int64_t nb, __m512i idx,
-                                              __m512i *tile, __m512 *scales) {
+                                              __m512i table, __m512i *tile, __m512 *scales) {
     const int64_t words = job->K / 8;
     const int32_t *wrow = job->packed + n * words;
     const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
-    const __m512 q_of = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t b = 0; b < nb; b++) {
         __m512i w = load_block_avx512(wrow, b0 + b, words);
         scales[b] = scale_vec_avx512(job, srow, b0 + b, idx);
-        for (int p = 0; p < 4; p++) { /* bf16 is fp32's top half, and these fp32 have a zero bottom half */
-            __m512 low = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8 * p), q_of);
-            __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8 * p + 4), q_of);
-            tile[b * 4 + p] =
-                _mm512_or_si512(_mm512_castps_si512(high), _mm512_srli_epi32(_mm512_castps_si512(low), 16));
-        }
+        for (int p = 0; p < 4; p++)
+            tile[b * 4 + p] = q_pairs(w, p, table);
     }
+}
+
+/* Row n's per-lane sums of q * x times the group scales, over all its blocks (M = 1). */
+TARGET_AVX512BF16 static inline __m512 row_dot_bf16(const Job *job, int64_t n, __m512i idx, __m512i table) {
+    const int64_t words = job->K / 8, num_blocks = (words + 15) / 16;
+    const int32_t *wrow = job->packed + n * words;
+    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+    const uint32_t *x = (const uint32_t *)job->xp;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; b++) {
+        __m512i w = load_block_avx512(wrow, b, words);
+        const uint32_t *xb = x + b * 64;
+        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bf16_pairs(q_pairs(w, 0, table)),
+                                    as_bf16_pairs(_mm512_loadu_si512(xb)));
+        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 1, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 16)));
+        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 2, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 32)));
+        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 3, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 48)));
+        acc = _mm512_fmadd_ps(s, scale_vec_avx512(job, srow, b, idx), acc);
+    }
+    return acc;
+}
+
+/* M = 1: each row streamed on its own (rows read side by side defeat the prefetcher on long rows); rows
+   in fours share the horizontal sums' shuffles. */
+TARGET_AVX512BF16 static void gemv_bf16(const Job *job, int64_t n0, int64_t n1) {
+    const __m512i idx = expand_index_avx512(job->group), table = q_table();
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        __m512 a0 = row_dot_bf16(job, n, idx, table), a1 = row_dot_bf16(job, n + 1, idx, table);
+        __m512 a2 = row_dot_bf16(job, n + 2, idx, table), a3 = row_dot_bf16(job, n + 3, idx, table);
+        store_y4(job, 0, n, hsum4_avx2(half_sum_avx512(a0), half_sum_avx512(a1), half_sum_avx512(a2),
+                                       half_sum_avx512(a3)));
+    }
+    for (; n < n1; n++)
+        store_y(job, 0, n, _mm512_reduce_add_ps(row_dot_bf16(job, n, idx, table)));
 }
 
 /* acc[r] (and acc[4 + r]) += row xa (and xb, where two) in pair planes . tile row r over nb blocks, scaled. */
@@ -87,7 +137,7 @@ tile_dot_bf16(const uint32_t *xa, const uint32_t *xb, int two, const __m512i *ti
 
 TARGET_AVX512BF16 static void gemm_bf16(const Job *job, int64_t n0, int64_t n1) {
     const int64_t num_blocks = (job->K / 8 + 15) / 16;
-    const __m512i idx = expand_index_avx512(job->group);
+    const __m512i idx = expand_index_avx512(job->group), table = q_table();
     const uint32_t *xp = (const uint32_t *)job->xp;
     __m512i tile[4 * BF_TILE];
     __m512 scales[4 * BF_KC];
@@ -107,7 +157,7 @@ TARGET_AVX512BF16 static void gemm_bf16(const Job *job, int64_t n0, int64_t n1) 
             for (int64_t b0 = 0; b0 < num_blocks; b0 += BF_KC) {
                 int64_t nb = num_blocks - b0 < BF_KC ? num_blocks - b0 : BF_KC;
                 for (int r = 0; r < num_rows; r++)
-                    dequantize_bf16(job, n + r, b0, nb, idx, tile + r * BF_TILE, scales + r * BF_KC);
+                    dequantize_bf16(job, n + r, b0, nb, idx, table, tile + r * BF_TILE, scales + r * BF_KC);
                 const uint32_t *x = xp + m0 * job->xp_stride + b0 * 64;
                 int64_t m = 0;
                 for (; m + 1 < mb; m += 2)
