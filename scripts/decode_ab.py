@@ -73,10 +73,15 @@ print(json.dumps(result))
 
 
 def measure(tree: str, args: argparse.Namespace) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    argv = [str(v) for v in (args.model, args.new_tokens, args.long_tokens, args.window, args.threads)]
+    tree = os.path.abspath(tree)
+    env = {**os.environ, "PYTHONPATH": tree}
+    argv = [
+        str(v)
+        for v in (os.path.abspath(args.model), args.new_tokens, args.long_tokens, args.window, args.threads)
+    ]
+    # cwd = the tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", CHILD, *argv], env=env, cwd=tree, capture_output=True, text=True, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

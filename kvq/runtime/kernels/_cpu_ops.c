@@ -19,7 +19,7 @@
    decode_attention(q, q_row_stride, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride,
                     bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
-     bf16 or float8_e4m3fn K/V (read through a 256-entry table, times the fp32 per-head scale, no bf16
+     bf16 or float8_e4m3fn K/V (bytes to fp32 in arithmetic, times the fp32 per-head scale, no bf16
      copy of the pages), fp32 scores, softmax and sums, out bf16 [B, Hq, D]. q's rows are q_row_stride
      elements apart (heads packed: a split of the rotary's [B, Hq + Hkv, D] output at B > 1); k/v strides
      are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V).
@@ -138,16 +138,20 @@ static PyObject *rotary(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static float fp8_table[256]; /* float8_e4m3fn byte -> value (NaN for S.1111.111; no infinities) */
-
-static void fill_fp8_table(void) {
-    for (int b = 0; b < 256; b++) {
-        int exponent = (b >> 3) & 15, mantissa = b & 7;
-        float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf((float)(8 + mantissa), exponent - 10);
-        if (exponent == 15 && mantissa == 7)
-            v = NAN;
-        fp8_table[b] = (b & 0x80) ? -v : v;
-    }
+/* float8_e4m3fn byte -> fp32, exactly, in arithmetic (a loop of these vectorizes; a 256-entry table read
+   is a gather): normals move their exponent and mantissa bits into fp32's, subnormals are m * 2^-9,
+   S.1111.111 is NaN (e4m3fn has no infinities). */
+static inline float e4m3_f32(uint8_t byte) {
+    uint32_t exponent = (byte >> 3) & 15u, mantissa = byte & 7u;
+    uint32_t normal = ((exponent + 120u) << 23) | (mantissa << 20), subnormal;
+    float sub = (float)mantissa * 0x1p-9f; /* both computed and chosen by masks: no branch in the loop */
+    memcpy(&subnormal, &sub, 4);
+    uint32_t is_normal = 0u - (uint32_t)(exponent != 0), is_nan = 0u - (uint32_t)((byte & 0x7Fu) == 0x7Fu);
+    uint32_t u = (normal & is_normal) | (subnormal & ~is_normal);
+    u = ((u & ~is_nan) | (0x7FC00000u & is_nan)) | (uint32_t)(byte & 0x80u) << 24;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 #define MAX_HEAD_DIM 512
@@ -185,30 +189,80 @@ typedef struct {
     int is_fp8;
 } Pages;
 
-/* Row of K or V (head h of token t of the sequence with page table `table`) as fp32 into `row`. */
-static inline void load_row(const Pages *p, int64_t page, int64_t slot, int64_t h, int64_t D, float scale,
-                            float *row) {
-    int64_t offset = page * p->page_stride + slot * p->slot_stride + h * p->head_stride;
-    if (p->is_fp8) {
-        const uint8_t *src = p->base + offset;
-        for (int64_t d = 0; d < D; d++)
-            row[d] = fp8_table[src[d]] * scale;
-    } else {
-        const uint16_t *src = (const uint16_t *)p->base + offset;
-        for (int64_t d = 0; d < D; d++)
-            row[d] = bf16_f32(src[d]);
+/* Slots 0..n-1 of page `page`, head h (K or V), as fp32 into rows [n, D]: one page lookup per page, not
+   one division per token. */
+static inline void load_page_rows(const Pages *p, int64_t page, int64_t n, int64_t h, int64_t D, float scale,
+                                  float *restrict rows) {
+    const int64_t base = page * p->page_stride + h * p->head_stride;
+    for (int64_t j = 0; j < n; j++) {
+        float *restrict row = rows + j * D;
+        if (p->is_fp8) {
+            const uint8_t *restrict src = p->base + base + j * p->slot_stride;
+            for (int64_t d = 0; d < D; d++)
+                row[d] = e4m3_f32(src[d]) * scale;
+        } else {
+            const uint16_t *restrict src = (const uint16_t *)p->base + base + j * p->slot_stride;
+            for (int64_t d = 0; d < D; d++)
+                row[d] = bf16_f32(src[d]);
+        }
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t D) {
-    float part[8] = {0};
+/* 16 fp32 lanes as a GCC vector: one AVX-512 register, two AVX2 ones, four SSE2 ones on each clone, with
+   the same sums in the same order (no contraction: -ffp-contract=off). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define LANES16 16
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* a . b over D: 16 partial sums, the tail's own sum, then a fixed tree: one order on every clone. */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
+    v16 part = {0};
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8)
-        for (int j = 0; j < 8; j++)
-            part[j] += a[d + j] * b[d + j];
+    for (; d + LANES16 <= D; d += LANES16)
+        part += load16(a + d) * load16(b + d);
+    float tail = 0.0f;
     for (; d < D; d++)
-        part[0] += a[d] * b[d];
-    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        tail += a[d] * b[d];
+    part += __builtin_shuffle(part, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    part += __builtin_shuffle(part, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    part += __builtin_shuffle(part, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    return (part[0] + part[1]) + tail;
+}
+
+/* acc[0..D) += sum over j < n of p[j] * rows[j] (rows [n, D]), each element's sum in token order; 64
+   elements of acc at a time stay in registers over the n rows (four independent chains of adds). */
+static inline void weighted_rows(float *restrict acc, const float *restrict p, const float *restrict rows,
+                                 int64_t n, int64_t D) {
+    int64_t d = 0;
+    for (; d + 4 * LANES16 <= D; d += 4 * LANES16) {
+        v16 v0 = load16(acc + d), v1 = load16(acc + d + 16), v2 = load16(acc + d + 32), v3 = load16(acc + d + 48);
+        for (int64_t j = 0; j < n; j++) {
+            const float *r = rows + j * D + d;
+            v0 += p[j] * load16(r);
+            v1 += p[j] * load16(r + 16);
+            v2 += p[j] * load16(r + 32);
+            v3 += p[j] * load16(r + 48);
+        }
+        memcpy(acc + d, &v0, sizeof v0);
+        memcpy(acc + d + 16, &v1, sizeof v1);
+        memcpy(acc + d + 32, &v2, sizeof v2);
+        memcpy(acc + d + 48, &v3, sizeof v3);
+    }
+    for (; d + LANES16 <= D; d += LANES16) {
+        v16 v = load16(acc + d);
+        for (int64_t j = 0; j < n; j++)
+            v += p[j] * load16(rows + j * D + d);
+        memcpy(acc + d, &v, sizeof v);
+    }
+    for (; d < D; d++)
+        for (int64_t j = 0; j < n; j++)
+            acc[d] += p[j] * rows[j * D + d];
 }
 
 static PyObject *store_kv(PyObject *self, PyObject *args) {
@@ -273,11 +327,10 @@ KVQ_CLONES static PyObject *decode_attention(PyObject *self, PyObject *args) {
         int64_t L = sl_int64 ? ((const int64_t *)(uintptr_t)lens)[b] : ((const int32_t *)(uintptr_t)lens)[b];
         max_len = L > max_len ? L : max_len;
     }
-    float row[MAX_HEAD_DIM];
-    float *qs = PyMem_RawMalloc((size_t)(2 * G * D + G * max_len) * sizeof(float));
+    float *qs = PyMem_RawMalloc((size_t)(2 * G * D + G * max_len + page_size * D) * sizeof(float));
     if (qs == NULL)
         return PyErr_NoMemory();
-    float *acc = qs + G * D, *scores = acc + G * D; /* [G, D], [G, D], [G, L] */
+    float *acc = qs + G * D, *scores = acc + G * D, *rows = scores + G * max_len; /* [G, D] [G, D] [G, L] [P, D] */
     for (int64_t b = 0; b < B; b++) {
         int64_t L = sl_int64 ? ((const int64_t *)(uintptr_t)lens)[b] : ((const int32_t *)(uintptr_t)lens)[b];
         const uint8_t *table_row = (const uint8_t *)(uintptr_t)tables + b * bt_stride * (bt_int64 ? 8 : 4);
@@ -289,12 +342,13 @@ KVQ_CLONES static PyObject *decode_attention(PyObject *self, PyObject *args) {
             }
             for (int64_t i = 0; i < G * D; i++)
                 qs[i] = bf16_f32(qb[b * q_row_stride + h * G * D + i]);
-            for (int64_t t = 0; t < L; t++) {
-                int64_t page = bt_int64 ? ((const int64_t *)table_row)[t / page_size]
-                                        : ((const int32_t *)table_row)[t / page_size];
-                load_row(&kp, page, t % page_size, h, D, scale[h], row);
+            for (int64_t t0 = 0; t0 < L; t0 += page_size) {
+                int64_t i = t0 / page_size, n = L - t0 < page_size ? L - t0 : page_size;
+                int64_t page = bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
+                load_page_rows(&kp, page, n, h, D, scale[h], rows);
                 for (int64_t g = 0; g < G; g++)
-                    scores[g * L + t] = dot(qs + g * D, row, D) * sm_scale;
+                    for (int64_t j = 0; j < n; j++)
+                        scores[g * L + t0 + j] = dot(qs + g * D, rows + j * D, D) * sm_scale;
             }
             for (int64_t g = 0; g < G; g++) { /* softmax in place */
                 float *s = scores + g * L, top = s[0], sum = 0.0f;
@@ -306,15 +360,12 @@ KVQ_CLONES static PyObject *decode_attention(PyObject *self, PyObject *args) {
                     s[t] /= sum;
             }
             memset(acc, 0, (size_t)(G * D) * sizeof(float));
-            for (int64_t t = 0; t < L; t++) {
-                int64_t page = bt_int64 ? ((const int64_t *)table_row)[t / page_size]
-                                        : ((const int32_t *)table_row)[t / page_size];
-                load_row(&vp, page, t % page_size, h, D, scale[Hkv + h], row);
-                for (int64_t g = 0; g < G; g++) {
-                    float p = scores[g * L + t], *a = acc + g * D;
-                    for (int64_t d = 0; d < D; d++)
-                        a[d] += p * row[d];
-                }
+            for (int64_t t0 = 0; t0 < L; t0 += page_size) {
+                int64_t i = t0 / page_size, n = L - t0 < page_size ? L - t0 : page_size;
+                int64_t page = bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
+                load_page_rows(&vp, page, n, h, D, scale[Hkv + h], rows);
+                for (int64_t g = 0; g < G; g++)
+                    weighted_rows(acc + g * D, scores + g * L + t0, rows, n, D);
             }
             for (int64_t i = 0; i < G * D; i++)
                 o[i] = f32_bf16(acc[i]);
@@ -334,11 +385,10 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "_cpu_ops", .m_doc = "bf16 RMSNorm and SiLU-and-mul on CPU.",
+    PyModuleDef_HEAD_INIT, .m_name = "_cpu_ops", .m_doc = "The small bf16 ops of a CPU decode step (see the source).",
     .m_size = -1, .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__cpu_ops(void) {
-    fill_fp8_table();
     return PyModule_Create(&module);
 }

@@ -105,6 +105,22 @@ def test_decode_attention_reads_the_pages_in_place(
     assert not native_attention_applies(q.transpose(1, 2), k_cache, tables, lens)  # heads not packed
 
 
+def test_decode_attention_reads_every_fp8_byte_as_torch_does() -> None:
+    """The C op turns e4m3fn bytes into fp32 in arithmetic (no table): all 256 of them, subnormals and NaN
+    included, through one token's attention (softmax of one score is 1, so out = bf16(v * v_scale))."""
+    v_bytes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    v_cache = v_bytes.view(1, 1, 1, 256).repeat(2, 16, 1, 1)
+    k_cache = torch.zeros_like(v_cache)
+    scales = torch.tensor([[1.0], [0.375]])
+    q = torch.ones(1, 2, 256, dtype=torch.bfloat16)
+    tables, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    out = decode_attention_native(q, k_cache, v_cache, scales, tables, lens, 1.0)
+    expected = (v_bytes.float() * 0.375).bfloat16()
+    for head in out[0]:
+        assert torch.equal(head.isnan(), expected.isnan()) and expected.isnan().sum() == 2
+        assert torch.equal(head[~expected.isnan()], expected[~expected.isnan()])
+
+
 @pytest.mark.parametrize(("num_tokens", "rotary_dim"), [(1, 64), (5, 64), (3, 32)])  # 32: partial (GLM)
 def test_rotary_equals_torch(num_tokens: int, rotary_dim: int) -> None:
     from transformers import LlamaConfig
