@@ -31,7 +31,14 @@ setup(
             "kvq.runtime.kernels._cpu_ops",
             ["kvq/runtime/kernels/_cpu_ops.c"],
             # torch's bf16 rounding steps exactly: no FMA contraction, no fast-math reassociation
-            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi"],
+            extra_compile_args=[
+                "-O3",
+                "-std=c11",
+                "-ffp-contract=off",
+                "-fno-fast-math",
+                "-fno-trapping-math",
+                "-Wno-psabi",
+            ],
             optional=True,
         ),
     ]
