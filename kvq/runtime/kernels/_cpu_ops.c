@@ -17,20 +17,27 @@
      page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
      e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
    decode_attention(q, q_row_stride, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride,
-                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale):
+                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
      bf16 or float8_e4m3fn K/V (bytes to fp32 in arithmetic, times the fp32 per-head scale, no bf16
      copy of the pages), fp32 scores, softmax and sums, out bf16 [B, Hq, D]. q's rows are q_row_stride
      elements apart (heads packed: a split of the rotary's [B, Hq + Hkv, D] output at B > 1); k/v strides
-     are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V).
+     are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
+     head) pairs go over `threads` threads of _w4a16_cpu's pool (its `_parallel_for` capsule), without
+     the GIL; each pair's sums are in one order whatever the thread count.
    Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
    caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu_ops.py). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* Helpers of the cloned functions: inlined, so that they take each clone's instructions. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* The attention's and silu_mul's loops built for AVX-512 and AVX2 too, picked at load by the CPU (glibc
    ifunc). Their fp32 sums keep one order (explicit lanes, no contraction), so every clone gives the same
@@ -60,7 +67,7 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, NaN kept qu
    element): x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), e^r by its degree-7 Taylor polynomial (the
    remainder is under 2^-27), times 2^n built in the exponent bits. x < -87.3 (e^x below fp32's smallest
    normal) gives 0, x > 88.3 gives inf, NaN stays NaN. */
-static inline float exp_f32(float x) {
+ALWAYS_INLINE float exp_f32(float x) {
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
     float xc = x < -87.3f ? -87.3f : x > 88.3f ? 88.3f : x;
     float t = xc * 1.44269504f + magic, n = t - magic;
@@ -178,7 +185,7 @@ static PyObject *rotary(PyObject *self, PyObject *args) {
 /* float8_e4m3fn byte -> fp32, exactly, in arithmetic (a loop of these vectorizes; a 256-entry table read
    is a gather): normals move their exponent and mantissa bits into fp32's, subnormals are m * 2^-9,
    S.1111.111 is NaN (e4m3fn has no infinities). */
-static inline float e4m3_f32(uint8_t byte) {
+ALWAYS_INLINE float e4m3_f32(uint8_t byte) {
     uint32_t exponent = (byte >> 3) & 15u, mantissa = byte & 7u;
     uint32_t normal = ((exponent + 120u) << 23) | (mantissa << 20), subnormal;
     float sub = (float)mantissa * 0x1p-9f; /* both computed and chosen by masks: no branch in the loop */
@@ -221,7 +228,7 @@ typedef struct {
 
 /* Slots 0..n-1 of page `page`, head h (K or V), as fp32 into rows [n, D]: one page lookup per page, not
    one division per token. */
-static inline void load_page_rows(const Pages *p, int64_t page, int64_t n, int64_t h, int64_t D, float scale,
+ALWAYS_INLINE void load_page_rows(const Pages *p, int64_t page, int64_t n, int64_t h, int64_t D, float scale,
                                   float *restrict rows) {
     const int64_t base = page * p->page_stride + h * p->head_stride;
     for (int64_t j = 0; j < n; j++) {
@@ -244,14 +251,14 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 #define LANES16 16
 
-static inline v16 load16(const float *p) {
+ALWAYS_INLINE v16 load16(const float *p) {
     v16 v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
 /* a . b over D: 16 partial sums, the tail's own sum, then a fixed tree: one order on every clone. */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
+ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int64_t D) {
     v16 part = {0};
     int64_t d = 0;
     for (; d + LANES16 <= D; d += LANES16)
@@ -267,7 +274,7 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 
 /* acc[0..D) += sum over j < n of p[j] * rows[j] (rows [n, D]), each element's sum in token order; 64
    elements of acc at a time stay in registers over the n rows (four independent chains of adds). */
-static inline void weighted_rows(float *restrict acc, const float *restrict p, const float *restrict rows,
+ALWAYS_INLINE void weighted_rows(float *restrict acc, const float *restrict p, const float *restrict rows,
                                  int64_t n, int64_t D) {
     int64_t d = 0;
     for (; d + 4 * LANES16 <= D; d += 4 * LANES16) {
@@ -333,77 +340,133 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-KVQ_CLONES static PyObject *decode_attention(PyObject *self, PyObject *args) {
+typedef struct {
+    Pages kp, vp;
+    const float *scale;   /* [2, Hkv]: K then V */
+    const uint16_t *q;    /* [B, q_row_stride] */
+    const uint8_t *tables; /* [B, bt_stride] int32 or int64 */
+    const void *lens;     /* [B] int32 or int64 */
+    uint16_t *out;        /* [B, Hq, D] */
+    int64_t q_row_stride, bt_stride, B, Hq, Hkv, D, page_size;
+    int bt_int64, sl_int64;
+    float sm_scale;
+    atomic_int out_of_memory;
+} Attention;
+
+static inline int64_t seq_len(const Attention *a, int64_t b) {
+    return a->sl_int64 ? ((const int64_t *)a->lens)[b] : ((const int32_t *)a->lens)[b];
+}
+
+/* Sequence b, KV head h: its G query heads over the sequence's pages into out. `work` holds
+   2 G D + G L + page_size D floats. */
+KVQ_CLONES static void attend(const Attention *a, int64_t b, int64_t h, float *work) {
+    const int64_t G = a->Hq / a->Hkv, D = a->D, P = a->page_size, L = seq_len(a, b);
+    const uint8_t *table_row = a->tables + b * a->bt_stride * (a->bt_int64 ? 8 : 4);
+    uint16_t *o = a->out + (b * a->Hq + h * G) * D;
+    if (L <= 0) { /* an empty sequence attends to nothing: zeros */
+        memset(o, 0, (size_t)(G * D) * 2);
+        return;
+    }
+    float *qs = work, *acc = qs + G * D, *scores = acc + G * D, *rows = scores + G * L; /* [G,D] [G,D] [G,L] [P,D] */
+    for (int64_t i = 0; i < G * D; i++)
+        qs[i] = bf16_f32(a->q[b * a->q_row_stride + h * G * D + i]);
+    for (int64_t t0 = 0; t0 < L; t0 += P) {
+        int64_t i = t0 / P, n = L - t0 < P ? L - t0 : P;
+        int64_t page = a->bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
+        load_page_rows(&a->kp, page, n, h, D, a->scale[h], rows);
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < n; j++)
+                scores[g * L + t0 + j] = dot(qs + g * D, rows + j * D, D) * a->sm_scale;
+    }
+    for (int64_t g = 0; g < G; g++) { /* softmax in place */
+        float *s = scores + g * L, top = s[0], sum = 0.0f;
+        for (int64_t t = 1; t < L; t++)
+            top = s[t] > top ? s[t] : top;
+        for (int64_t t = 0; t < L; t++)
+            s[t] = exp_f32(s[t] - top);
+        for (int64_t t = 0; t < L; t++)
+            sum += s[t];
+        for (int64_t t = 0; t < L; t++)
+            s[t] /= sum;
+    }
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t t0 = 0; t0 < L; t0 += P) {
+        int64_t i = t0 / P, n = L - t0 < P ? L - t0 : P;
+        int64_t page = a->bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
+        load_page_rows(&a->vp, page, n, h, D, a->scale[a->Hkv + h], rows);
+        for (int64_t g = 0; g < G; g++)
+            weighted_rows(acc + g * D, scores + g * L + t0, rows, n, D);
+    }
+    for (int64_t i = 0; i < G * D; i++)
+        o[i] = f32_bf16(acc[i]);
+}
+
+/* Chunk `chunk` of `num_chunks` over the B * Hkv (sequence, KV head) items, on whichever thread takes it;
+   each thread's scratch is its own, kept between calls. */
+static void attention_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    static _Thread_local float *work;
+    static _Thread_local size_t work_floats;
+    Attention *a = ctx;
+    const int64_t items = a->B * a->Hkv, G = a->Hq / a->Hkv;
+    for (int64_t item = items * chunk / num_chunks; item < items * (chunk + 1) / num_chunks; item++) {
+        int64_t b = item / a->Hkv, L = seq_len(a, b);
+        size_t need = (size_t)(2 * G * a->D + G * (L > 0 ? L : 0) + a->page_size * a->D);
+        if (need > work_floats) {
+            free(work);
+            work = malloc(need * sizeof(float));
+            work_floats = work ? need : 0;
+            if (work == NULL) {
+                atomic_store(&a->out_of_memory, 1);
+                return;
+            }
+        }
+        attend(a, b, item % a->Hkv, work);
+    }
+}
+
+/* The W4A16 extension's thread pool (its `_parallel_for` capsule), or NULL: then the calling thread alone. */
+typedef void (*task_fn)(void *ctx, int64_t chunk, int64_t num_chunks);
+typedef void (*parallel_for_fn)(task_fn fn, void *ctx, int64_t num_chunks, int nt);
+static parallel_for_fn kvq_parallel_for;
+
+#define CHUNKS_PER_THREAD 4 /* items go in chunks, taken by whichever thread is free: lengths differ */
+
+static PyObject *decode_attention(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long q, k, v, scales, tables, lens, out;
-    int kv_fp8, bt_int64, sl_int64;
+    int kv_fp8, bt_int64, sl_int64, threads;
     long long q_row_stride, ks0, ks1, ks2, vs0, vs1, vs2, bt_stride, B, Hq, Hkv, D, page_size;
     float sm_scale;
-    if (!PyArg_ParseTuple(args, "KLKKi(LLL)(LLL)KKLiKiKLLLLLf", &q, &q_row_stride, &k, &v, &kv_fp8, &ks0,
+    if (!PyArg_ParseTuple(args, "KLKKi(LLL)(LLL)KKLiKiKLLLLLfi", &q, &q_row_stride, &k, &v, &kv_fp8, &ks0,
                           &ks1, &ks2, &vs0, &vs1, &vs2, &scales, &tables, &bt_stride, &bt_int64, &lens,
-                          &sl_int64, &out, &B, &Hq, &Hkv, &D, &page_size, &sm_scale))
+                          &sl_int64, &out, &B, &Hq, &Hkv, &D, &page_size, &sm_scale, &threads))
         return NULL;
     if (B < 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D > MAX_HEAD_DIM || page_size <= 0 || q_row_stride < Hq * D)
         return PyErr_Format(PyExc_ValueError,
                             "bad shape B=%lld Hq=%lld Hkv=%lld D=%lld page_size=%lld q_row_stride=%lld", B, Hq,
                             Hkv, D, page_size, q_row_stride);
-    const Pages kp = {(const uint8_t *)(uintptr_t)k, ks0, ks1, ks2, kv_fp8};
-    const Pages vp = {(const uint8_t *)(uintptr_t)v, vs0, vs1, vs2, kv_fp8};
-    const float *scale = (const float *)(uintptr_t)scales;
-    const uint16_t *qb = (const uint16_t *)(uintptr_t)q;
-    const int64_t G = Hq / Hkv;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t L = sl_int64 ? ((const int64_t *)(uintptr_t)lens)[b] : ((const int32_t *)(uintptr_t)lens)[b];
-        max_len = L > max_len ? L : max_len;
-    }
-    float *qs = PyMem_RawMalloc((size_t)(2 * G * D + G * max_len + page_size * D) * sizeof(float));
-    if (qs == NULL)
+    Attention a = {
+        .kp = {(const uint8_t *)(uintptr_t)k, ks0, ks1, ks2, kv_fp8},
+        .vp = {(const uint8_t *)(uintptr_t)v, vs0, vs1, vs2, kv_fp8},
+        .scale = (const float *)(uintptr_t)scales,
+        .q = (const uint16_t *)(uintptr_t)q,
+        .tables = (const uint8_t *)(uintptr_t)tables,
+        .lens = (const void *)(uintptr_t)lens,
+        .out = (uint16_t *)(uintptr_t)out,
+        .q_row_stride = q_row_stride, .bt_stride = bt_stride, .B = B, .Hq = Hq, .Hkv = Hkv, .D = D,
+        .page_size = page_size, .bt_int64 = bt_int64, .sl_int64 = sl_int64, .sm_scale = sm_scale,
+    };
+    const int64_t items = B * Hkv;
+    int nt = threads < 1 ? 1 : threads;
+    int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD < items ? (int64_t)nt * CHUNKS_PER_THREAD : items;
+    Py_BEGIN_ALLOW_THREADS;
+    if (kvq_parallel_for != NULL && nt > 1 && chunks > 1)
+        kvq_parallel_for(attention_task, &a, chunks, nt);
+    else if (items > 0)
+        attention_task(&a, 0, 1);
+    Py_END_ALLOW_THREADS;
+    if (atomic_load(&a.out_of_memory))
         return PyErr_NoMemory();
-    float *acc = qs + G * D, *scores = acc + G * D, *rows = scores + G * max_len; /* [G, D] [G, D] [G, L] [P, D] */
-    for (int64_t b = 0; b < B; b++) {
-        int64_t L = sl_int64 ? ((const int64_t *)(uintptr_t)lens)[b] : ((const int32_t *)(uintptr_t)lens)[b];
-        const uint8_t *table_row = (const uint8_t *)(uintptr_t)tables + b * bt_stride * (bt_int64 ? 8 : 4);
-        for (int64_t h = 0; h < Hkv; h++) {
-            uint16_t *o = (uint16_t *)(uintptr_t)out + (b * Hq + h * G) * D;
-            if (L <= 0) { /* an empty sequence attends to nothing: zeros */
-                memset(o, 0, (size_t)(G * D) * 2);
-                continue;
-            }
-            for (int64_t i = 0; i < G * D; i++)
-                qs[i] = bf16_f32(qb[b * q_row_stride + h * G * D + i]);
-            for (int64_t t0 = 0; t0 < L; t0 += page_size) {
-                int64_t i = t0 / page_size, n = L - t0 < page_size ? L - t0 : page_size;
-                int64_t page = bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
-                load_page_rows(&kp, page, n, h, D, scale[h], rows);
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t j = 0; j < n; j++)
-                        scores[g * L + t0 + j] = dot(qs + g * D, rows + j * D, D) * sm_scale;
-            }
-            for (int64_t g = 0; g < G; g++) { /* softmax in place */
-                float *s = scores + g * L, top = s[0], sum = 0.0f;
-                for (int64_t t = 1; t < L; t++)
-                    top = s[t] > top ? s[t] : top;
-                for (int64_t t = 0; t < L; t++)
-                    s[t] = exp_f32(s[t] - top);
-                for (int64_t t = 0; t < L; t++)
-                    sum += s[t];
-                for (int64_t t = 0; t < L; t++)
-                    s[t] /= sum;
-            }
-            memset(acc, 0, (size_t)(G * D) * sizeof(float));
-            for (int64_t t0 = 0; t0 < L; t0 += page_size) {
-                int64_t i = t0 / page_size, n = L - t0 < page_size ? L - t0 : page_size;
-                int64_t page = bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
-                load_page_rows(&vp, page, n, h, D, scale[Hkv + h], rows);
-                for (int64_t g = 0; g < G; g++)
-                    weighted_rows(acc + g * D, scores + g * L + t0, rows, n, D);
-            }
-            for (int64_t i = 0; i < G * D; i++)
-                o[i] = f32_bf16(acc[i]);
-        }
-    }
-    PyMem_RawFree(qs);
     Py_RETURN_NONE;
 }
 
@@ -422,5 +485,8 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__cpu_ops(void) {
+    kvq_parallel_for = (parallel_for_fn)PyCapsule_Import("kvq.runtime.kernels._w4a16_cpu._parallel_for", 0);
+    if (kvq_parallel_for == NULL)
+        PyErr_Clear(); /* that extension is not built: one thread */
     return PyModule_Create(&module);
 }

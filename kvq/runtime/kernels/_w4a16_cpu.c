@@ -534,7 +534,25 @@ static void forget_after_fork(void) { /* a forked child has one thread and no ca
     pool_forget_after_fork();
 }
 
+/* The worker threads lent to the other CPU extension (_cpu_ops' decode attention) through the capsule
+   `_parallel_for` (see kvq_parallel_for in _cpu_ops.c): one pool, so two kinds of calls never have two
+   sets of threads spinning against each other. Called without the GIL; serialized with the kernels. */
+static void parallel_for(task_fn fn, void *ctx, int64_t num_chunks, int nt) {
+    pthread_mutex_lock(&call_lock);
+    run_parallel(fn, ctx, num_chunks, nt);
+    pthread_mutex_unlock(&call_lock);
+}
+
 PyMODINIT_FUNC PyInit__w4a16_cpu(void) {
     pthread_atfork(NULL, NULL, forget_after_fork);
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    PyObject *capsule = PyCapsule_New((void *)parallel_for, "kvq.runtime.kernels._w4a16_cpu._parallel_for", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_parallel_for", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -103,6 +103,12 @@ def test_decode_attention_reads_the_pages_in_place(
     out_split = decode_attention_native(q_split, k_cache, v_cache, scales, tables, lens, 0.3)
     assert out_split.is_contiguous() and torch.equal(out_split, out)
     assert not native_attention_applies(q.transpose(1, 2), k_cache, tables, lens)  # heads not packed
+    threads = torch.get_num_threads()
+    try:  # the (sequence, KV head) pairs over the W4A16 kernel's pool: the same bits
+        torch.set_num_threads(3)
+        assert torch.equal(decode_attention_native(q, k_cache, v_cache, scales, tables, lens, 0.3), out)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_decode_attention_reads_every_fp8_byte_as_torch_does() -> None:
