@@ -495,6 +495,7 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
 }
 
 #include "_w8a16_cpu.h"
+#include "_w4a16_cpu_dequant.h"
 
 static PyObject *isas(PyObject *self, PyObject *unused) {
     (void)self;
@@ -520,6 +521,7 @@ static PyObject *isas(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"gemm", gemm, METH_VARARGS, "y = x @ dequantize(weight_packed, weight_scale)^T (see the module source)."},
     {"gemm_w8", gemm_w8, METH_VARARGS, "y = x @ (w * scale[:, None])^T for int8 w (see _w8a16_cpu.h)."},
+    {"dequantize", dequantize, METH_VARARGS, "out = bf16(q * scale), the weight as bf16 (see _w4a16_cpu_dequant.h)."},
     {"isas", isas, METH_NOARGS, "The kernel paths this CPU can run, by code: ('scalar', 'avx2', ...)."},
     {NULL, NULL, 0, NULL},
 };

@@ -16,6 +16,10 @@ from kvq.runtime.kernels import fused_moe_reference, fused_moe_w4a16, prepare_w4
 from kvq.runtime.kernels.w4a16 import w4a16_reference
 from kvq.runtime.kernels.w4a16_cpu import (
     CPU_ISA_ENV,
+    DENSE_CHUNK_ELEMENTS,
+    DENSE_FROM_ROWS,
+    NativeW4A16,
+    dequantize,
     native_scale,
     resolve_cpu_isa,
     runnable_isas,
@@ -212,3 +216,41 @@ def test_avx512bf16_runs_vdpbf16ps_for_bf16_activations_only() -> None:
         expected = _native("avx512", x, packed, scale, 32, out_dtype=torch.float32)
         assert expected.min() > 1e-37
         assert torch.equal(y, torch.zeros_like(y) if flushed else expected), (x.dtype, x.shape[0])
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ["scalar", "avx512bf16"])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"), SHAPES)
+def test_dequantize_is_compressed_tensors_bf16_weight(
+    isa: str, scale_dtype: torch.dtype, out_features: int, in_features: int, group_size: int
+) -> None:
+    """bf16(q * scale), bit for bit: the weight compressed-tensors decompresses to."""
+    if isa not in runnable_isas():
+        pytest.skip(f"no {isa} path here")
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    packed, scale = random_w4a16(out_features, in_features, group_size, gen)
+    scale = scale.to(scale_dtype)
+    out = torch.full((out_features, in_features), float("nan"), dtype=torch.bfloat16)
+    dequantize(packed, native_scale(scale), group_size, isa, out)
+    weight = w4a16_reference(torch.eye(in_features), packed, scale, group_size).t()  # fp32 q * scale, exact
+    assert torch.equal(out, weight.bfloat16())
+
+
+@pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")
+@pytest.mark.parametrize("chunk_elements", [DENSE_CHUNK_ELEMENTS, 1000])  # 1000: several chunks of rows
+def test_prefill_batches_run_the_decompressed_weight_through_torch(monkeypatch, chunk_elements: int) -> None:
+    """From DENSE_FROM_ROWS bf16 rows, avx512bf16 runs x @ bf16(q * scale)^T in torch's BF16 GEMM: the
+    result is that product's (not the W4A16 kernel's fp32 sums of q * x times the scale)."""
+    monkeypatch.setattr("kvq.runtime.kernels.w4a16_cpu.DENSE_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(5)
+    packed, scale = random_w4a16(200, 384, 128, gen)
+    linear = NativeW4A16(packed, native_scale(scale), 128, "avx512bf16")
+    weight = w4a16_reference(torch.eye(384), packed, scale, 128).t().bfloat16()
+    for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 130):
+        x = torch.randn(rows, 384, generator=gen).bfloat16()
+        y = linear(x)
+        assert y.shape == (rows, 200) and y.dtype == torch.bfloat16
+        assert_close_rel(y, w4a16_reference(x, packed, scale, 128), REL_TOL[torch.bfloat16])
+        if rows >= DENSE_FROM_ROWS:
+            assert torch.equal(y, torch.nn.functional.linear(x, weight))
