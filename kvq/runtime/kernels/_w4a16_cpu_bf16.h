@@ -12,8 +12,8 @@
    block and (activation row, weight row), 4 vdpbf16ps from zero give the lane's sum of q * x, which goes
    times the lane's group scale into the fp32 accumulator. So the sums are the fp32 path's in another
    order (products of bf16 pairs are exact in fp32; vdpbf16ps flushes denormals to zero).
-   gemv_bf16 dequantizes in registers, one row after another; gemm_bf16
-   fills an L1 tile of 4 rows x BF_KC blocks once and runs every activation row (in pairs) through it.
+   gemv_bf16 makes the pairs in registers, one row after another; gemm_bf16 fills an L1 tile of 4 rows x
+   BF_KC blocks with them once and runs every activation row (in pairs) through it.
    Tried and slower: q * scale rounded to bf16 in the tile (compressed-tensors' bf16 decompression; no
    multiply per block, but no faster and not exact), and lanes that each own 64 consecutive elements of a
    1024-element range, so that one multiply per 32 elements suffices (gathered weights, and a whole range
