@@ -1,11 +1,12 @@
 """DenseLinear on CPU bf16: one row goes through torch's own GEMV (`linear_one_row_cpu`), more rows through
-F.linear; both equal the fp32 product within bf16 rounding, and the oneDNN switch is left as it was."""
+oneDNN on a blocked copy of the weight made at the first batch (`prepack_cpu_bf16`); both equal the fp32
+product within bf16 rounding, batches equal F.linear bit for bit, and the oneDNN switch is left as it was."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.layers.linear import DenseLinear, linear_one_row_cpu
+from kvq.runtime.layers.linear import DenseLinear, linear_one_row_cpu, prepack_cpu_bf16
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -55,3 +56,21 @@ def test_fp32_weights_take_f_linear_unchanged() -> None:
     layer = DenseLinear(weight, None)
     assert not layer.is_cpu_bf16
     assert torch.equal(layer(x), F.linear(x, weight))
+
+
+@pytest.mark.skipif(prepack_cpu_bf16(torch.ones(4, 4, dtype=torch.bfloat16)) is None, reason="no oneDNN here")
+@pytest.mark.parametrize(("out_features", "in_features"), [(7, 96), (130, 576), (1000, 33)])
+def test_batches_run_a_weight_blocked_once_and_equal_f_linear(out_features: int, in_features: int) -> None:
+    g = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    layer = DenseLinear(weight, None)
+    y1 = layer(torch.randn(1, in_features, generator=g).to(torch.bfloat16))
+    assert layer.packed is None and y1.shape == (1, out_features)  # batch 1: the plain weight only
+    assert layer.tensors() == [weight]
+    for num_rows in (2, 8, 65):
+        x = torch.randn(num_rows, in_features, generator=g).to(torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, weight))
+    packed = layer.packed
+    assert packed is not None and layer.tensors() == [weight, packed]  # resident from the first batch on
+    layer(torch.randn(3, in_features, generator=g).to(torch.bfloat16))
+    assert layer.packed is packed  # blocked once

@@ -41,6 +41,7 @@ def test_int8_lm_head_is_the_quantized_dense_one(tiny_checkpoint) -> None:
     stored = Engine(EngineConfig(model=str(path), kv_memory="4MiB"))
     quantized = Engine(EngineConfig(model=str(path), kv_memory="4MiB", lm_head_weights="int8"))
     assert isinstance(stored.model.lm_head, DenseLinear) and isinstance(quantized.model.lm_head, Int8Linear)
+    loaded_bytes = stored.weight_bytes, quantized.weight_bytes  # at load (a batch adds a blocked copy, below)
     dense = stored.model.lm_head.weight  # [V, H]
     vocab, hidden = dense.shape
     weight, weight_scale = quantize_int8_rows(dense)
@@ -56,6 +57,11 @@ def test_int8_lm_head_is_the_quantized_dense_one(tiny_checkpoint) -> None:
     err8 = (logits - dense_logits).abs().max()
     assert err8 < (int4.model.compute_logits(x) - dense_logits).abs().max()
     # the copy replaces the dense lm_head: half its bytes plus a fp32 scale per row
-    assert stored.weight_bytes - quantized.weight_bytes == dense.numel() * 2 - (dense.numel() + vocab * 4)
+    assert loaded_bytes[0] - loaded_bytes[1] == dense.numel() * 2 - (dense.numel() + vocab * 4)
+    # the batch of 5 above made the dense lm_head's oneDNN copy, which is resident and counted
+    packed = stored.model.lm_head.packed
+    assert (
+        packed is not None and stored.weight_bytes == loaded_bytes[0] + packed.numel() * packed.element_size()
+    )
     layers = zip(stored.model.layers[0].tensors(), quantized.model.layers[0].tensors(), strict=True)
     assert all(torch.equal(a, b) for a, b in layers)

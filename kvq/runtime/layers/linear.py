@@ -67,17 +67,42 @@ class Linear:
 
 
 class DenseLinear(Linear):
+    """A dense weight. On CPU in bf16: one row (batch-1 decode) through torch's own GEMV
+    (`linear_one_row_cpu`); batches through oneDNN on a copy of the weight blocked for it once, at the first
+    batch (`prepack_cpu_bf16`), not at every call; resident from then on (`tensors` counts it)."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias  # [N, K]
         self.is_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.packed: torch.Tensor | None = None  # oneDNN's blocked copy, made at the first batch
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_cpu_bf16 and x.shape[0] == 1:
+        if not self.is_cpu_bf16:
+            return F.linear(x, self.weight)
+        if x.shape[0] == 1:
             return linear_one_row_cpu(x, self.weight)
-        return F.linear(x, self.weight)
+        if self.packed is None:
+            self.packed = prepack_cpu_bf16(self.weight)
+            self.is_cpu_bf16 = self.packed is not None  # no oneDNN here: plain F.linear from now on
+            if self.packed is None:
+                return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.bias) if t is not None]
+        return [t for t in (self.weight, self.packed, self.bias) if t is not None]
+
+
+def prepack_cpu_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a bf16 CPU weight `[N, K]` for `mkldnn._linear_pointwise` (what torch's
+    own compiler passes make for CPU linears), or None where this torch has no oneDNN. F.linear of a
+    plain weight re-blocks the whole weight at every call: SmolLM2's Linears at 8 rows ran 1.5-2x
+    slower that way (BENCHMARKS, stop 27). The results are F.linear's, bit for bit (tested)."""
+    if not (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    except (RuntimeError, AttributeError):  # a build without these ops
+        return None
 
 
 def linear_one_row_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
