@@ -108,6 +108,7 @@ def _gptq(
             block_size=settings.block_size,
             dampening_frac=settings.dampening_frac,
             actorder=settings.actorder is not None,
+            observer=settings.observer,
         )
     except HessianNotPositiveDefinite as e:
         raise KvqError(
@@ -148,7 +149,8 @@ def _quantize_experts(
     ckpt: Checkpoint,
 ) -> None:
     """Each expert: Hessians from its tokens (all of them first, from the unquantized weights), then GPTQ;
-    below `moe_min_tokens` routed tokens (and not calibrating all experts), round-to-nearest."""
+    below `moe_min_tokens` routed tokens (and not calibrating all experts), round-to-nearest with min/max
+    scales whatever the observer (the bytes `kvq compress`'s RTN writes for it)."""
     by_expert: dict[int, list[ExpertTarget]] = {}
     for t in targets:
         by_expert.setdefault(t.expert, []).append(t)

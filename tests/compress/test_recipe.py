@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,18 @@ GPTQ = (RECIPES_DIR / "w4a16-linear-gptq.yaml").read_text()
             r"weights: unknown recipe key\(s\) mystery",
         ),
         (BASE.replace("symmetric: true", "symmetric: false"), "symmetric: False is not supported"),
+        (
+            BASE.replace("dynamic: false", "dynamic: false\n            observer: mse"),
+            r"observer: 'mse' is supported only in a GPTQModifier",
+        ),
+        (
+            GPTQ.replace("dynamic: false", "dynamic: false\n            observer: mse_quant"),
+            r"observer: 'mse_quant' is not supported; use minmax or mse",
+        ),
+        (
+            GPTQ.replace("dynamic: false", "dynamic: false\n            observer_kwargs: {norm: 2}"),
+            r"unknown recipe key\(s\) observer_kwargs",
+        ),
         (BASE.replace("num_bits: 4", "num_bits: 8"), "num_bits: 8 is not supported"),
         (BASE.replace("group_size: 128", "group_size: 100"), "group size 100 is not supported"),
         (BASE.replace('targets: ["Linear"]', "targets: []"), "expected a list of module names"),
@@ -126,6 +139,7 @@ def test_gptq_modifier_recipe(tmp_path):
         "block_size": 128,
         "dampening_frac": 0.01,
         "actorder": "static",
+        "observer": "minmax",
     }
     assert recipe.targets == load_recipe("w4a16-linear").targets and recipe.group_size == 128
     assert load_recipe("w4a16-linear").gptq is None
@@ -133,6 +147,9 @@ def test_gptq_modifier_recipe(tmp_path):
     assert load_recipe(write(tmp_path, defaults)).gptq == recipe.gptq  # llm-compressor's defaults
     none = load_recipe(write(tmp_path, GPTQ.replace("actorder: static", "actorder: null")))
     assert none.gptq is not None and none.gptq.actorder is None
+    mse_text = GPTQ.replace("dynamic: false", "dynamic: false\n            observer: mse")
+    mse = load_recipe(write(tmp_path, mse_text))
+    assert mse.gptq == replace(recipe.gptq, observer="mse") and mse.targets == recipe.targets
 
 
 @pytest.mark.slow
