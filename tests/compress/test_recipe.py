@@ -21,7 +21,9 @@ NEVER_QUANTIZED = [
 
 
 def test_shipped_recipes():
-    assert {"w4a16-experts", "w4a16-linear", "w4a16-linear-gptq"} <= set(available_recipes())
+    assert {"w4a16-experts", "w4a16-linear", "w4a16-linear-gptq", "w4a16-linear-gptq-mse"} <= set(
+        available_recipes()
+    )
 
 
 def test_experts_recipe_targets_routed_and_shared_experts_only():
@@ -150,19 +152,24 @@ def test_gptq_modifier_recipe(tmp_path):
     mse_text = GPTQ.replace("dynamic: false", "dynamic: false\n            observer: mse")
     mse = load_recipe(write(tmp_path, mse_text))
     assert mse.gptq == replace(recipe.gptq, observer="mse") and mse.targets == recipe.targets
+    shipped = load_recipe("w4a16-linear-gptq-mse")
+    assert shipped.gptq == mse.gptq and (shipped.targets, shipped.ignore) == (recipe.targets, recipe.ignore)
 
 
 @pytest.mark.slow
-def test_llm_compressor_reads_the_gptq_recipe():
+@pytest.mark.parametrize("name", ["w4a16-linear-gptq", "w4a16-linear-gptq-mse"])
+def test_llm_compressor_reads_the_gptq_recipe(name):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.recipe import Recipe
 
-    recipe = load_recipe("w4a16-linear-gptq")
+    recipe = load_recipe(name)
     (modifier,) = Recipe.create_instance(str(recipe.path)).modifiers
     assert isinstance(modifier, GPTQModifier)
     assert (modifier.block_size, modifier.dampening_frac, modifier.actorder) == (128, 0.01, "static")
     config = modifier.resolve_quantization_config()
     assert config.config_groups["group_0"].weights.group_size == recipe.group_size
+    observer = config.config_groups["group_0"].weights.observer  # llm-compressor's default: memoryless_minmax
+    assert observer == {"minmax": "memoryless_minmax", "mse": "mse"}[recipe.gptq.observer]
     assert list(config.ignore) == list(recipe.ignore)
 
 
