@@ -33,3 +33,14 @@ def test_without_llm_compressor_builds_rtn_and_kvq_gptq_only(tiny_checkpoint, tm
     manifest = json.loads((tmp_path / "kvq-gptq" / "kvq_manifest.json").read_text())
     assert manifest["job"]["method"]["calibration"]["num_samples"] == 10
     assert build_outputs(config, src, tmp_path) == outputs  # done before: not built again
+
+
+def test_the_gptq_recipe_is_an_option(tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint("llama", "bf16")
+    config = GptqQualityConfig(
+        num_samples=10, seq_len=64, threads=1, llm_compressor=False, recipe="w4a16-linear-gptq-mse"
+    )
+    build_outputs(config, src, tmp_path)
+    manifest = json.loads((tmp_path / "kvq-gptq" / "kvq_manifest.json").read_text())
+    assert manifest["job"]["method"]["gptq"]["observer"] == "mse"
+    assert manifest["job"]["recipe"]["name"] == "w4a16-linear-gptq-mse"
