@@ -84,8 +84,9 @@ class Recipe:
         """The recipe as a compressed-tensors `QuantizationConfig` (what llm-compressor builds from it)."""
         from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
+        observer = {"observer": self.gptq.observer} if self.gptq and self.gptq.observer != "minmax" else {}
         scheme = QuantizationScheme(
-            targets=list(self.targets), weights=QuantizationArgs(**self.weights_args())
+            targets=list(self.targets), weights=QuantizationArgs(**self.weights_args(), **observer)
         )
         return QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(self.ignore))
 
