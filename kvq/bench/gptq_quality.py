@@ -2,11 +2,12 @@
 
 SmolLM2-135M-Instruct (the embedded BF16 model), every Linear but lm_head to INT4 group 64, three ways:
 round-to-nearest (`kvq compress --recipe w4a16-linear`), kvq's GPTQ (`--recipe w4a16-linear-gptq`:
-llm-compressor's GPTQ defaults) and llm-compressor `oneshot` + `GPTQModifier` on exactly kvq's calibration
-token ids. Each is scored by `kvq eval` against the BF16 model (BF16 KV pages: the weights alone) on two
-texts: the held-out split of the bundled Wikipedia articles (never calibrated on) and news (the Lee corpus
-of Australian news articles in gensim, `lee_background.cor`). Also recorded: the share of `weight_packed`
-nibbles kvq's and llm-compressor's GPTQ outputs have in common, per tensor and overall.
+llm-compressor's GPTQ defaults; `--recipe` picks another GPTQModifier recipe) and llm-compressor `oneshot`
++ `GPTQModifier` with the same recipe on exactly kvq's calibration token ids. Each is scored by `kvq eval`
+against the BF16 model (BF16 KV pages: the weights alone) on two texts: the held-out split of the bundled
+Wikipedia articles (never calibrated on) and news (the Lee corpus of Australian news articles in gensim,
+`lee_background.cor`). Also recorded: the share of `weight_packed` nibbles kvq's and llm-compressor's GPTQ
+outputs have in common, per tensor and overall.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class GptqQualityConfig:
     eval_seq_len: int = 256
     threads: int = 2
     llm_compressor: bool = True  # also llm-compressor's oneshot GPTQ (the oracle; ~30 min at 16 x 512)
+    recipe: str = "w4a16-linear-gptq"  # the GPTQModifier recipe both GPTQs run
 
 
 def news_jsonl(path: Path) -> Path:
@@ -73,10 +75,10 @@ def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str,
     ids_path = work / "ids.pt"
     fingerprint = calibration_ids(src, config.num_samples, config.seq_len, ids_path)
     out = str(work / "llm-compressor-gptq")
-    call = f"oneshot_gptq({str(src)!r}, {out!r}, 'w4a16-linear-gptq', {str(ids_path)!r}, {config.group_size})"
+    call = f"oneshot_gptq({str(src)!r}, {out!r}, {config.recipe!r}, {str(ids_path)!r}, {config.group_size})"
     steps = {
         "rtn": [*kvq, str(outs["rtn"]), "--recipe", "w4a16-linear", *common],
-        "kvq-gptq": [*kvq, str(outs["kvq-gptq"]), "--recipe", "w4a16-linear-gptq", *common, *gptq],
+        "kvq-gptq": [*kvq, str(outs["kvq-gptq"]), "--recipe", config.recipe, *common, *gptq],
         "llm-compressor-gptq": [py, "-c", f"from kvq.bench.compress_gptq import oneshot_gptq; {call}"],
     }
     steps = {name: argv for name, argv in steps.items() if name in outs}
@@ -168,6 +170,9 @@ def bench_gptq_command(
             "with kvq's). --no-llm-compressor: RTN and kvq's GPTQ only."
         ),
     ] = GptqQualityConfig.llm_compressor,
+    recipe: Annotated[
+        str, typer.Option(help="The GPTQModifier recipe (name or file) kvq's and llm-compressor's GPTQ run.")
+    ] = GptqQualityConfig.recipe,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
@@ -175,7 +180,12 @@ def bench_gptq_command(
     """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ, on two kinds of text.
     Resumes: a checkpoint built before with the same settings is not built again."""
     config = GptqQualityConfig(
-        num_samples, seq_len, eval_windows=eval_windows, threads=threads, llm_compressor=llm_compressor
+        num_samples,
+        seq_len,
+        eval_windows=eval_windows,
+        threads=threads,
+        llm_compressor=llm_compressor,
+        recipe=recipe,
     )
     report = run_quality_bench(config, cache_dir() / "bench" / "gptq-quality-work")
     console.print(render(report))

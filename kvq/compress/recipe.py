@@ -3,7 +3,7 @@
 kvq reads the data-free subset of that schema, strictly: one stage, one `QuantizationModifier` with
 `targets` + `scheme: W4A16`, or one `config_groups` group of symmetric INT4 group weights; `ignore`.
 A `GPTQModifier` takes the same keys plus GPTQ's `block_size`, `dampening_frac` and `actorder`
-(`kvq compress --method gptq`).
+(`kvq compress --method gptq`), and its weights may name `observer: mse` (the group scales GPTQ keeps).
 Matching is compressed-tensors': a target is `Linear` (every Linear weight), an exact module name, or
 `re:<regex>` applied with `re.match` to the module name. The same file drives llm-compressor unchanged.
 """
@@ -29,6 +29,7 @@ _MODIFIER_KEYS = {"targets", "scheme", "config_groups", "ignore"}
 _GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 # Data-free round-to-nearest: any min/max observer sees the whole weight once, so they agree.
 _OBSERVERS = {None, "minmax", "static_minmax", "memoryless_minmax"}
+_GPTQ_OBSERVERS = {"mse"}  # llm-compressor's MSE scale search (kvq.gptq.observer), GPTQModifier only
 _WEIGHTS = {
     "num_bits": 4,
     "type": "int",
@@ -83,8 +84,9 @@ class Recipe:
         """The recipe as a compressed-tensors `QuantizationConfig` (what llm-compressor builds from it)."""
         from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
+        observer = {"observer": self.gptq.observer} if self.gptq and self.gptq.observer != "minmax" else {}
         scheme = QuantizationScheme(
-            targets=list(self.targets), weights=QuantizationArgs(**self.weights_args())
+            targets=list(self.targets), weights=QuantizationArgs(**self.weights_args(), **observer)
         )
         return QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(self.ignore))
 
@@ -179,7 +181,6 @@ def _parse(path: Path, data: object) -> tuple[tuple[str, ...], tuple[str, ...], 
         raise _fail(path, where, f"expected a mapping of {modifier_name} fields")
     is_gptq = modifier_name == _GPTQ_MODIFIER
     _unknown_keys(path, where, modifier, _MODIFIER_KEYS | (set(RECIPE_KEYS) if is_gptq else set()))
-    gptq = GptqSettings.from_recipe(modifier, f"{path}: {where}") if is_gptq else None
     ignore = tuple(_string_list(path, f"{where}.ignore", modifier.get("ignore", [])))
     if ("scheme" in modifier) == ("config_groups" in modifier):
         raise _fail(path, where, "set exactly one of `scheme` (with `targets`) and `config_groups`")
@@ -192,16 +193,19 @@ def _parse(path: Path, data: object) -> tuple[tuple[str, ...], tuple[str, ...], 
                 "or a config_groups entry with 4-bit symmetric group weights",
             )
         targets = tuple(_string_list(path, f"{where}.targets", modifier.get("targets", ["Linear"])))
+        gptq = GptqSettings.from_recipe(modifier, f"{path}: {where}") if is_gptq else None
         return targets, ignore, 128, gptq
     if "targets" in modifier:
         raise _fail(path, f"{where}.targets", "with config_groups, put targets inside the group")
     group_key, group = _one(path, f"{where}.config_groups", modifier["config_groups"], "config group")
-    return (*_parse_group(path, f"{where}.config_groups.{group_key}", group, ignore), gptq)
+    group_where = f"{where}.config_groups.{group_key}"
+    targets, size, observer = _parse_group(path, group_where, group, is_gptq)
+    gptq = GptqSettings.from_recipe(modifier, f"{path}: {where}", observer) if is_gptq else None
+    return targets, ignore, size, gptq
 
 
-def _parse_group(
-    path: Path, where: str, group: object, ignore: tuple[str, ...]
-) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+def _parse_group(path: Path, where: str, group: object, is_gptq: bool) -> tuple[tuple[str, ...], int, str]:
+    """(targets, group size, observer: minmax or mse) of one config group."""
     if not isinstance(group, dict):
         raise _fail(path, where, "expected a mapping with targets and weights")
     _unknown_keys(path, where, group, _GROUP_KEYS)
@@ -232,15 +236,20 @@ def _parse_group(
                 f"{weights[key]!r} is not supported; kvq writes "
                 f"{key}: {expected} (symmetric INT4 group weights)",
             )
-    if weights.get("observer") not in _OBSERVERS:
+    observer = weights.get("observer")
+    if observer in _GPTQ_OBSERVERS and not is_gptq:
         raise _fail(
             path,
             f"{where}.weights.observer",
-            f"{weights['observer']!r}: kvq rounds to nearest with a min/max scale; use minmax",
+            f"{observer!r} is supported only in a {_GPTQ_MODIFIER} (the scales GPTQ keeps); kvq's "
+            f"{_MODIFIER} rounds to nearest with a min/max scale: use minmax, or a {_GPTQ_MODIFIER}",
         )
+    if observer not in _OBSERVERS | (_GPTQ_OBSERVERS if is_gptq else set()):
+        supported = "minmax" + (" or mse" if is_gptq else "")
+        raise _fail(path, f"{where}.weights.observer", f"{observer!r} is not supported; use {supported}")
     size = weights.get("group_size", 128)
     _check_group_size(size, f"{path}: {where}.weights.group_size")
-    return targets, ignore, size
+    return targets, size, "minmax" if observer in _OBSERVERS else observer
 
 
 def _check_group_size(size: object, where: str) -> None:

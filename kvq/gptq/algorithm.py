@@ -3,7 +3,8 @@
 A pure function over tensors, written to follow llm-compressor 0.14's `quantize_weight` (eager CPU path,
 one module per batch) operation by operation, so that the same weight and Hessian give the same codes:
 - the group scales are fixed before GPTQ, from the original weight (its observer runs first): round-to-
-  nearest's `weight_scale = D(absmax / 7.5)` in the weight's dtype D (`kvq.formats.pack_quantized`);
+  nearest's `weight_scale = D(absmax / 7.5)` in the weight's dtype D (`kvq.formats.pack_quantized`), or
+  with `observer="mse"` llm-compressor's MSE grid search (`kvq.gptq.observer`);
 - `actorder` static (llm-compressor's `weight`): columns visited by descending Hessian diagonal, each
   keeping its own group's scale, so the output needs no `g_idx`;
 - dead columns (zero Hessian diagonal) get weight 0 and diagonal 1; dampening adds
@@ -13,7 +14,7 @@ one module per batch) operation by operation, so that the same weight and Hessia
   fake-quantize does (`x / scale` in fp32, clamp to [-8, 7], round half to even, `D(q) * scale` in D)
   and its error spread over the block's later columns; after a block, `Err @ Hinv[block, rest]` (bmm)
   updates the rest.
-Tensors keep llm-compressor's batch dimension of 1 so the same BLAS calls run. Imports torch and kvq.formats.
+Tensors keep llm-compressor's batch dimension of 1 so the same BLAS calls run. Imports torch and kvq.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvq.formats.pack_quantized import INT4_MAX, INT4_MIN, quantize_int4_group
+from kvq.formats.pack_quantized import INT4_MAX, INT4_MIN
+from kvq.gptq.observer import observe_weight_scale
 
 
 class HessianNotPositiveDefinite(ValueError):
@@ -44,11 +46,12 @@ def gptq_quantize(
     block_size: int = 128,
     dampening_frac: float = 0.01,
     actorder: bool = True,
+    observer: str = "minmax",
 ) -> GptqResult:
     """GPTQ codes and scales of `weight` `[out, in]` (its dtype D sets the scale dtype) given the normalized
     input Hessian `hessian` `[in, in]` fp32; `HessianNotPositiveDefinite` if dampening does not make it PD."""
     rows, cols = weight.shape
-    weight_scale = quantize_int4_group(weight, group_size)[1]  # [out, G] in D, from the original weight
+    weight_scale = observe_weight_scale(weight, group_size, observer)  # [out, G] in D, of the original weight
     W = weight.to(torch.float32, copy=True).unsqueeze(0)  # [1, out, in]
     H = hessian.to(torch.float32, copy=True).unsqueeze(0)  # [1, in, in]
     g_idx = (torch.arange(cols, dtype=torch.int32) // group_size).unsqueeze(0)  # [1, in]

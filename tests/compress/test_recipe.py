@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,9 @@ NEVER_QUANTIZED = [
 
 
 def test_shipped_recipes():
-    assert {"w4a16-experts", "w4a16-linear", "w4a16-linear-gptq"} <= set(available_recipes())
+    assert {"w4a16-experts", "w4a16-linear", "w4a16-linear-gptq", "w4a16-linear-gptq-mse"} <= set(
+        available_recipes()
+    )
 
 
 def test_experts_recipe_targets_routed_and_shared_experts_only():
@@ -108,6 +111,18 @@ GPTQ = (RECIPES_DIR / "w4a16-linear-gptq.yaml").read_text()
             r"weights: unknown recipe key\(s\) mystery",
         ),
         (BASE.replace("symmetric: true", "symmetric: false"), "symmetric: False is not supported"),
+        (
+            BASE.replace("dynamic: false", "dynamic: false\n            observer: mse"),
+            r"observer: 'mse' is supported only in a GPTQModifier",
+        ),
+        (
+            GPTQ.replace("dynamic: false", "dynamic: false\n            observer: mse_quant"),
+            r"observer: 'mse_quant' is not supported; use minmax or mse",
+        ),
+        (
+            GPTQ.replace("dynamic: false", "dynamic: false\n            observer_kwargs: {norm: 2}"),
+            r"unknown recipe key\(s\) observer_kwargs",
+        ),
         (BASE.replace("num_bits: 4", "num_bits: 8"), "num_bits: 8 is not supported"),
         (BASE.replace("group_size: 128", "group_size: 100"), "group size 100 is not supported"),
         (BASE.replace('targets: ["Linear"]', "targets: []"), "expected a list of module names"),
@@ -126,6 +141,7 @@ def test_gptq_modifier_recipe(tmp_path):
         "block_size": 128,
         "dampening_frac": 0.01,
         "actorder": "static",
+        "observer": "minmax",
     }
     assert recipe.targets == load_recipe("w4a16-linear").targets and recipe.group_size == 128
     assert load_recipe("w4a16-linear").gptq is None
@@ -133,19 +149,27 @@ def test_gptq_modifier_recipe(tmp_path):
     assert load_recipe(write(tmp_path, defaults)).gptq == recipe.gptq  # llm-compressor's defaults
     none = load_recipe(write(tmp_path, GPTQ.replace("actorder: static", "actorder: null")))
     assert none.gptq is not None and none.gptq.actorder is None
+    mse_text = GPTQ.replace("dynamic: false", "dynamic: false\n            observer: mse")
+    mse = load_recipe(write(tmp_path, mse_text))
+    assert mse.gptq == replace(recipe.gptq, observer="mse") and mse.targets == recipe.targets
+    shipped = load_recipe("w4a16-linear-gptq-mse")
+    assert shipped.gptq == mse.gptq and (shipped.targets, shipped.ignore) == (recipe.targets, recipe.ignore)
 
 
 @pytest.mark.slow
-def test_llm_compressor_reads_the_gptq_recipe():
+@pytest.mark.parametrize("name", ["w4a16-linear-gptq", "w4a16-linear-gptq-mse"])
+def test_llm_compressor_reads_the_gptq_recipe(name):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.recipe import Recipe
 
-    recipe = load_recipe("w4a16-linear-gptq")
+    recipe = load_recipe(name)
     (modifier,) = Recipe.create_instance(str(recipe.path)).modifiers
     assert isinstance(modifier, GPTQModifier)
     assert (modifier.block_size, modifier.dampening_frac, modifier.actorder) == (128, 0.01, "static")
     config = modifier.resolve_quantization_config()
     assert config.config_groups["group_0"].weights.group_size == recipe.group_size
+    observer = config.config_groups["group_0"].weights.observer  # llm-compressor's default: memoryless_minmax
+    assert observer == {"minmax": "memoryless_minmax", "mse": "mse"}[recipe.gptq.observer]
     assert list(config.ignore) == list(recipe.ignore)
 
 

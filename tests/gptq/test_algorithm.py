@@ -25,12 +25,14 @@ def hessian_of(x: torch.Tensor) -> torch.Tensor:
     return h.normalized()
 
 
-def reference_codes(weight, hessian, group_size, block_size, actorder) -> tuple[torch.Tensor, torch.Tensor]:
-    """llm-compressor's GPTQ of `weight` (its scales from the observer it runs first: RTN's)."""
+def reference_codes(
+    weight, hessian, group_size, block_size, actorder, scale=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """llm-compressor's GPTQ of `weight` (its scales from the observer it runs first: RTN's unless given)."""
     args = QuantizationArgs(
         num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size, actorder=actorder
     )
-    scale = quantize_int4_group(weight, group_size)[1]
+    scale = quantize_int4_group(weight, group_size)[1] if scale is None else scale
     quantized, _loss, fallback = quantize_weight(
         weight.float().unsqueeze(0),
         hessian.clone().unsqueeze(0),  # quantize_weight overwrites its Hessian

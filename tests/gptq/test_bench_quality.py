@@ -8,7 +8,13 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+import torch
+
+from kvq.bench.compress_gptq import calibration_ids, oneshot_gptq
 from kvq.bench.gptq_quality import GptqQualityConfig, build_outputs, perplexity
+from kvq.checkpoint.reader import Checkpoint
+from kvq.gptq.observer import mse_weight_scale
 
 
 def test_perplexity_is_the_one_kvq_eval_reports(tiny_checkpoint, tmp_path: Path) -> None:
@@ -33,3 +39,27 @@ def test_without_llm_compressor_builds_rtn_and_kvq_gptq_only(tiny_checkpoint, tm
     manifest = json.loads((tmp_path / "kvq-gptq" / "kvq_manifest.json").read_text())
     assert manifest["job"]["method"]["calibration"]["num_samples"] == 10
     assert build_outputs(config, src, tmp_path) == outputs  # done before: not built again
+
+
+def test_the_gptq_recipe_is_an_option(tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint("llama", "bf16")
+    config = GptqQualityConfig(
+        num_samples=10, seq_len=64, threads=1, llm_compressor=False, recipe="w4a16-linear-gptq-mse"
+    )
+    build_outputs(config, src, tmp_path)
+    manifest = json.loads((tmp_path / "kvq-gptq" / "kvq_manifest.json").read_text())
+    assert manifest["job"]["method"]["gptq"]["observer"] == "mse"
+    assert manifest["job"]["recipe"]["name"] == "w4a16-linear-gptq-mse"
+
+
+@pytest.mark.slow
+def test_oneshot_runs_the_recipes_observer(tiny_checkpoint, tmp_path: Path) -> None:
+    """The bench's llm-compressor side takes `observer: mse` from the recipe: its scales are the MSE ones."""
+    src = tiny_checkpoint("llama", "bf16")
+    ids = tmp_path / "ids.pt"
+    calibration_ids(src, 4, 64, ids)
+    oneshot_gptq(str(src), str(tmp_path / "out"), "w4a16-linear-gptq-mse", str(ids), 64)
+    mine, source = Checkpoint.open(tmp_path / "out"), Checkpoint.open(src)
+    name = "model.layers.0.mlp.down_proj"
+    weight = source.read(f"{name}.weight")
+    assert torch.equal(mine.read(f"{name}.weight_scale"), mse_weight_scale(weight, 64))

@@ -19,7 +19,7 @@ from kvq.calibrate.samples import build_samples
 from kvq.checkpoint.reader import Checkpoint
 from kvq.compress.recipe import load_recipe
 from kvq.data.texts import load_texts
-from kvq.formats.pack_quantized import unpack_int4
+from kvq.formats.pack_quantized import quantize_int4_group, unpack_int4
 from kvq.gptq.config import GptqConfig
 from kvq.gptq.run import prepare_gptq, run_gptq
 from tests.conftest import TinyCheckpoint
@@ -68,12 +68,15 @@ def perplexity(path: Path, input_ids: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-def test_gptq_matches_oneshot_gptq_modifier(tiny_checkpoint: TinyCheckpoint, tmp_path: Path) -> None:
+@pytest.mark.parametrize("observer", ["minmax", "mse"])
+def test_gptq_matches_oneshot_gptq_modifier(
+    tiny_checkpoint: TinyCheckpoint, tmp_path: Path, observer: str
+) -> None:
     src = tiny_checkpoint("llama", "bf16")
     recipe_path = tmp_path / "gptq.yaml"
-    recipe_path.write_text(RECIPE)
+    recipe_path.write_text(RECIPE.replace("group_size: 64}", f"group_size: 64, observer: {observer}}}"))
     recipe = load_recipe(str(recipe_path))
-    assert recipe.gptq is not None and recipe.group_size == 64
+    assert recipe.gptq is not None and recipe.group_size == 64 and recipe.gptq.observer == observer
     job = prepare_gptq(
         src, tmp_path / "kvq", recipe, GptqConfig(CalibrationConfig(num_samples=10, seq_len=64))
     )
@@ -84,13 +87,18 @@ def test_gptq_matches_oneshot_gptq_modifier(tiny_checkpoint: TinyCheckpoint, tmp
     mine, theirs = Checkpoint.open(tmp_path / "kvq"), Checkpoint.open(reference)
     packed = sorted(n for n in mine.tensors if n.endswith(".weight_packed"))
     assert len(packed) == 14 and set(packed) <= set(theirs.tensors)
-    same = total = 0
+    same = total = shrunk = 0
+    src_ckpt = Checkpoint.open(src)
     for name in packed:
         scale = name.replace("weight_packed", "weight_scale")
         assert torch.equal(mine.read(scale), theirs.read(scale)), scale  # both from the original weights
+        if observer == "mse":  # the search moved scales: the case is not round-to-nearest's again
+            minmax = quantize_int4_group(src_ckpt.read(name.replace("weight_packed", "weight")), 64)[1]
+            shrunk += int((mine.read(scale) != minmax).sum())
         a, b = unpack_int4(mine.read(name)), unpack_int4(theirs.read(name))
         same, total = same + int((a == b).sum()), total + a.numel()
     assert same / total >= 0.98, same / total
+    assert (shrunk > 0) == (observer == "mse")
 
     held_out = build_samples(
         load_texts(None, "held_out"),
