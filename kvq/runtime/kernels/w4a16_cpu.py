@@ -2,7 +2,7 @@
 (the W8A16 entry's too, `gemm_w8`).
 
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
-`w4a16.py`) with AVX-512 BF16 (AVX-512, but several rows of bf16 activations through vdpbf16ps), AVX-512,
+`w4a16.py`) with AVX-512 BF16 (AVX-512, but bf16 activations through vdpbf16ps), AVX-512,
 AVX2 + FMA or scalar C loops chosen at run time. On avx512bf16, batches of at least `DENSE_FROM_ROWS`
 bf16 rows (prefill) instead decompress the weight to bf16 (`dequantize`: compressed-tensors' bf16(q *
 scale), in chunks of rows) and run torch's BF16 GEMM (oneDNN, at the CPU's vdpbf16ps peak). Without the
@@ -118,7 +118,7 @@ class NativeW4A16:
         """x `[M, K]` -> `[M, N]` in x.dtype."""
         if x.dtype not in _DTYPE_CODES or not x.is_contiguous():  # an error or a copy: the general path
             return w4a16_native(x, self.weight_packed, self.weight_scale, self.group_size, self.isa)
-        if x.shape[0] >= DENSE_FROM_ROWS and self._isa_code == 3 and x.dtype == torch.bfloat16:
+        if x.shape[0] >= DENSE_FROM_ROWS and self.isa == "avx512bf16" and x.dtype == torch.bfloat16:
             return dense_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
         y = torch.empty((x.shape[0], self.weight_packed.shape[0]), dtype=x.dtype)
         return _gemm(self._isa_code, x, *self._ptrs, self._scale_code, self.group_size, y)
