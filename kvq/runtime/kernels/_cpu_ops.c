@@ -250,6 +250,11 @@ ALWAYS_INLINE void load_page_rows(const Pages *p, int64_t page, int64_t n, int64
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 #define LANES16 16
+#if defined(__clang__)
+#define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE16(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
+#endif
 
 ALWAYS_INLINE v16 load16(const float *p) {
     v16 v;
@@ -266,9 +271,9 @@ ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int64_
     float tail = 0.0f;
     for (; d < D; d++)
         tail += a[d] * b[d];
-    part += __builtin_shuffle(part, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    part += __builtin_shuffle(part, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    part += __builtin_shuffle(part, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    part += SHUFFLE16(part, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    part += SHUFFLE16(part, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    part += SHUFFLE16(part, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     return (part[0] + part[1]) + tail;
 }
 
