@@ -122,10 +122,15 @@ static inline float x_at(const Job *job, int64_t m, int64_t k) {
     return load_f32(job->x, job->x_dtype, m * job->K + k);
 }
 
-static inline float scale_at(const Job *job, const uint8_t *srow, int64_t g) {
-    if (job->scale_dtype == DTYPE_F32)
+/* Group g's scale in a row of fp32 or bf16 scales. */
+static inline float row_scale(const uint8_t *srow, int scale_dtype, int64_t g) {
+    if (scale_dtype == DTYPE_F32)
         return ((const float *)srow)[g];
     return bits_f32((uint32_t)((const uint16_t *)srow)[g] << 16);
+}
+
+static inline float scale_at(const Job *job, const uint8_t *srow, int64_t g) {
+    return row_scale(srow, job->scale_dtype, g);
 }
 
 static inline void store_y(const Job *job, int64_t m, int64_t n, float v) {

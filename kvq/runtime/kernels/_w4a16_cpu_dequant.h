@@ -14,17 +14,13 @@ typedef struct {
     uint16_t *out;
 } DequantJob;
 
-static inline float group_scale(const DequantJob *d, const uint8_t *srow, int64_t g) {
-    return d->scale_dtype == DTYPE_F32 ? ((const float *)srow)[g] : bits_f32((uint32_t)((const uint16_t *)srow)[g] << 16);
-}
-
 static void dequantize_rows_scalar(const DequantJob *d, int64_t n0, int64_t n1) {
     const int64_t words_per_group = d->group / 8, num_groups = d->K / d->group;
     for (int64_t n = n0; n < n1; n++) {
         const uint32_t *w = d->packed + n * (d->K / 8);
         const uint8_t *srow = d->scale + n * num_groups * d->scale_size;
         for (int64_t g = 0; g < num_groups; g++) {
-            float s = group_scale(d, srow, g);
+            float s = row_scale(srow, d->scale_dtype, g);
             for (int64_t i = g * words_per_group; i < (g + 1) * words_per_group; i++)
                 for (int j = 0; j < 8; j++)
                     d->out[n * d->K + 8 * i + j] = f32_to_bf16((float)((int)((w[i] >> (4 * j)) & 15u) - 8) * s);
@@ -46,7 +42,7 @@ TARGET_AVX512 static void dequantize_rows_avx512(const DequantJob *d, int64_t n0
         const uint8_t *srow = d->scale + n * num_groups * d->scale_size;
         uint16_t *o = d->out + n * d->K;
         for (int64_t g = 0; g < num_groups; g++) {
-            const __m512 scale = _mm512_set1_ps(group_scale(d, srow, g));
+            const __m512 scale = _mm512_set1_ps(row_scale(srow, d->scale_dtype, g));
             for (int64_t i = g * words_per_group; i < (g + 1) * words_per_group; i += 2) { /* group >= 32 */
                 __m512i pair = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(w + i)));
                 __m512i q = _mm512_sub_epi32(

@@ -8,6 +8,7 @@ Imports torch, kvq.formats/kvq.checkpoint (FP8 dequantization) and kvq.runtime.k
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -74,22 +75,26 @@ class DenseLinear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias  # [N, K]
         self.is_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.packable = self.is_cpu_bf16 and onednn_prepack_available()
         self.packed: torch.Tensor | None = None  # oneDNN's blocked copy, made at the first batch
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.is_cpu_bf16:
-            return F.linear(x, self.weight)
-        if x.shape[0] == 1:
+        if self.is_cpu_bf16 and x.shape[0] == 1:
             return linear_one_row_cpu(x, self.weight)
+        if not self.packable:
+            return F.linear(x, self.weight)
         if self.packed is None:
             self.packed = prepack_cpu_bf16(self.weight)
-            self.is_cpu_bf16 = self.packed is not None  # no oneDNN here: plain F.linear from now on
-            if self.packed is None:
-                return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.packed, self.bias) if t is not None]
+
+
+@cache
+def onednn_prepack_available() -> bool:
+    """Whether this torch has oneDNN and the ops that block a linear weight once (`prepack_cpu_bf16`)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def prepack_cpu_bf16(weight: torch.Tensor) -> torch.Tensor | None:
@@ -97,12 +102,9 @@ def prepack_cpu_bf16(weight: torch.Tensor) -> torch.Tensor | None:
     own compiler passes make for CPU linears), or None where this torch has no oneDNN. F.linear of a
     plain weight re-blocks the whole weight at every call: SmolLM2's Linears at 8 rows ran 1.5-2x
     slower that way (BENCHMARKS, stop 27). The results are F.linear's, bit for bit (tested)."""
-    if not (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()):
+    if not onednn_prepack_available():
         return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-    except (RuntimeError, AttributeError):  # a build without these ops
-        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
 
 def linear_one_row_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
