@@ -63,9 +63,10 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, NaN kept qu
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* e^x in fp32 within 1.3 ulp (every 64th fp32 in range checked against expl), in arithmetic, so that loops of it vectorize (libm's expf is a call per
-   element): x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), e^r by its degree-7 Taylor polynomial (the
-   remainder is under 2^-27), times 2^n built in the exponent bits. x < -87.3 (e^x below fp32's smallest
+/* e^x in fp32 within 1.3 ulp (every 64th fp32 in range checked against expl), in arithmetic, so that
+   loops of it vectorize (libm's expf is a call per element): x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2),
+   e^r by its degree-7 Taylor polynomial (the remainder is under 2^-27), times 2^n built in the exponent
+   bits. x < -87.3 (e^x below fp32's smallest
    normal) gives 0, x > 88.3 gives inf, NaN stays NaN. */
 ALWAYS_INLINE float exp_f32(float x) {
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
@@ -182,24 +183,6 @@ static PyObject *rotary(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* float8_e4m3fn byte -> fp32, exactly, in arithmetic (a loop of these vectorizes; a 256-entry table read
-   is a gather): normals move their exponent and mantissa bits into fp32's, subnormals are m * 2^-9,
-   S.1111.111 is NaN (e4m3fn has no infinities). */
-ALWAYS_INLINE float e4m3_f32(uint8_t byte) {
-    uint32_t exponent = (byte >> 3) & 15u, mantissa = byte & 7u;
-    uint32_t normal = ((exponent + 120u) << 23) | (mantissa << 20), subnormal;
-    float sub = (float)mantissa * 0x1p-9f; /* both computed and chosen by masks: no branch in the loop */
-    memcpy(&subnormal, &sub, 4);
-    uint32_t is_normal = 0u - (uint32_t)(exponent != 0), is_nan = 0u - (uint32_t)((byte & 0x7Fu) == 0x7Fu);
-    uint32_t u = (normal & is_normal) | (subnormal & ~is_normal);
-    u = ((u & ~is_nan) | (0x7FC00000u & is_nan)) | (uint32_t)(byte & 0x80u) << 24;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-#define MAX_HEAD_DIM 512
-
 #define FP8_MAX 448.0f
 
 /* fp32 -> float8_e4m3fn, round to nearest even; |f| <= 448 after the caller's clamp, NaN kept. */
@@ -218,93 +201,6 @@ static inline uint8_t f32_to_e4m3(float f) {
     u += 0x7FFFFu + ((u >> 20) & 1u); /* round the mantissa to 3 bits */
     uint32_t exponent = (u >> 23) - 120, mantissa = (u >> 20) & 7u;
     return sign | (uint8_t)((exponent << 3) | mantissa);
-}
-
-typedef struct {
-    const uint8_t *base;
-    int64_t page_stride, slot_stride, head_stride; /* elements */
-    int is_fp8;
-} Pages;
-
-/* Slots 0..n-1 of page `page`, head h (K or V), as fp32 into rows [n, D]: one page lookup per page, not
-   one division per token. */
-ALWAYS_INLINE void load_page_rows(const Pages *p, int64_t page, int64_t n, int64_t h, int64_t D, float scale,
-                                  float *restrict rows) {
-    const int64_t base = page * p->page_stride + h * p->head_stride;
-    for (int64_t j = 0; j < n; j++) {
-        float *restrict row = rows + j * D;
-        if (p->is_fp8) {
-            const uint8_t *restrict src = p->base + base + j * p->slot_stride;
-            for (int64_t d = 0; d < D; d++)
-                row[d] = e4m3_f32(src[d]) * scale;
-        } else {
-            const uint16_t *restrict src = (const uint16_t *)p->base + base + j * p->slot_stride;
-            for (int64_t d = 0; d < D; d++)
-                row[d] = bf16_f32(src[d]);
-        }
-    }
-}
-
-/* 16 fp32 lanes as a GCC vector: one AVX-512 register, two AVX2 ones, four SSE2 ones on each clone, with
-   the same sums in the same order (no contraction: -ffp-contract=off). */
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-#define LANES16 16
-#if defined(__clang__)
-#define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define SHUFFLE16(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
-#endif
-
-ALWAYS_INLINE v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* a . b over D: 16 partial sums, the tail's own sum, then a fixed tree: one order on every clone. */
-ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int64_t D) {
-    v16 part = {0};
-    int64_t d = 0;
-    for (; d + LANES16 <= D; d += LANES16)
-        part += load16(a + d) * load16(b + d);
-    float tail = 0.0f;
-    for (; d < D; d++)
-        tail += a[d] * b[d];
-    part += SHUFFLE16(part, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    part += SHUFFLE16(part, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    part += SHUFFLE16(part, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    return (part[0] + part[1]) + tail;
-}
-
-/* acc[0..D) += sum over j < n of p[j] * rows[j] (rows [n, D]), each element's sum in token order; 64
-   elements of acc at a time stay in registers over the n rows (four independent chains of adds). */
-ALWAYS_INLINE void weighted_rows(float *restrict acc, const float *restrict p, const float *restrict rows,
-                                 int64_t n, int64_t D) {
-    int64_t d = 0;
-    for (; d + 4 * LANES16 <= D; d += 4 * LANES16) {
-        v16 v0 = load16(acc + d), v1 = load16(acc + d + 16), v2 = load16(acc + d + 32), v3 = load16(acc + d + 48);
-        for (int64_t j = 0; j < n; j++) {
-            const float *r = rows + j * D + d;
-            v0 += p[j] * load16(r);
-            v1 += p[j] * load16(r + 16);
-            v2 += p[j] * load16(r + 32);
-            v3 += p[j] * load16(r + 48);
-        }
-        memcpy(acc + d, &v0, sizeof v0);
-        memcpy(acc + d + 16, &v1, sizeof v1);
-        memcpy(acc + d + 32, &v2, sizeof v2);
-        memcpy(acc + d + 48, &v3, sizeof v3);
-    }
-    for (; d + LANES16 <= D; d += LANES16) {
-        v16 v = load16(acc + d);
-        for (int64_t j = 0; j < n; j++)
-            v += p[j] * load16(rows + j * D + d);
-        memcpy(acc + d, &v, sizeof v);
-    }
-    for (; d < D; d++)
-        for (int64_t j = 0; j < n; j++)
-            acc[d] += p[j] * rows[j * D + d];
 }
 
 static PyObject *store_kv(PyObject *self, PyObject *args) {
@@ -345,135 +241,7 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-typedef struct {
-    Pages kp, vp;
-    const float *scale;   /* [2, Hkv]: K then V */
-    const uint16_t *q;    /* [B, q_row_stride] */
-    const uint8_t *tables; /* [B, bt_stride] int32 or int64 */
-    const void *lens;     /* [B] int32 or int64 */
-    uint16_t *out;        /* [B, Hq, D] */
-    int64_t q_row_stride, bt_stride, B, Hq, Hkv, D, page_size;
-    int bt_int64, sl_int64;
-    float sm_scale;
-    atomic_int out_of_memory;
-} Attention;
-
-static inline int64_t seq_len(const Attention *a, int64_t b) {
-    return a->sl_int64 ? ((const int64_t *)a->lens)[b] : ((const int32_t *)a->lens)[b];
-}
-
-/* Sequence b, KV head h: its G query heads over the sequence's pages into out. `work` holds
-   2 G D + G L + page_size D floats. */
-KVQ_CLONES static void attend(const Attention *a, int64_t b, int64_t h, float *work) {
-    const int64_t G = a->Hq / a->Hkv, D = a->D, P = a->page_size, L = seq_len(a, b);
-    const uint8_t *table_row = a->tables + b * a->bt_stride * (a->bt_int64 ? 8 : 4);
-    uint16_t *o = a->out + (b * a->Hq + h * G) * D;
-    if (L <= 0) { /* an empty sequence attends to nothing: zeros */
-        memset(o, 0, (size_t)(G * D) * 2);
-        return;
-    }
-    float *qs = work, *acc = qs + G * D, *scores = acc + G * D, *rows = scores + G * L; /* [G,D] [G,D] [G,L] [P,D] */
-    for (int64_t i = 0; i < G * D; i++)
-        qs[i] = bf16_f32(a->q[b * a->q_row_stride + h * G * D + i]);
-    for (int64_t t0 = 0; t0 < L; t0 += P) {
-        int64_t i = t0 / P, n = L - t0 < P ? L - t0 : P;
-        int64_t page = a->bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
-        load_page_rows(&a->kp, page, n, h, D, a->scale[h], rows);
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t j = 0; j < n; j++)
-                scores[g * L + t0 + j] = dot(qs + g * D, rows + j * D, D) * a->sm_scale;
-    }
-    for (int64_t g = 0; g < G; g++) { /* softmax in place */
-        float *s = scores + g * L, top = s[0], sum = 0.0f;
-        for (int64_t t = 1; t < L; t++)
-            top = s[t] > top ? s[t] : top;
-        for (int64_t t = 0; t < L; t++)
-            s[t] = exp_f32(s[t] - top);
-        for (int64_t t = 0; t < L; t++)
-            sum += s[t];
-        for (int64_t t = 0; t < L; t++)
-            s[t] /= sum;
-    }
-    memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    for (int64_t t0 = 0; t0 < L; t0 += P) {
-        int64_t i = t0 / P, n = L - t0 < P ? L - t0 : P;
-        int64_t page = a->bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
-        load_page_rows(&a->vp, page, n, h, D, a->scale[a->Hkv + h], rows);
-        for (int64_t g = 0; g < G; g++)
-            weighted_rows(acc + g * D, scores + g * L + t0, rows, n, D);
-    }
-    for (int64_t i = 0; i < G * D; i++)
-        o[i] = f32_bf16(acc[i]);
-}
-
-/* Chunk `chunk` of `num_chunks` over the B * Hkv (sequence, KV head) items, on whichever thread takes it;
-   each thread's scratch is its own, kept between calls. */
-static void attention_task(void *ctx, int64_t chunk, int64_t num_chunks) {
-    static _Thread_local float *work;
-    static _Thread_local size_t work_floats;
-    Attention *a = ctx;
-    const int64_t items = a->B * a->Hkv, G = a->Hq / a->Hkv;
-    for (int64_t item = items * chunk / num_chunks; item < items * (chunk + 1) / num_chunks; item++) {
-        int64_t b = item / a->Hkv, L = seq_len(a, b);
-        size_t need = (size_t)(2 * G * a->D + G * (L > 0 ? L : 0) + a->page_size * a->D);
-        if (need > work_floats) {
-            free(work);
-            work = malloc(need * sizeof(float));
-            work_floats = work ? need : 0;
-            if (work == NULL) {
-                atomic_store(&a->out_of_memory, 1);
-                return;
-            }
-        }
-        attend(a, b, item % a->Hkv, work);
-    }
-}
-
-/* The W4A16 extension's thread pool (its `_parallel_for` capsule), or NULL: then the calling thread alone. */
-typedef void (*task_fn)(void *ctx, int64_t chunk, int64_t num_chunks);
-typedef void (*parallel_for_fn)(task_fn fn, void *ctx, int64_t num_chunks, int nt);
-static parallel_for_fn kvq_parallel_for;
-
-#define CHUNKS_PER_THREAD 4 /* items go in chunks, taken by whichever thread is free: lengths differ */
-
-static PyObject *decode_attention(PyObject *self, PyObject *args) {
-    (void)self;
-    unsigned long long q, k, v, scales, tables, lens, out;
-    int kv_fp8, bt_int64, sl_int64, threads;
-    long long q_row_stride, ks0, ks1, ks2, vs0, vs1, vs2, bt_stride, B, Hq, Hkv, D, page_size;
-    float sm_scale;
-    if (!PyArg_ParseTuple(args, "KLKKi(LLL)(LLL)KKLiKiKLLLLLfi", &q, &q_row_stride, &k, &v, &kv_fp8, &ks0,
-                          &ks1, &ks2, &vs0, &vs1, &vs2, &scales, &tables, &bt_stride, &bt_int64, &lens,
-                          &sl_int64, &out, &B, &Hq, &Hkv, &D, &page_size, &sm_scale, &threads))
-        return NULL;
-    if (B < 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D > MAX_HEAD_DIM || page_size <= 0 || q_row_stride < Hq * D)
-        return PyErr_Format(PyExc_ValueError,
-                            "bad shape B=%lld Hq=%lld Hkv=%lld D=%lld page_size=%lld q_row_stride=%lld", B, Hq,
-                            Hkv, D, page_size, q_row_stride);
-    Attention a = {
-        .kp = {(const uint8_t *)(uintptr_t)k, ks0, ks1, ks2, kv_fp8},
-        .vp = {(const uint8_t *)(uintptr_t)v, vs0, vs1, vs2, kv_fp8},
-        .scale = (const float *)(uintptr_t)scales,
-        .q = (const uint16_t *)(uintptr_t)q,
-        .tables = (const uint8_t *)(uintptr_t)tables,
-        .lens = (const void *)(uintptr_t)lens,
-        .out = (uint16_t *)(uintptr_t)out,
-        .q_row_stride = q_row_stride, .bt_stride = bt_stride, .B = B, .Hq = Hq, .Hkv = Hkv, .D = D,
-        .page_size = page_size, .bt_int64 = bt_int64, .sl_int64 = sl_int64, .sm_scale = sm_scale,
-    };
-    const int64_t items = B * Hkv;
-    int nt = threads < 1 ? 1 : threads;
-    int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD < items ? (int64_t)nt * CHUNKS_PER_THREAD : items;
-    Py_BEGIN_ALLOW_THREADS;
-    if (kvq_parallel_for != NULL && nt > 1 && chunks > 1)
-        kvq_parallel_for(attention_task, &a, chunks, nt);
-    else if (items > 0)
-        attention_task(&a, 0, 1);
-    Py_END_ALLOW_THREADS;
-    if (atomic_load(&a.out_of_memory))
-        return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
+#include "_cpu_ops_attention.h"
 
 static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "bf16 RMSNorm rows, optionally after a residual add (see source)."},
