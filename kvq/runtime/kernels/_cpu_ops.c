@@ -243,12 +243,18 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
 
 #include "_cpu_ops_attention.h"
 
+static PyObject *has_thread_pool(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    return PyBool_FromLong(kvq_parallel_for != NULL);
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "bf16 RMSNorm rows, optionally after a residual add (see source)."},
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
+    {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -257,9 +263,23 @@ static struct PyModuleDef module = {
     .m_size = -1, .m_methods = methods,
 };
 
+/* The W4A16 extension's `_parallel_for`, or NULL (not built: one thread). Imported by its full module
+   name, not with PyCapsule_Import, which walks attributes from `kvq` down: while the kvq.runtime.kernels
+   package is still initializing (its __init__ imports this module), `kvq.runtime` has no `kernels`
+   attribute yet, so that walk failed and every call ran on one thread. */
+static parallel_for_fn import_parallel_for(void) {
+    PyObject *ext = PyImport_ImportModule("kvq.runtime.kernels._w4a16_cpu"), *capsule = NULL;
+    void *fn = NULL;
+    if (ext != NULL && (capsule = PyObject_GetAttrString(ext, "_parallel_for")) != NULL)
+        fn = PyCapsule_GetPointer(capsule, "kvq.runtime.kernels._w4a16_cpu._parallel_for");
+    Py_XDECREF(capsule);
+    Py_XDECREF(ext);
+    if (fn == NULL)
+        PyErr_Clear();
+    return (parallel_for_fn)fn;
+}
+
 PyMODINIT_FUNC PyInit__cpu_ops(void) {
-    kvq_parallel_for = (parallel_for_fn)PyCapsule_Import("kvq.runtime.kernels._w4a16_cpu._parallel_for", 0);
-    if (kvq_parallel_for == NULL)
-        PyErr_Clear(); /* that extension is not built: one thread */
+    kvq_parallel_for = import_parallel_for();
     return PyModule_Create(&module);
 }

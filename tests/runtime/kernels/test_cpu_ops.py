@@ -6,6 +6,9 @@ in test_paged_attention.py run it too, for bf16 queries); and the switch that tu
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +24,7 @@ from kvq.runtime.kernels.cpu_ops import (
     store_kv_native,
 )
 from kvq.runtime.kernels.paged_attention import paged_decode_attention_reference
-from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV
+from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, runnable_isas
 from kvq.runtime.layers.norm import RMSNorm
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
 
@@ -109,6 +112,39 @@ def test_decode_attention_reads_the_pages_in_place(
         assert torch.equal(decode_attention_native(q, k_cache, v_cache, scales, tables, lens, 0.3), out)
     finally:
         torch.set_num_threads(threads)
+
+
+_POOL_PROBE = """
+import os, torch
+import kvq.runtime.kernels  # the package first, as every kvq entry point imports it
+from kvq.runtime.kernels import _cpu_ops
+from kvq.runtime.kernels.cpu_ops import decode_attention_native
+from kvq.runtime.kernels.paged_attention import paged_decode_attention_reference
+torch.set_num_threads(3)
+q = torch.randn(8, 9, 64).bfloat16()
+k, v = torch.randn(2, 9, 16, 3, 64).bfloat16()
+tables = torch.arange(8, dtype=torch.int32).view(8, 1)
+lens = torch.full((8,), 16, dtype=torch.int32)
+before = len(os.listdir("/proc/self/task"))
+out = decode_attention_native(q, k, v, torch.ones(2, 3), tables, lens, 0.125)
+after = len(os.listdir("/proc/self/task"))
+ref = paged_decode_attention_reference(q, k, v, tables, lens, None, None, 0.125)
+print(_cpu_ops.has_thread_pool(), after - before, float((out.float() - ref.float()).abs().max()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_decode_attention_runs_on_the_w4a16_pool_after_a_package_import() -> None:
+    """The attention's (sequence, KV head) pairs go over the W4A16 extension's threads. Its function
+    pointer is looked up while kvq.runtime.kernels is still initializing; a lookup by attribute walk
+    from `kvq` failed there, and every call ran on one thread (this test, in a fresh process: the pool
+    linked, its two workers started by the first call at 3 threads, the same values)."""
+    if cpu_ops._ext is None or not runnable_isas():
+        pytest.skip("the C extensions are not built")
+    run = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    linked, new_threads, max_diff = run.stdout.split()
+    assert linked == "True" and int(new_threads) == 2 and float(max_diff) < 0.05
 
 
 def test_decode_attention_reads_every_fp8_byte_as_torch_does() -> None:
