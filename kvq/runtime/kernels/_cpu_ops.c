@@ -1,11 +1,11 @@
 /* kvq.runtime.kernels._cpu_ops: the small bf16 ops of a CPU decode step, one C call each instead of the
    5-10 eager torch ops (each ~1.5 us of dispatch and a temporary) they take in PyTorch.
 
-   rms_norm(x, residual, residual_out, weight, out, M, H, eps): for each of M rows of H bf16 values,
-     s = x (+ residual, rounded to bf16 and written to residual_out when residual != 0), then
+   rms_norm(x, residual, residual_out, weight, out, M, H, eps, threads): for each of M rows of H bf16
+     values, s = x (+ residual, rounded to bf16 and written to residual_out when residual != 0), then
      out = bf16(fp32(s) * rsqrt(mean(fp32(s)^2) + eps) * fp32(weight)): torch's F.rms_norm on bf16 (fp32
      inside, rounded once), and torch's bf16 `x + residual`.
-   silu_mul(gate_up, out, M, I): gate_up [M, 2I] (gate then up), out [M, I] =
+   silu_mul(gate_up, out, M, I, threads): gate_up [M, 2I] (gate then up), out [M, I] =
      bf16(bf16(silu(gate)) * up), as torch's `F.silu(gate) * up` on bf16 rounds (silu in fp32, rounded,
      then the product rounded).
    rotary(x, row_stride, T, H, D, R, cos, sin_signed, out): rotate-half rotary on the first R channels of
@@ -25,6 +25,8 @@
      are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
      head) pairs go over `threads` threads of _w4a16_cpu's pool (its `_parallel_for` capsule), without
      the GIL; each pair's sums are in one order whatever the thread count.
+   rms_norm, silu_mul and decode_attention run without the GIL; from 8,192 elements rms_norm's and
+   silu_mul's rows (decode_attention's pairs always) go over `threads` threads of that pool.
    Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
    caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu_ops.py). */
 
@@ -92,6 +94,31 @@ ALWAYS_INLINE float exp_f32(float x) {
     return x != x ? x : y;
 }
 
+/* The W4A16 extension's thread pool (its `_parallel_for` capsule, set at module init), or NULL: then
+   the calling thread alone. One pool for both extensions, so two kinds of calls never have two sets of
+   threads spinning against each other. */
+typedef void (*task_fn)(void *ctx, int64_t chunk, int64_t num_chunks);
+typedef void (*parallel_for_fn)(task_fn fn, void *ctx, int64_t num_chunks, int nt);
+static parallel_for_fn kvq_parallel_for;
+
+#define CHUNKS_PER_THREAD 4 /* chunks are taken by whichever thread is free */
+#define PARALLEL_FROM_ELEMENTS 8192 /* rms_norm / silu_mul: below this, waking a thread costs more */
+
+/* fn(ctx, c, n) for the n chunks of `items` work items (n = min(items, 4 threads)) on up to `threads`
+   threads; each chunk's results do not depend on n. Call without the GIL. */
+static void run_chunks(task_fn fn, void *ctx, int64_t items, int threads) {
+    int nt = threads < 1 ? 1 : threads;
+    int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD < items ? (int64_t)nt * CHUNKS_PER_THREAD : items;
+    if (kvq_parallel_for != NULL && nt > 1 && chunks > 1)
+        kvq_parallel_for(fn, ctx, chunks, nt);
+    else if (items > 0)
+        fn(ctx, 0, 1);
+}
+
+/* Rows [first, last) of chunk c of n over `rows`. */
+#define CHUNK_ROWS(rows, c, n, first, last) \
+    int64_t first = (rows) * (c) / (n), last = (rows) * ((c) + 1) / (n)
+
 #define LANES 16 /* independent partial sums: the loop vectorizes without reassociation flags */
 
 static void rms_norm_row(const uint16_t *x, const uint16_t *res, uint16_t *res_out, const uint16_t *w,
@@ -116,44 +143,86 @@ static void rms_norm_row(const uint16_t *x, const uint16_t *res, uint16_t *res_o
         out[k] = f32_bf16(s[k] * r * bf16_f32(w[k]));
 }
 
+typedef struct {
+    const uint16_t *x, *res, *w;
+    uint16_t *res_out, *out;
+    int64_t M, H;
+    float eps;
+    atomic_int out_of_memory;
+} RmsNorm;
+
+static void rms_norm_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    RmsNorm *a = ctx;
+    CHUNK_ROWS(a->M, chunk, num_chunks, first, last);
+    float *s = malloc((size_t)a->H * sizeof(float));
+    if (s == NULL) {
+        atomic_store(&a->out_of_memory, 1);
+        return;
+    }
+    for (int64_t m = first; m < last; m++) {
+        int64_t o = m * a->H;
+        rms_norm_row(a->x + o, a->res ? a->res + o : NULL, a->res ? a->res_out + o : NULL, a->w, a->out + o,
+                     a->H, a->eps, s);
+    }
+    free(s);
+}
+
 static PyObject *rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, res, res_out, w, out;
     long long M, H;
     float eps;
-    if (!PyArg_ParseTuple(args, "KKKKKLLf", &x, &res, &res_out, &w, &out, &M, &H, &eps))
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKKKKLLfi", &x, &res, &res_out, &w, &out, &M, &H, &eps, &threads))
         return NULL;
     if (M < 0 || H <= 0 || H > (1 << 20))
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld H=%lld", M, H);
-    float *s = PyMem_RawMalloc((size_t)H * sizeof(float));
-    if (s == NULL)
+    RmsNorm a = {
+        .x = (const uint16_t *)(uintptr_t)x, .res = (const uint16_t *)(uintptr_t)res,
+        .w = (const uint16_t *)(uintptr_t)w, .res_out = (uint16_t *)(uintptr_t)res_out,
+        .out = (uint16_t *)(uintptr_t)out, .M = M, .H = H, .eps = eps,
+    };
+    Py_BEGIN_ALLOW_THREADS;
+    run_chunks(rms_norm_task, &a, M, M * H >= PARALLEL_FROM_ELEMENTS ? threads : 1);
+    Py_END_ALLOW_THREADS;
+    if (atomic_load(&a.out_of_memory))
         return PyErr_NoMemory();
-    for (long long m = 0; m < M; m++) {
-        int64_t o = m * H;
-        rms_norm_row((const uint16_t *)(uintptr_t)x + o, res ? (const uint16_t *)(uintptr_t)res + o : NULL,
-                     res ? (uint16_t *)(uintptr_t)res_out + o : NULL, (const uint16_t *)(uintptr_t)w,
-                     (uint16_t *)(uintptr_t)out + o, H, eps, s);
-    }
-    PyMem_RawFree(s);
     Py_RETURN_NONE;
 }
 
-KVQ_CLONES static PyObject *silu_mul(PyObject *self, PyObject *args) {
+typedef struct {
+    const uint16_t *gate_up;
+    uint16_t *out;
+    int64_t M, I;
+} SiluMul;
+
+KVQ_CLONES static void silu_mul_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    const SiluMul *a = ctx;
+    CHUNK_ROWS(a->M, chunk, num_chunks, first, last);
+    const int64_t I = a->I;
+    for (int64_t m = first; m < last; m++) {
+        const uint16_t *g = a->gate_up + m * 2 * I, *u = g + I;
+        uint16_t *o = a->out + m * I;
+        for (int64_t i = 0; i < I; i++) {
+            float x = bf16_f32(g[i]);
+            o[i] = f32_bf16(bf16_f32(f32_bf16(x / (1.0f + exp_f32(-x)))) * bf16_f32(u[i]));
+        }
+    }
+}
+
+static PyObject *silu_mul(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long gate_up, out;
     long long M, I;
-    if (!PyArg_ParseTuple(args, "KKLL", &gate_up, &out, &M, &I))
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKLLi", &gate_up, &out, &M, &I, &threads))
         return NULL;
     if (M < 0 || I <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld I=%lld", M, I);
-    for (long long m = 0; m < M; m++) {
-        const uint16_t *g = (const uint16_t *)(uintptr_t)gate_up + m * 2 * I, *u = g + I;
-        uint16_t *o = (uint16_t *)(uintptr_t)out + m * I;
-        for (long long i = 0; i < I; i++) {
-            float a = bf16_f32(g[i]);
-            o[i] = f32_bf16(bf16_f32(f32_bf16(a / (1.0f + exp_f32(-a)))) * bf16_f32(u[i]));
-        }
-    }
+    SiluMul a = {(const uint16_t *)(uintptr_t)gate_up, (uint16_t *)(uintptr_t)out, M, I};
+    Py_BEGIN_ALLOW_THREADS;
+    run_chunks(silu_mul_task, &a, M, M * I >= PARALLEL_FROM_ELEMENTS ? threads : 1);
+    Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 

@@ -192,13 +192,6 @@ static void attention_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     }
 }
 
-/* The W4A16 extension's thread pool (its `_parallel_for` capsule), or NULL: then the calling thread alone. */
-typedef void (*task_fn)(void *ctx, int64_t chunk, int64_t num_chunks);
-typedef void (*parallel_for_fn)(task_fn fn, void *ctx, int64_t num_chunks, int nt);
-static parallel_for_fn kvq_parallel_for;
-
-#define CHUNKS_PER_THREAD 4 /* items go in chunks, taken by whichever thread is free: lengths differ */
-
 static PyObject *decode_attention(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long q, k, v, scales, tables, lens, out;
@@ -224,14 +217,8 @@ static PyObject *decode_attention(PyObject *self, PyObject *args) {
         .q_row_stride = q_row_stride, .bt_stride = bt_stride, .B = B, .Hq = Hq, .Hkv = Hkv, .D = D,
         .page_size = page_size, .bt_int64 = bt_int64, .sl_int64 = sl_int64, .sm_scale = sm_scale,
     };
-    const int64_t items = B * Hkv;
-    int nt = threads < 1 ? 1 : threads;
-    int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD < items ? (int64_t)nt * CHUNKS_PER_THREAD : items;
     Py_BEGIN_ALLOW_THREADS;
-    if (kvq_parallel_for != NULL && nt > 1 && chunks > 1)
-        kvq_parallel_for(attention_task, &a, chunks, nt);
-    else if (items > 0)
-        attention_task(&a, 0, 1);
+    run_chunks(attention_task, &a, B * Hkv, threads); /* lengths differ: chunks taken by free threads */
     Py_END_ALLOW_THREADS;
     if (atomic_load(&a.out_of_memory))
         return PyErr_NoMemory();

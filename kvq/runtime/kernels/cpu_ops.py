@@ -47,14 +47,14 @@ def rms_norm_native(
     """(rms_norm(s) * weight, s) with s = x (+ residual, bf16) for bf16 x `[..., H]` (`native_ops_apply`),
     weight bf16 `[H]`; residual (optional) like x."""
     assert _ext is not None
-    hidden = x.shape[-1]
-    out = torch.empty_like(x)
+    hidden, out = x.shape[-1], torch.empty_like(x)
+    rows, threads = x.numel() // hidden, torch.get_num_threads()
     if residual is None:
-        _ext.rms_norm(x.data_ptr(), 0, 0, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
+        _ext.rms_norm(x.data_ptr(), 0, 0, weight.data_ptr(), out.data_ptr(), rows, hidden, eps, threads)
         return out, x
     total = torch.empty_like(x)
     args = (x.data_ptr(), residual.data_ptr(), total.data_ptr(), weight.data_ptr(), out.data_ptr())
-    _ext.rms_norm(*args, x.numel() // hidden, hidden, eps)
+    _ext.rms_norm(*args, rows, hidden, eps, threads)
     return out, total
 
 
@@ -63,7 +63,7 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     assert _ext is not None
     num_rows, width = gate_up.shape
     out = torch.empty((num_rows, width // 2), dtype=gate_up.dtype)
-    _ext.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2)
+    _ext.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, torch.get_num_threads())
     return out
 
 

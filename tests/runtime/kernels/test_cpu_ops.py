@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -32,6 +34,16 @@ pytestmark = pytest.mark.skipif(cpu_ops._ext is None, reason="kvq's CPU extensio
 SHAPES = [(1, 576), (7, 577), (64, 1024), (3, 5), (33, 1536)]  # (rows, width): widths off the 16 lanes
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 steps between two same-sign-ish bf16 tensors (as int16 bit patterns)."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
@@ -52,6 +64,9 @@ def test_rms_norm_equals_torch(rows: int, width: int) -> None:
     out, total = rms_norm_native(x, weight, 1e-6, residual)
     assert torch.equal(total, x + residual)  # torch's bf16 add, bit for bit
     assert int(_bf16_ulps(out, F.rms_norm(x + residual, (width,), weight, 1e-6)).max()) <= 1
+    with torch_threads(3):  # rows over the W4A16 pool (from 8,192 elements): each row's bits unchanged
+        threaded = rms_norm_native(x, weight, 1e-6, residual)
+    assert torch.equal(threaded[0], out) and torch.equal(threaded[1], total)
 
 
 @pytest.mark.parametrize(("rows", "width"), SHAPES)
@@ -64,6 +79,8 @@ def test_silu_mul_equals_torch(rows: int, width: int) -> None:
     assert out.shape == (rows, width)
     assert int(_bf16_ulps(out, expected).max()) <= 1  # expf vs torch's vectorized exp: rarely a step
     assert int((out != expected).sum()) <= max(2, out.numel() // 1000)
+    with torch_threads(3):
+        assert torch.equal(silu_mul_native(gate_up), out)
 
 
 def test_which_tensors_take_the_c_ops(monkeypatch) -> None:
@@ -106,12 +123,8 @@ def test_decode_attention_reads_the_pages_in_place(
     out_split = decode_attention_native(q_split, k_cache, v_cache, scales, tables, lens, 0.3)
     assert out_split.is_contiguous() and torch.equal(out_split, out)
     assert not native_attention_applies(q.transpose(1, 2), k_cache, tables, lens)  # heads not packed
-    threads = torch.get_num_threads()
-    try:  # the (sequence, KV head) pairs over the W4A16 kernel's pool: the same bits
-        torch.set_num_threads(3)
+    with torch_threads(3):  # the (sequence, KV head) pairs over the W4A16 kernel's pool: the same bits
         assert torch.equal(decode_attention_native(q, k_cache, v_cache, scales, tables, lens, 0.3), out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 _POOL_PROBE = """
