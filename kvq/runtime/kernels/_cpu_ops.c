@@ -25,8 +25,8 @@
      are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
      head) pairs go over `threads` threads of _w4a16_cpu's pool (its `_parallel_for` capsule), without
      the GIL; each pair's sums are in one order whatever the thread count.
-   rms_norm, silu_mul and decode_attention run without the GIL; from 8,192 elements rms_norm's and
-   silu_mul's rows (decode_attention's pairs always) go over `threads` threads of that pool.
+   decode_attention runs without the GIL, and so do rms_norm and silu_mul from 8,192 elements, where their
+   rows go over `threads` threads of that pool.
    Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
    caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu_ops.py). */
 
@@ -115,6 +115,20 @@ static void run_chunks(task_fn fn, void *ctx, int64_t items, int threads) {
         fn(ctx, 0, 1);
 }
 
+/* run_chunks for the row ops: from PARALLEL_FROM_ELEMENTS, without the GIL and on `threads` threads;
+   below, on this thread with the GIL kept (released for a few microseconds, it lets the server's event
+   loop in, and getting it back can wait for that loop's whole turn). */
+static void run_row_chunks(task_fn fn, void *ctx, int64_t rows, int64_t elements, int threads) {
+    if (elements < PARALLEL_FROM_ELEMENTS || threads <= 1 || kvq_parallel_for == NULL) {
+        if (rows > 0)
+            fn(ctx, 0, 1);
+        return;
+    }
+    PyThreadState *state = PyEval_SaveThread();
+    run_chunks(fn, ctx, rows, threads);
+    PyEval_RestoreThread(state);
+}
+
 /* Rows [first, last) of chunk c of n over `rows`. */
 #define CHUNK_ROWS(rows, c, n, first, last) \
     int64_t first = (rows) * (c) / (n), last = (rows) * ((c) + 1) / (n)
@@ -182,9 +196,7 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
         .w = (const uint16_t *)(uintptr_t)w, .res_out = (uint16_t *)(uintptr_t)res_out,
         .out = (uint16_t *)(uintptr_t)out, .M = M, .H = H, .eps = eps,
     };
-    Py_BEGIN_ALLOW_THREADS;
-    run_chunks(rms_norm_task, &a, M, M * H >= PARALLEL_FROM_ELEMENTS ? threads : 1);
-    Py_END_ALLOW_THREADS;
+    run_row_chunks(rms_norm_task, &a, M, M * H, threads);
     if (atomic_load(&a.out_of_memory))
         return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -220,9 +232,7 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
     if (M < 0 || I <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld I=%lld", M, I);
     SiluMul a = {(const uint16_t *)(uintptr_t)gate_up, (uint16_t *)(uintptr_t)out, M, I};
-    Py_BEGIN_ALLOW_THREADS;
-    run_chunks(silu_mul_task, &a, M, M * I >= PARALLEL_FROM_ELEMENTS ? threads : 1);
-    Py_END_ALLOW_THREADS;
+    run_row_chunks(silu_mul_task, &a, M, M * I, threads);
     Py_RETURN_NONE;
 }
 
