@@ -2,6 +2,9 @@
 oneDNN on a blocked copy of the weight made at the first batch (`prepack_cpu_bf16`); both equal the fp32
 product within bf16 rounding, batches equal F.linear bit for bit, and the oneDNN switch is left as it was."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,3 +77,24 @@ def test_batches_run_a_weight_blocked_once_and_equal_f_linear(out_features: int,
     assert packed is not None and layer.tensors() == [weight, packed]  # resident from the first batch on
     layer(torch.randn(3, in_features, generator=g).to(torch.bfloat16))
     assert layer.packed is packed  # blocked once
+
+
+_AVX2_PROBE = """
+import torch, torch.nn.functional as F
+from kvq.runtime.layers.linear import DenseLinear, onednn_prepack_available
+weight = torch.randn(48, 64).bfloat16()
+layer = DenseLinear(weight, None)
+x = torch.randn(4, 64).bfloat16()
+print(onednn_prepack_available(), torch.equal(layer(x), F.linear(x, weight)), layer.packed is None)
+"""
+
+
+def test_batches_take_f_linear_where_onednn_has_no_bf16_path() -> None:
+    """An AVX2-only CPU (here: oneDNN held to AVX2 by $ONEDNN_MAX_CPU_ISA) has no oneDNN bf16 blocking op:
+    it raised there at the first batch (`kvq serve` on a BF16 checkpoint failed every batched step);
+    batches take F.linear instead."""
+    env = {"ONEDNN_MAX_CPU_ISA": "AVX2", "PATH": "/usr/bin:/bin"}
+    command = [sys.executable, "-c", _AVX2_PROBE]
+    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "True", "True"]

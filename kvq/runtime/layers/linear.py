@@ -93,8 +93,14 @@ class DenseLinear(Linear):
 
 @cache
 def onednn_prepack_available() -> bool:
-    """Whether this torch has oneDNN and the ops that block a linear weight once (`prepack_cpu_bf16`)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether this torch has oneDNN, the ops that block a linear weight once (`prepack_cpu_bf16`), and
+    oneDNN's bf16 path on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT, within $ONEDNN_MAX_CPU_ISA): on an
+    AVX2-only machine the blocking op raises, so batches there take F.linear."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def prepack_cpu_bf16(weight: torch.Tensor) -> torch.Tensor | None:
