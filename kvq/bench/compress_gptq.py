@@ -66,7 +66,8 @@ def oneshot_gptq(src: str, out: str, recipe: str, ids_path: str, group_size: int
     loaded = load_recipe(recipe, group_size)
     config = loaded.quantization_config()
     settings = loaded.gptq.record() if loaded.gptq is not None else {}
-    settings.pop("observer", None)  # in the weights' QuantizationArgs (`config`), not a GPTQModifier field
+    for key in ("observer", "observer_kwargs"):  # in the weights' QuantizationArgs (`config`)
+        settings.pop(key, None)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     batches = [
         {"input_ids": r.unsqueeze(0), "attention_mask": torch.ones_like(r).unsqueeze(0)} for r in input_ids

@@ -3,7 +3,8 @@
 kvq reads the data-free subset of that schema, strictly: one stage, one `QuantizationModifier` with
 `targets` + `scheme: W4A16`, or one `config_groups` group of symmetric INT4 group weights; `ignore`.
 A `GPTQModifier` takes the same keys plus GPTQ's `block_size`, `dampening_frac` and `actorder`
-(`kvq compress --method gptq`), and its weights may name `observer: mse` (the group scales GPTQ keeps).
+(`kvq compress --method gptq`), and its weights may name `observer: mse` (the group scales GPTQ keeps) with
+`observer_kwargs` (that search's settings).
 Matching is compressed-tensors': a target is `Linear` (every Linear weight), an exact module name, or
 `re:<regex>` applied with `re.match` to the module name. The same file drives llm-compressor unchanged.
 """
@@ -38,6 +39,7 @@ _WEIGHTS = {
     "dynamic": False,
     "actorder": None,
     "observer": None,
+    "observer_kwargs": None,
     "group_size": None,
 }
 
@@ -84,7 +86,11 @@ class Recipe:
         """The recipe as a compressed-tensors `QuantizationConfig` (what llm-compressor builds from it)."""
         from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-        observer = {"observer": self.gptq.observer} if self.gptq and self.gptq.observer != "minmax" else {}
+        observer = (
+            {"observer": self.gptq.observer, "observer_kwargs": self.gptq.search}
+            if self.gptq and self.gptq.observer != "minmax"
+            else {}
+        )
         scheme = QuantizationScheme(
             targets=list(self.targets), weights=QuantizationArgs(**self.weights_args(), **observer)
         )
@@ -199,13 +205,17 @@ def _parse(path: Path, data: object) -> tuple[tuple[str, ...], tuple[str, ...], 
         raise _fail(path, f"{where}.targets", "with config_groups, put targets inside the group")
     group_key, group = _one(path, f"{where}.config_groups", modifier["config_groups"], "config group")
     group_where = f"{where}.config_groups.{group_key}"
-    targets, size, observer = _parse_group(path, group_where, group, is_gptq)
-    gptq = GptqSettings.from_recipe(modifier, f"{path}: {where}", observer) if is_gptq else None
+    targets, size, observer, observer_kwargs = _parse_group(path, group_where, group, is_gptq)
+    gptq = (
+        GptqSettings.from_recipe(modifier, f"{path}: {where}", observer, observer_kwargs) if is_gptq else None
+    )
     return targets, ignore, size, gptq
 
 
-def _parse_group(path: Path, where: str, group: object, is_gptq: bool) -> tuple[tuple[str, ...], int, str]:
-    """(targets, group size, observer: minmax or mse) of one config group."""
+def _parse_group(
+    path: Path, where: str, group: object, is_gptq: bool
+) -> tuple[tuple[str, ...], int, str, dict]:
+    """(targets, group size, observer: minmax or mse, its observer_kwargs) of one config group."""
     if not isinstance(group, dict):
         raise _fail(path, where, "expected a mapping with targets and weights")
     _unknown_keys(path, where, group, _GROUP_KEYS)
@@ -227,7 +237,7 @@ def _parse_group(path: Path, where: str, group: object, is_gptq: bool) -> tuple[
         )
     _unknown_keys(path, f"{where}.weights", weights, set(_WEIGHTS))
     for key, expected in _WEIGHTS.items():
-        if key in ("group_size", "observer") or key not in weights:
+        if key in ("group_size", "observer", "observer_kwargs") or key not in weights:
             continue
         if weights[key] != expected:
             raise _fail(
@@ -247,9 +257,20 @@ def _parse_group(path: Path, where: str, group: object, is_gptq: bool) -> tuple[
     if observer not in _OBSERVERS | (_GPTQ_OBSERVERS if is_gptq else set()):
         supported = "minmax" + (" or mse" if is_gptq else "")
         raise _fail(path, f"{where}.weights.observer", f"{observer!r} is not supported; use {supported}")
+    observer_kwargs = weights.get("observer_kwargs") or {}
+    if not isinstance(observer_kwargs, dict):
+        found = f"expected a mapping, found {observer_kwargs!r}"
+        raise _fail(path, f"{where}.weights.observer_kwargs", found)
+    if observer_kwargs and observer not in _GPTQ_OBSERVERS:
+        raise _fail(
+            path,
+            f"{where}.weights.observer_kwargs",
+            f"settings of the mse observer (in a {_GPTQ_MODIFIER}); {observer or 'minmax'!r} takes none: "
+            "remove them or set observer: mse",
+        )
     size = weights.get("group_size", 128)
     _check_group_size(size, f"{path}: {where}.weights.group_size")
-    return targets, size, "minmax" if observer in _OBSERVERS else observer
+    return targets, size, "minmax" if observer in _OBSERVERS else str(observer), observer_kwargs
 
 
 def _check_group_size(size: object, where: str) -> None:

@@ -47,11 +47,12 @@ def gptq_quantize(
     dampening_frac: float = 0.01,
     actorder: bool = True,
     observer: str = "minmax",
+    observer_kwargs: dict[str, float] | None = None,
 ) -> GptqResult:
     """GPTQ codes and scales of `weight` `[out, in]` (its dtype D sets the scale dtype) given the normalized
     input Hessian `hessian` `[in, in]` fp32; `HessianNotPositiveDefinite` if dampening does not make it PD."""
     rows, cols = weight.shape
-    weight_scale = observe_weight_scale(weight, group_size, observer)  # [out, G] in D, of the original weight
+    weight_scale = observe_weight_scale(weight, group_size, observer, observer_kwargs)  # [out, G] in D
     W = weight.to(torch.float32, copy=True).unsqueeze(0)  # [1, out, in]
     H = hessian.to(torch.float32, copy=True).unsqueeze(0)  # [1, in, in]
     g_idx = (torch.arange(cols, dtype=torch.int32) // group_size).unsqueeze(0)  # [1, in]

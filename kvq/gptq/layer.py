@@ -110,6 +110,7 @@ def _gptq(
             dampening_frac=settings.dampening_frac,
             actorder=settings.actorder is not None,
             observer=settings.observer,
+            observer_kwargs=settings.search,
         )
     except HessianNotPositiveDefinite as e:
         raise KvqError(

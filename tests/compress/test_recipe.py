@@ -87,6 +87,11 @@ BASE = (RECIPES_DIR / "w4a16-linear.yaml").read_text()
 GPTQ = (RECIPES_DIR / "w4a16-linear-gptq.yaml").read_text()
 
 
+def mse_with(line: str) -> str:
+    """The GPTQ recipe with `observer: mse` and `line` in its weights."""
+    return GPTQ.replace("dynamic: false", f"dynamic: false\n            observer: mse\n            {line}")
+
+
 @pytest.mark.parametrize(
     ("text", "match"),
     [
@@ -121,7 +126,13 @@ GPTQ = (RECIPES_DIR / "w4a16-linear-gptq.yaml").read_text()
         ),
         (
             GPTQ.replace("dynamic: false", "dynamic: false\n            observer_kwargs: {norm: 2}"),
-            r"unknown recipe key\(s\) observer_kwargs",
+            r"observer_kwargs: settings of the mse observer \(in a GPTQModifier\); 'minmax' takes none",
+        ),
+        (mse_with("observer_kwargs: {nrm: 2}"), r"observer_kwargs: 'nrm' is not a setting of the mse"),
+        (mse_with("observer_kwargs: {maxshrink: 2}"), r"observer_kwargs.maxshrink must be in \(0, 1\]"),
+        (
+            mse_with("observer_kwargs: [2]"),
+            r"observer_kwargs: expected a mapping",
         ),
         (BASE.replace("num_bits: 4", "num_bits: 8"), "num_bits: 8 is not supported"),
         (BASE.replace("group_size: 128", "group_size: 100"), "group size 100 is not supported"),
@@ -154,6 +165,15 @@ def test_gptq_modifier_recipe(tmp_path):
     assert mse.gptq == replace(recipe.gptq, observer="mse") and mse.targets == recipe.targets
     shipped = load_recipe("w4a16-linear-gptq-mse")
     assert shipped.gptq == mse.gptq and (shipped.targets, shipped.ignore) == (recipe.targets, recipe.ignore)
+    tuned_text = mse_text.replace(
+        "observer: mse", "observer: mse\n            observer_kwargs: {norm: 2.0, averaging_constant: 0.5}"
+    )
+    tuned = load_recipe(write(tmp_path, tuned_text))  # averaging one observation changes nothing: dropped
+    assert tuned.gptq == replace(mse.gptq, observer_kwargs=(("norm", 2.0),))
+    assert tuned.gptq.record()["observer_kwargs"] == {"norm": 2.0}
+    assert "observer_kwargs" not in mse.gptq.record()  # unset: the identity of earlier jobs (they resume)
+    weights = tuned.quantization_config().config_groups["group_0"].weights
+    assert (weights.observer, weights.observer_kwargs) == ("mse", {"norm": 2.0})
 
 
 @pytest.mark.slow

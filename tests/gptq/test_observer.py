@@ -18,9 +18,15 @@ from tests.gptq.test_algorithm import hessian_of, reference_codes
 WEIGHTS = ("model.layers.0.self_attn.k_proj.weight", "model.layers.7.mlp.down_proj.weight")
 
 
-def llm_compressor_mse_scale(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+def llm_compressor_mse_scale(weight: torch.Tensor, group_size: int, **observer_kwargs) -> torch.Tensor:
     args = QuantizationArgs(
-        num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size, observer="mse"
+        num_bits=4,
+        type="int",
+        symmetric=True,
+        strategy="group",
+        group_size=group_size,
+        observer="mse",
+        observer_kwargs=observer_kwargs,
     )
     observer = Observer.load_from_registry("mse", base_name="weight", args=args)
     return observer(weight).get_qparams()["scale"]
@@ -37,6 +43,19 @@ def test_mse_scales_equal_llm_compressor_on_smollm2(smollm2, group_size: int) ->
         minmax = quantize_int4_group(weight, group_size)[1]
         assert (mine < minmax).float().mean() > 0.3, name  # the search shrank most groups: not a no-op
         assert (mine <= minmax).all(), name
+
+
+@pytest.mark.parametrize(
+    "observer_kwargs",
+    [{"norm": 2.0}, {"maxshrink": 0.4, "patience": 3}, {"grid": 40.0, "expand": 1.25}],
+)
+def test_observer_kwargs_search_as_llm_compressor_does(smollm2, observer_kwargs: dict) -> None:
+    """A recipe's `observer_kwargs` (norm, maxshrink, patience, grid, expand) steer kvq's search exactly as
+    they steer llm-compressor's, and each moves the scales away from the default search's."""
+    weight = Checkpoint.open(smollm2.bf16).read(WEIGHTS[1])
+    mine = mse_weight_scale(weight, 64, **observer_kwargs)
+    assert torch.equal(mine, llm_compressor_mse_scale(weight, 64, **observer_kwargs)), observer_kwargs
+    assert not torch.equal(mine, mse_weight_scale(weight, 64)), observer_kwargs
 
 
 def test_gptq_with_mse_scales_equals_llm_compressor() -> None:
