@@ -104,7 +104,7 @@ static parallel_for_fn kvq_parallel_for;
 #define CHUNKS_PER_THREAD 4 /* chunks are taken by whichever thread is free */
 #define PARALLEL_FROM_ELEMENTS 8192 /* rms_norm / silu_mul: below this, waking a thread costs more */
 
-/* fn(ctx, c, n) for the n chunks of `items` work items (n = min(items, 4 threads)) on up to `threads`
+/* fn(ctx, c, n) for the n chunks of `items` work items (n = min(items, 4 x threads)) on up to `threads`
    threads; each chunk's results do not depend on n. Call without the GIL. */
 static void run_chunks(task_fn fn, void *ctx, int64_t items, int threads) {
     int nt = threads < 1 ? 1 : threads;
