@@ -47,7 +47,7 @@ class GptqSettings:
 
     @property
     def search(self) -> dict[str, float]:
-        """The observer's settings that differ from its defaults (keyword arguments of its search)."""
+        """The observer settings the recipe sets (keyword arguments of its search; the rest default)."""
         return dict(self.observer_kwargs)
 
     @classmethod
@@ -71,7 +71,10 @@ class GptqSettings:
                 actorder=_ACTORDER_ALIASES[actorder],
                 observer=observer,
                 observer_kwargs=tuple(
-                    sorted((k, v) for k, v in (observer_kwargs or {}).items() if k not in MSE_INERT_KWARGS)
+                    sorted(
+                        ((k, v) for k, v in (observer_kwargs or {}).items() if k not in MSE_INERT_KWARGS),
+                        key=lambda item: str(item[0]),
+                    )
                 ),
             )
         except KvqError as e:

@@ -99,6 +99,7 @@ def onednn_prepack_available() -> bool:
     return (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
