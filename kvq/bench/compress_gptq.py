@@ -65,9 +65,8 @@ def oneshot_gptq(src: str, out: str, recipe: str, ids_path: str, group_size: int
     input_ids = torch.load(ids_path)
     loaded = load_recipe(recipe, group_size)
     config = loaded.quantization_config()
-    settings = loaded.gptq.record() if loaded.gptq is not None else {}
-    for key in ("observer", "observer_kwargs"):  # in the weights' QuantizationArgs (`config`)
-        settings.pop(key, None)
+    # the observer and its kwargs are in the weights' QuantizationArgs (`config`), not GPTQModifier fields
+    settings = loaded.gptq.modifier_fields() if loaded.gptq is not None else {}
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     batches = [
         {"input_ids": r.unsqueeze(0), "attention_mask": torch.ones_like(r).unsqueeze(0)} for r in input_ids

@@ -83,8 +83,13 @@ class GptqSettings:
     def record(self) -> dict:
         """For the job identity and the manifest (observer_kwargs only when set: older jobs resume)."""
         record = asdict(self)
-        del record["observer_kwargs"]
-        return {**record, "observer_kwargs": self.search} if self.observer_kwargs else record
+        if observer_kwargs := record.pop("observer_kwargs"):
+            record["observer_kwargs"] = dict(observer_kwargs)
+        return record
+
+    def modifier_fields(self) -> dict:
+        """The `GPTQModifier` fields (RECIPE_KEYS) as llm-compressor takes them."""
+        return {key: getattr(self, key) for key in RECIPE_KEYS}
 
 
 def _check_mse_kwarg(name: str, value: object) -> None:

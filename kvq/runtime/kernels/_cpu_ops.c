@@ -129,9 +129,10 @@ static void run_row_chunks(task_fn fn, void *ctx, int64_t rows, int64_t elements
     PyEval_RestoreThread(state);
 }
 
-/* Rows [first, last) of chunk c of n over `rows`. */
-#define CHUNK_ROWS(rows, c, n, first, last) \
-    int64_t first = (rows) * (c) / (n), last = (rows) * ((c) + 1) / (n)
+/* The first row of chunk c of n over `rows` (chunk c ends where chunk c + 1 starts). */
+static inline int64_t chunk_start(int64_t rows, int64_t c, int64_t n) {
+    return rows * c / n;
+}
 
 #define LANES 16 /* independent partial sums: the loop vectorizes without reassociation flags */
 
@@ -167,7 +168,8 @@ typedef struct {
 
 static void rms_norm_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     RmsNorm *a = ctx;
-    CHUNK_ROWS(a->M, chunk, num_chunks, first, last);
+    const int64_t first = chunk_start(a->M, chunk, num_chunks);
+    const int64_t last = chunk_start(a->M, chunk + 1, num_chunks);
     float *s = malloc((size_t)a->H * sizeof(float));
     if (s == NULL) {
         atomic_store(&a->out_of_memory, 1);
@@ -210,7 +212,8 @@ typedef struct {
 
 KVQ_CLONES static void silu_mul_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const SiluMul *a = ctx;
-    CHUNK_ROWS(a->M, chunk, num_chunks, first, last);
+    const int64_t first = chunk_start(a->M, chunk, num_chunks);
+    const int64_t last = chunk_start(a->M, chunk + 1, num_chunks);
     const int64_t I = a->I;
     for (int64_t m = first; m < last; m++) {
         const uint16_t *g = a->gate_up + m * 2 * I, *u = g + I;
