@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct (the embedded BF16 model), every Linear but lm_head to INT4 group 64, three ways:
 round-to-nearest (`kvq compress --recipe w4a16-linear`), kvq's GPTQ (`--recipe w4a16-linear-gptq`:
 llm-compressor's GPTQ defaults; `--recipe` picks another GPTQModifier recipe) and llm-compressor `oneshot`
-+ `GPTQModifier` with the same recipe on exactly kvq's calibration token ids. Each is scored by `kvq eval`
++ `GPTQModifier` with the same recipe on exactly kvq's calibration token ids; with `--gptaq`, also kvq's
+GPTAQ (`--method gptaq`) with the same recipe. Each is scored by `kvq eval`
 against the BF16 model (BF16 KV pages: the weights alone) on two texts: the held-out split of the bundled
 Wikipedia articles (never calibrated on) and news (the Lee corpus of Australian news articles in gensim,
 `lee_background.cor`). Also recorded: the share of `weight_packed` nibbles kvq's and llm-compressor's GPTQ
@@ -41,6 +42,7 @@ class GptqQualityConfig:
     threads: int = 2
     llm_compressor: bool = True  # also llm-compressor's oneshot GPTQ (the oracle; ~30 min at 16 x 512)
     recipe: str = "w4a16-linear-gptq"  # the GPTQModifier recipe both GPTQs run
+    gptaq: bool = False  # also kvq's GPTAQ (`--method gptaq`, the same recipe; llm-compressor has none)
 
 
 def news_jsonl(path: Path) -> Path:
@@ -70,7 +72,9 @@ def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str,
     kvq = [py, "-m", "kvq", "compress", str(src)]
     common = ["--group-size", str(config.group_size), "--workers", "2", "--quiet"]
     gptq = ["--num-samples", str(config.num_samples), "--seq-len", str(config.seq_len)]
-    names = ("rtn", "kvq-gptq", "llm-compressor-gptq")[: 3 if config.llm_compressor else 2]
+    names = (
+        ["rtn", "kvq-gptq"] + ["llm-compressor-gptq"] * config.llm_compressor + ["kvq-gptaq"] * config.gptaq
+    )
     outs = {name: work / name for name in names}
     ids_path = work / "ids.pt"
     fingerprint = calibration_ids(src, config.num_samples, config.seq_len, ids_path)
@@ -79,6 +83,16 @@ def build_outputs(config: GptqQualityConfig, src: Path, work: Path) -> dict[str,
     steps = {
         "rtn": [*kvq, str(outs["rtn"]), "--recipe", "w4a16-linear", *common],
         "kvq-gptq": [*kvq, str(outs["kvq-gptq"]), "--recipe", config.recipe, *common, *gptq],
+        "kvq-gptaq": [
+            *kvq,
+            str(work / "kvq-gptaq"),
+            "--recipe",
+            config.recipe,
+            "--method",
+            "gptaq",
+            *common,
+            *gptq,
+        ],
         "llm-compressor-gptq": [py, "-c", f"from kvq.bench.compress_gptq import oneshot_gptq; {call}"],
     }
     steps = {name: argv for name, argv in steps.items() if name in outs}
@@ -173,11 +187,15 @@ def bench_gptq_command(
     recipe: Annotated[
         str, typer.Option(help="The GPTQModifier recipe (name or file) kvq's and llm-compressor's GPTQ run.")
     ] = GptqQualityConfig.recipe,
+    gptaq: Annotated[
+        bool, typer.Option(help="Also kvq compress --method gptaq with the same recipe (kvq-gptaq).")
+    ] = GptqQualityConfig.gptaq,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Where to write the results as JSON.")
     ] = None,
 ) -> None:
-    """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ, on two kinds of text.
+    """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ (and kvq's GPTAQ), on two
+    kinds of text.
     Resumes: a checkpoint built before with the same settings is not built again."""
     config = GptqQualityConfig(
         num_samples,
@@ -186,6 +204,7 @@ def bench_gptq_command(
         threads=threads,
         llm_compressor=llm_compressor,
         recipe=recipe,
+        gptaq=gptaq,
     )
     report = run_quality_bench(config, cache_dir() / "bench" / "gptq-quality-work")
     console.print(render(report))

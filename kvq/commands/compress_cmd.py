@@ -10,8 +10,10 @@ import typer
 
 from kvq.byte_sizes import format_bytes
 from kvq.commands.gptq_options import (
+    CALIBRATED_METHODS,
     CalibrateKvOption,
     DatasetOption,
+    GptaqAlphaOption,
     GptqOptions,
     KvStrategyOption,
     MethodOption,
@@ -60,6 +62,7 @@ def compress_command(
     moe_calibrate_all_experts: MoeAllExpertsOption = False,
     calibrate_kv: CalibrateKvOption = False,
     kv_strategy: KvStrategyOption = None,
+    gptaq_alpha: GptaqAlphaOption = None,
 ) -> None:
     """Compress SRC into OUT as compressed-tensors pack-quantized INT4 (W4A16, symmetric) per the recipe.
 
@@ -82,7 +85,9 @@ def compress_command(
 
     --method gptq: GPTQ (llm-compressor's arithmetic) on calibration text, one decoder layer at a time
     (memory: one layer and the samples' hidden states, printed at start), then the same shards; a rerun
-    resumes at the first layer not finished.
+    resumes at the first layer not finished. --method gptaq: GPTAQ, the same with each Linear fitted to
+    the full-precision model's outputs (its hidden states carried beside the quantized model's; routed
+    experts stay GPTQ).
     """
     options = GptqOptions(
         method,
@@ -94,9 +99,10 @@ def compress_command(
         moe_calibrate_all_experts,
         calibrate_kv,
         kv_strategy,
+        gptaq_alpha,
     )
     loaded = load_recipe(recipe, group_size)
-    if options.method_for(loaded) == "gptq":
+    if options.method_for(loaded) in CALIBRATED_METHODS:
         written = gptq_compress(src, out, loaded, target, options, max(1, workers), quiet)
         _print_tensors("kept at source precision", written.kept)
         _print_tensors("FP8-block written as BF16", written.dequantized)

@@ -23,17 +23,23 @@ class GptqConfig:
     moe_min_tokens: int = 128
     moe_calibrate_all_experts: bool = False
     calibrate_kv: bool = False
+    gptaq_alpha: float | None = None  # --method gptaq: the asymmetric correction's scale; None: GPTQ
 
     def __post_init__(self) -> None:
         if self.moe_min_tokens < 0:
             raise KvqError(f"--moe-min-tokens must be 0 or more, got {self.moe_min_tokens}")
+        if self.gptaq_alpha is not None and not 0 <= self.gptaq_alpha <= 1:
+            raise KvqError(f"--gptaq-alpha must be in [0, 1], got {self.gptaq_alpha}")
 
     def record(self) -> dict:
         """What of this config decides the output bytes (recorded in the job identity)."""
         c = self.calibration
-        return {
+        record: dict[str, object] = {
             "moe_min_tokens": self.moe_min_tokens,
             "moe_calibrate_all_experts": self.moe_calibrate_all_experts,
             "calibrate_kv": c.strategy if self.calibrate_kv else None,
             "dtype": c.dtype,
         }
+        if self.gptaq_alpha is not None:  # only then: GPTQ jobs of earlier versions still resume
+            record["gptaq_alpha"] = self.gptaq_alpha
+        return record

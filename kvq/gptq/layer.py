@@ -1,7 +1,11 @@
 """One decoder layer through GPTQ, as llm-compressor's sequential pipeline does it.
 
 1. Calibration pass: every sample through the layer with its original weights; hooks accumulate each
-   targeted Linear's input Hessian and record the routed experts' inputs (outputs are dropped).
+   targeted Linear's input Hessian and record the routed experts' inputs (outputs are dropped). GPTAQ
+   (`fp_state`: the full-precision model's hidden states, carried beside the quantized model's) runs
+   each sample through the layer twice, its full-precision states first (which move on to the next
+   layer), so the Linears' sums also hold `(X_fp - X)^T X`. Routed experts stay GPTQ: the two models
+   route a token to different experts, so their inputs do not pair up.
 2. Every target quantized: GPTQ from its Hessian (experts one at a time, from the tokens routed to
    them; an expert with fewer than `moe_min_tokens` falls back to round-to-nearest), and its
    dequantized INT4 weight written back into the layer.
@@ -34,6 +38,8 @@ from kvq.gptq.hessian import HessianSum, LinearHessians
 from kvq.gptq.settings import GptqSettings
 from kvq.gptq.targets import ExpertTarget, LayerTargets, LinearTarget
 
+CALIBRATED = ("gptq", "gptaq")  # a module's "method" in the manifest when it is not round-to-nearest
+
 
 @dataclass(frozen=True)
 class LayerOptions:
@@ -41,6 +47,7 @@ class LayerOptions:
     settings: GptqSettings
     moe_min_tokens: int
     moe_calibrate_all_experts: bool
+    gptaq_alpha: float | None = None  # GPTAQ's correction scale; None: GPTQ
 
 
 @dataclass
@@ -58,13 +65,22 @@ def quantize_layer(
     recorder: KvRecorder,
     options: LayerOptions,
     ckpt: Checkpoint,
+    fp_state: StreamState | None = None,
 ) -> LayerOutcome:
-    """GPTQ every target of the loaded `layer`, then carry `state` through the quantized layer."""
-    hessians = LinearHessians(layer, [t.local for t in targets.linears])
+    """GPTQ every target of the loaded `layer` (GPTAQ with `fp_state`, which this carries through the
+    original layer), then carry `state` through the quantized layer."""
+    hessians = LinearHessians(layer, [t.local for t in targets.linears], asymmetric=fp_state is not None)
     experts = layer.get_submodule("mlp.experts") if targets.experts else None
     captured = ExpertInputs(experts, getattr(experts, GATE_UP).shape[0]) if experts is not None else None
-    with hessians.hooked(), captured.hooked() if captured is not None else nullcontext():
-        run_layer(layer, layer_idx, state, KvRecorder(recorder.layout), inputs, keep_outputs=False)
+    if fp_state is None:
+        _calibrate(layer, layer_idx, state, inputs, recorder, hessians, captured)
+    else:
+        for s in range(len(state.hidden)):
+            fp_one = _one_sample(fp_state, s)
+            with hessians.capturing():
+                run_layer(layer, layer_idx, fp_one, KvRecorder(recorder.layout), inputs)
+            fp_state.hidden[s], fp_state.topk[s] = fp_one.hidden[0], fp_one.topk[0]
+            _calibrate(layer, layer_idx, _one_sample(state, s), inputs, recorder, hessians, captured)
     outcome = LayerOutcome()
     with torch.no_grad():
         for t in targets.linears:
@@ -77,6 +93,24 @@ def quantize_layer(
             del captured
     run_layer(layer, layer_idx, state, recorder, inputs)
     return outcome
+
+
+def _calibrate(
+    layer: nn.Module,
+    layer_idx: int,
+    samples: StreamState,
+    inputs: dict,
+    recorder: KvRecorder,
+    hessians: LinearHessians,
+    captured: ExpertInputs | None,
+) -> None:
+    """The calibration pass over `samples` (hooks on, outputs dropped)."""
+    with hessians.hooked(), captured.hooked() if captured is not None else nullcontext():
+        run_layer(layer, layer_idx, samples, KvRecorder(recorder.layout), inputs, keep_outputs=False)
+
+
+def _one_sample(state: StreamState, s: int) -> StreamState:
+    return StreamState(state.hidden[s : s + 1], state.topk[s : s + 1])
 
 
 def _source(
@@ -101,6 +135,7 @@ def _gptq(
     record: dict | None = None,
 ) -> None:
     settings = options.settings
+    asymmetry = hessian.normalized_cross()
     try:
         result = gptq_quantize(
             weight,
@@ -111,6 +146,8 @@ def _gptq(
             actorder=settings.actorder is not None,
             observer=settings.observer,
             observer_kwargs=settings.search,
+            asymmetry=asymmetry,
+            alpha=options.gptaq_alpha or 0.0,
         )
     except HessianNotPositiveDefinite as e:
         raise KvqError(
@@ -121,7 +158,8 @@ def _gptq(
         ) from e
     outcome.tensors |= _stored(name, result)
     live.copy_(dequantize_pack_quantized(outcome.tensors[f"{name}.weight_packed"], result.weight_scale))
-    outcome.modules[name] = {"method": "gptq", "loss": result.loss, "num_tokens": hessian.num_tokens}
+    method = "gptq" if asymmetry is None else "gptaq"
+    outcome.modules[name] = {"method": method, "loss": result.loss, "num_tokens": hessian.num_tokens}
     outcome.modules[name] |= record or {}
 
 

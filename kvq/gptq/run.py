@@ -20,7 +20,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from kvq.calibrate.kv_layout import KvLayout, kv_layout, layer_tensor_names
-from kvq.calibrate.layer_stream import embed, layer_inputs, meta_model
+from kvq.calibrate.layer_stream import StreamState, embed, layer_inputs, meta_model
 from kvq.calibrate.layer_weights import load_layer_weights
 from kvq.calibrate.memory import limit_primitive_cache, release_freed
 from kvq.calibrate.observers import KvRecorder
@@ -37,7 +37,7 @@ from kvq.errors import KvqError
 from kvq.gptq import staging
 from kvq.gptq.config import GptqConfig
 from kvq.gptq.kv_scales import layer_record, restore_amax, write_kv_scales
-from kvq.gptq.layer import LayerOptions, quantize_layer
+from kvq.gptq.layer import CALIBRATED, LayerOptions, quantize_layer
 from kvq.gptq.settings import GptqSettings
 from kvq.gptq.targets import NOT_REACHED, LayerTargets, dense_in_features, find_targets
 
@@ -110,7 +110,7 @@ def method_record(settings: GptqSettings, config: GptqConfig, samples: Calibrati
     """The method part of the job identity: GPTQ's settings and exactly which calibration tokens."""
     c = config.calibration
     return {
-        "name": "gptq",
+        "name": "gptq" if config.gptaq_alpha is None else "gptaq",
         "gptq": settings.record(),
         "options": config.record(),
         "calibration": {
@@ -171,7 +171,7 @@ def run_gptq(
         staged: dict[str, ShardHeader] = {}
         for i, record in records.items():
             header = read_header(staging.layer_path(out, int(i)))
-            staged |= {name: header for name, m in record["modules"].items() if m["method"] == "gptq"}
+            staged |= {name: header for name, m in record["modules"].items() if m["method"] in CALIBRATED}
         jobs = staging.staged_jobs(job.compress.jobs, staged)
         if on_write_start is not None:
             on_write_start(sum(j.input_bytes for j in jobs))
@@ -215,26 +215,31 @@ def _stream_layers(
     limit_primitive_cache()
     recorder = KvRecorder(job.layout)  # this run's layers; earlier ones are in `records`
     input_ids = job.samples.input_ids
+    gptaq = job.config.gptaq_alpha is not None
     if start == 0:
         state = embed(model, lm, input_ids)
+        fp_state = StreamState([h.clone() for h in state.hidden], list(state.topk)) if gptaq else None
     else:
-        state = staging.load_state(out, start - 1, input_ids.shape[0])
+        state, fp_state = staging.load_state(out, start - 1, input_ids.shape[0], gptaq)
     inputs = layer_inputs(model, lm, state.hidden[0])
     options = LayerOptions(
         job.compress.recipe.group_size,
         job.settings,
         job.config.moe_min_tokens,
         job.config.moe_calibrate_all_experts,
+        job.config.gptaq_alpha,
     )
     for i in range(start, job.num_layers):
         layer = model.model.layers[i]
         load_layer_weights(layer, lm, i, job.layer_names[i])
-        outcome = quantize_layer(layer.eval(), i, job.targets[i], state, inputs, recorder, options, ckpt)
+        outcome = quantize_layer(
+            layer.eval(), i, job.targets[i], state, inputs, recorder, options, ckpt, fp_state
+        )
         layer.to_empty(device="meta")
         release_freed()
         records[str(i)] = {
             "file": staging.write_tensors(staging.layer_path(out, i), outcome.tensors),
-            "state": staging.save_state(out, i, state),
+            "state": staging.save_state(out, i, state, fp_state),
             "modules": outcome.modules,
             "kv": layer_record(recorder, i),
         }
@@ -249,7 +254,7 @@ def _summarize(job: GptqJob, records: dict, report: GptqReport) -> None:
     """Count GPTQ'd modules and list every RTN fallback (report and manifest)."""
     for record in records.values():
         for name, m in record["modules"].items():
-            if m["method"] == "gptq":
+            if m["method"] in CALIBRATED:
                 report.num_gptq += 1
             else:
                 report.rtn_fallback[name] = m["reason"]

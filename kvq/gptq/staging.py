@@ -2,10 +2,11 @@
 
 Per finished decoder layer: `layer-{i}.safetensors` (the `weight_packed` / `weight_scale` /
 `weight_shape` of its GPTQ'd modules) and `state-{i}.safetensors` (every sample's hidden states after
-it, and DSA's top-k picks), each written through the shard writer (temporary name, fsync, sha256,
-rename) and recorded in the manifest only once complete. A killed run thus restarts at the first layer
-not recorded, from the recorded state, and ends byte-identical. The output shards then take the staged
-tensors as plain byte copies (`staged_jobs`), in the layout round-to-nearest would write.
+it, and DSA's top-k picks; GPTAQ's full-precision ones too, as `fp.hidden.{s}` / `fp.topk.{s}`), each
+written through the shard writer (temporary name, fsync, sha256, rename) and recorded in the manifest
+only once complete. A killed run thus restarts at the first layer not recorded, from the recorded
+state, and ends byte-identical. The output shards then take the staged tensors as plain byte copies
+(`staged_jobs`), in the layout round-to-nearest would write.
 Imports torch and kvq.
 """
 
@@ -62,17 +63,27 @@ def is_intact(path: Path, record: dict) -> bool:
         os.close(fd)
 
 
-def save_state(out: Path, layer_idx: int, state: StreamState) -> dict:
-    tensors = {f"hidden.{s}": h for s, h in enumerate(state.hidden)}
-    tensors |= {f"topk.{s}": t for s, t in enumerate(state.topk) if t is not None}
+def save_state(out: Path, layer_idx: int, state: StreamState, fp_state: StreamState | None = None) -> dict:
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, st in (("", state), ("fp.", fp_state)):
+        if st is not None:
+            tensors |= {f"{prefix}hidden.{s}": h for s, h in enumerate(st.hidden)}
+            tensors |= {f"{prefix}topk.{s}": t for s, t in enumerate(st.topk) if t is not None}
     return write_tensors(state_path(out, layer_idx), tensors)
 
 
-def load_state(out: Path, layer_idx: int, num_samples: int) -> StreamState:
+def load_state(
+    out: Path, layer_idx: int, num_samples: int, fp: bool = False
+) -> tuple[StreamState, StreamState | None]:
+    """The carried states after layer `layer_idx` (and GPTAQ's full-precision ones when `fp`)."""
     header = read_header(state_path(out, layer_idx))
-    hidden = [read_tensor(header.tensors[f"hidden.{s}"]) for s in range(num_samples)]
-    topk = [header.tensors.get(f"topk.{s}") for s in range(num_samples)]
-    return StreamState(hidden, [None if info is None else read_tensor(info) for info in topk])
+
+    def states(prefix: str) -> StreamState:
+        hidden = [read_tensor(header.tensors[f"{prefix}hidden.{s}"]) for s in range(num_samples)]
+        topk = [header.tensors.get(f"{prefix}topk.{s}") for s in range(num_samples)]
+        return StreamState(hidden, [None if info is None else read_tensor(info) for info in topk])
+
+    return states(""), states("fp.") if fp else None
 
 
 def drop_states_before(out: Path, layer_idx: int) -> None:

@@ -72,9 +72,15 @@ def find_targets(
     return targets, sorted(unreached)
 
 
+def int4_shapes(plan: CompressPlan) -> dict[str, tuple[int, ...]]:
+    """`[out, in]` of every module quantized to INT4 (its weight's task; a biased Linear also has a
+    task for its bias under the same module)."""
+    return {task.module: task.source.shape for task in plan.tasks if task.action == INT4}
+
+
 def dense_in_features(targets: list[LayerTargets], plan: CompressPlan) -> dict[str, int]:
     """`in_features` of every non-expert target (these see every calibration token)."""
-    shapes = {task.module: task.source.shape for task in plan.tasks}
+    shapes = int4_shapes(plan)
     return {t.name: shapes[t.name][1] for layer in targets for t in layer.linears}
 
 

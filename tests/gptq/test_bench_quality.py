@@ -41,15 +41,22 @@ def test_without_llm_compressor_builds_rtn_and_kvq_gptq_only(tiny_checkpoint, tm
     assert build_outputs(config, src, tmp_path) == outputs  # done before: not built again
 
 
-def test_the_gptq_recipe_is_an_option(tiny_checkpoint, tmp_path: Path) -> None:
+def test_the_gptq_recipe_and_gptaq_are_options(tiny_checkpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint("llama", "bf16")
     config = GptqQualityConfig(
-        num_samples=10, seq_len=64, threads=1, llm_compressor=False, recipe="w4a16-linear-gptq-mse"
+        num_samples=10,
+        seq_len=64,
+        threads=1,
+        llm_compressor=False,
+        recipe="w4a16-linear-gptq-mse",
+        gptaq=True,
     )
-    build_outputs(config, src, tmp_path)
-    manifest = json.loads((tmp_path / "kvq-gptq" / "kvq_manifest.json").read_text())
-    assert manifest["job"]["method"]["gptq"]["observer"] == "mse"
-    assert manifest["job"]["recipe"]["name"] == "w4a16-linear-gptq-mse"
+    assert set(build_outputs(config, src, tmp_path)) == {"rtn", "kvq-gptq", "kvq-gptaq"}
+    for name, method in (("kvq-gptq", "gptq"), ("kvq-gptaq", "gptaq")):
+        manifest = json.loads((tmp_path / name / "kvq_manifest.json").read_text())
+        assert manifest["job"]["method"]["name"] == method
+        assert manifest["job"]["method"]["gptq"]["observer"] == "mse"
+        assert manifest["job"]["recipe"]["name"] == "w4a16-linear-gptq-mse"
 
 
 @pytest.mark.slow

@@ -32,6 +32,8 @@ from tests.test_cli_errors import assert_one_line_error, run_kvq
         (["--num-samples", "4"], ["--num-samples only apply to --method gptq"]),
         (["--method", "awq"], ["--method 'awq' is unknown"]),
         (["--method", "gptq", "--moe-min-tokens", "-1"], ["--moe-min-tokens must be 0 or more"]),
+        (["--method", "gptq", "--gptaq-alpha", "0.5"], ["--gptaq-alpha only applies to --method gptaq"]),
+        (["--method", "gptaq", "--gptaq-alpha", "1.5"], ["--gptaq-alpha must be in [0, 1], got 1.5"]),
     ],
 )
 def test_cli_errors(
