@@ -18,11 +18,10 @@ from kvq.commands.render import console
 from kvq.compress.recipe import Recipe
 from kvq.compress.runner import CompressReport
 from kvq.errors import KvqError
-from kvq.gptq.config import GptqConfig
+from kvq.gptq.config import GPTAQ_ALPHA, GptqConfig
 
 METHODS = ("rtn", "gptq", "gptaq")
 CALIBRATED_METHODS = ("gptq", "gptaq")
-GPTAQ_ALPHA = 0.25  # the GPTAQ reference implementation's default
 _DEFAULTS = GptqConfig()
 _CALIBRATION = _DEFAULTS.calibration
 _SHOWN_FALLBACKS = 8

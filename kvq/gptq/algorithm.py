@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq.formats.pack_quantized import INT4_MAX, INT4_MIN
+from kvq.gptq.config import GPTAQ_ALPHA
 from kvq.gptq.observer import observe_weight_scale
 
 
@@ -58,7 +59,7 @@ def gptq_quantize(
     observer: str = "minmax",
     observer_kwargs: dict[str, float] | None = None,
     asymmetry: torch.Tensor | None = None,
-    alpha: float = 0.25,
+    alpha: float = GPTAQ_ALPHA,
 ) -> GptqResult:
     """GPTQ codes and scales of `weight` `[out, in]` (its dtype D sets the scale dtype) given the normalized
     input Hessian `hessian` `[in, in]` fp32 (GPTAQ's with `asymmetry` `[in, in]` fp32, scaled by `alpha`);

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from kvq.calibrate.config import CalibrationConfig
 from kvq.errors import KvqError
 
+GPTAQ_ALPHA = 0.25  # --method gptaq's default correction scale: the GPTAQ reference implementation's
+
 
 @dataclass(frozen=True)
 class GptqConfig:

@@ -91,7 +91,10 @@ class LinearHessians:
         """GPTAQ: hold each module's input of a full-precision forward of the sample `hooked()` sees next."""
 
         def capture(name: str):  # noqa: ANN202 (a forward hook)
-            return lambda _module, args, _output: self._fp_inputs.__setitem__(name, args[0])
+            def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], _output: torch.Tensor) -> None:
+                self._fp_inputs[name] = args[0]
+
+            return hook
 
         handles = [self.layer.get_submodule(name).register_forward_hook(capture(name)) for name in self.names]
         try:
