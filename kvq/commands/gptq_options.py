@@ -33,8 +33,8 @@ MethodOption = Annotated[
         help="How INT4 weights are chosen: rtn (round-to-nearest, data-free; the default), gptq "
         "(calibrated on text, one decoder layer at a time; llm-compressor's arithmetic) or gptaq (GPTQ "
         "fitted to the full-precision model's outputs, whose states are carried too: GPTAQ, asymmetric "
-        "calibration; loses less, one more forward per sample and layer). A GPTQModifier recipe means gptq unless "
-        "gptaq is asked for.",
+        "calibration; loses less, one more forward per sample and layer). A GPTQModifier recipe means "
+        "gptq unless gptaq is asked for.",
     ),
 ]
 GptaqAlphaOption = Annotated[
