@@ -22,6 +22,7 @@ from kvq.commands.gptq_options import (
     NumSamplesOption,
     SeedOption,
     SeqLenOption,
+    TrueSequentialOption,
     gptq_compress,
 )
 from kvq.commands.recipe_options import GroupSizeOption, RecipeOption, TargetOption
@@ -63,6 +64,7 @@ def compress_command(
     calibrate_kv: CalibrateKvOption = False,
     kv_strategy: KvStrategyOption = None,
     gptaq_alpha: GptaqAlphaOption = None,
+    true_sequential: TrueSequentialOption = False,
 ) -> None:
     """Compress SRC into OUT as compressed-tensors pack-quantized INT4 (W4A16, symmetric) per the recipe.
 
@@ -100,6 +102,7 @@ def compress_command(
         calibrate_kv,
         kv_strategy,
         gptaq_alpha,
+        true_sequential,
     )
     loaded = load_recipe(recipe, group_size)
     if options.method_for(loaded) in CALIBRATED_METHODS:

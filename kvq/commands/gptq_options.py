@@ -45,6 +45,16 @@ GptaqAlphaOption = Annotated[
         f"(0 gives GPTQ's codes) (default: {GPTAQ_ALPHA}, the reference implementation's).",
     ),
 ]
+TrueSequentialOption = Annotated[
+    bool,
+    typer.Option(
+        "--true-sequential",
+        help="GPTQ/GPTAQ: within each decoder layer, calibrate its Linears group by group in the order the "
+        "forward reaches them (llama: q/k/v, o, gate/up, down), each group on the inputs the already "
+        "quantized groups give it (the GPTQ and GPTAQ reference implementations' option; llm-compressor "
+        "calibrates a whole layer at once). One more forward per group, sample and layer.",
+    ),
+]
 DatasetOption = Annotated[
     Path | None,
     typer.Option(
@@ -111,6 +121,7 @@ class GptqOptions:
     calibrate_kv: bool = False
     kv_strategy: str | None = None
     gptaq_alpha: float | None = None
+    true_sequential: bool = False
 
     def method_for(self, recipe: Recipe) -> str:
         """rtn, gptq or gptaq; `KvqError` for a contradiction or options of another method."""
@@ -148,6 +159,7 @@ class GptqOptions:
             moe_calibrate_all_experts=self.moe_calibrate_all_experts,
             calibrate_kv=self.calibrate_kv,
             gptaq_alpha=_given(self.gptaq_alpha, GPTAQ_ALPHA) if self.method == "gptaq" else None,
+            true_sequential=self.true_sequential,
         )
 
 
@@ -175,8 +187,11 @@ def gptq_compress(
         c.dtype,
         workers,
         gptaq=job.config.gptaq_alpha is not None,
+        true_sequential=job.config.true_sequential,
     )
     method = "gptq" if job.config.gptaq_alpha is None else f"gptaq (alpha {job.config.gptaq_alpha})"
+    if job.config.true_sequential:
+        method += " --true-sequential"
     console.print(
         f"kvq compress --method {method}: {job.compress.ckpt.root} ({job.compress.ckpt.format}, "
         f"{job.num_layers} layers, {format_bytes(job.compress.input_bytes)}) -> {job.compress.out}, recipe "

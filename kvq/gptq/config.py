@@ -26,6 +26,9 @@ class GptqConfig:
     moe_calibrate_all_experts: bool = False
     calibrate_kv: bool = False
     gptaq_alpha: float | None = None  # --method gptaq: the asymmetric correction's scale; None: GPTQ
+    true_sequential: bool = (
+        False  # each group of a layer's Linears calibrated on the quantized ones before it
+    )
 
     def __post_init__(self) -> None:
         if self.moe_min_tokens < 0:
@@ -44,4 +47,6 @@ class GptqConfig:
         }
         if self.gptaq_alpha is not None:  # only then: GPTQ jobs of earlier versions still resume
             record["gptaq_alpha"] = self.gptaq_alpha
+        if self.true_sequential:
+            record["true_sequential"] = True
         return record

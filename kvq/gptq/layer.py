@@ -18,7 +18,8 @@ round-to-nearest would write. Imports torch, transformers (through kvq.calibrate
 from __future__ import annotations
 
 import dataclasses
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ class LayerOptions:
     moe_min_tokens: int
     moe_calibrate_all_experts: bool
     gptaq_alpha: float | None = None  # GPTAQ's correction scale; None: GPTQ
+    true_sequential: bool = False  # each group of Linears calibrated on the quantized ones before it
 
 
 @dataclass
@@ -69,30 +71,97 @@ def quantize_layer(
 ) -> LayerOutcome:
     """GPTQ every target of the loaded `layer` (GPTAQ with `fp_state`, which this carries through the
     original layer), then carry `state` through the quantized layer."""
-    hessians = LinearHessians(layer, [t.local for t in targets.linears], asymmetric=fp_state is not None)
     experts = layer.get_submodule("mlp.experts") if targets.experts else None
     captured = ExpertInputs(experts, getattr(experts, GATE_UP).shape[0]) if experts is not None else None
-    if fp_state is None:
-        _calibrate(layer, layer_idx, state, inputs, recorder, hessians, captured)
-    else:
-        for s in range(len(state.hidden)):
-            fp_one = _one_sample(fp_state, s)
-            with hessians.capturing():
-                run_layer(layer, layer_idx, fp_one, KvRecorder(recorder.layout), inputs)
-            fp_state.hidden[s], fp_state.topk[s] = fp_one.hidden[0], fp_one.topk[0]
-            _calibrate(layer, layer_idx, _one_sample(state, s), inputs, recorder, hessians, captured)
+    groups = (
+        _sequential_groups(layer, layer_idx, state, inputs, recorder, targets)
+        if options.true_sequential
+        else [targets.linears]
+    )
+    originals: dict[str, torch.Tensor] = {}  # GPTAQ, true-sequential: the quantized Linears' own weights
     outcome = LayerOutcome()
-    with torch.no_grad():
-        for t in targets.linears:
-            live = layer.get_submodule(t.local).weight
-            assert isinstance(live, torch.Tensor)
-            _gptq(outcome, t.name, live, hessians.hessian(t.local), options, _source(ckpt, t.name, live, t))
+    for g, group in enumerate(groups):
+        last = g == len(groups) - 1
+        hessians = LinearHessians(layer, [t.local for t in group], asymmetric=fp_state is not None)
+        group_captured = captured if last else None  # routed experts: from the last pass, once
+        if fp_state is None:
+            _calibrate(layer, layer_idx, state, inputs, recorder, hessians, group_captured)
+        else:
+            for s in range(len(state.hidden)):
+                fp_one = _one_sample(fp_state, s)
+                with _swapped(layer, originals), hessians.capturing():
+                    run_layer(
+                        layer, layer_idx, fp_one, KvRecorder(recorder.layout), inputs, keep_outputs=last
+                    )
+                if last:
+                    fp_state.hidden[s], fp_state.topk[s] = fp_one.hidden[0], fp_one.topk[0]
+                _calibrate(
+                    layer, layer_idx, _one_sample(state, s), inputs, recorder, hessians, group_captured
+                )
+        with torch.no_grad():
+            for t in group:
+                live = layer.get_submodule(t.local).weight
+                assert isinstance(live, torch.Tensor)
+                if fp_state is not None and not last:
+                    originals[t.local] = live.detach().clone()
+                record = {"sequential_group": g} if options.true_sequential else None
+                source = _source(ckpt, t.name, live, t)
+                _gptq(outcome, t.name, live, hessians.hessian(t.local), options, source, record)
         del hessians
+    with torch.no_grad():
         if captured is not None and experts is not None:
             _quantize_experts(outcome, experts, captured, targets.experts, options, ckpt)
             del captured
     run_layer(layer, layer_idx, state, recorder, inputs)
     return outcome
+
+
+def _sequential_groups(
+    layer: nn.Module,
+    layer_idx: int,
+    state: StreamState,
+    inputs: dict,
+    recorder: KvRecorder,
+    targets: LayerTargets,
+) -> list[list[LinearTarget]]:
+    """The targeted Linears in the order a forward reaches them, those fed the same input tensor in one
+    group (llama: q/k/v, o, gate/up, down), from one sample's forward."""
+    by_local = {t.local: t for t in targets.linears}
+    seen: list[tuple[torch.Tensor, list[LinearTarget]]] = []
+
+    def hook(name: str):  # noqa: ANN202 (a forward hook)
+        def record(_module: nn.Module, args: tuple[torch.Tensor, ...], _output: torch.Tensor) -> None:
+            group = next((g for x, g in seen if x is args[0]), None)
+            if group is None:
+                seen.append((args[0], [by_local[name]]))
+            elif by_local[name] not in group:
+                group.append(by_local[name])
+
+        return record
+
+    handles = [layer.get_submodule(name).register_forward_hook(hook(name)) for name in by_local]
+    try:
+        run_layer(
+            layer, layer_idx, _one_sample(state, 0), KvRecorder(recorder.layout), inputs, keep_outputs=False
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [g for _, g in seen]
+
+
+@contextmanager
+def _swapped(layer: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The named Linears run with `weights` (their full-precision ones) inside, their own after."""
+    params = {name: layer.get_submodule(name).weight for name in weights}
+    own = {name: p.data for name, p in params.items()}
+    for name, p in params.items():
+        p.data = weights[name]
+    try:
+        yield
+    finally:
+        for name, p in params.items():
+            p.data = own[name]
 
 
 def _calibrate(

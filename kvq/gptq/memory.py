@@ -6,7 +6,8 @@ inputs), one sample's forward transients (attention scores, MLP activations), th
 the compute dtype plus the largest module being read and dequantized, the input Hessians of the layer's
 Linears (fp32, one expert's at a time), GPTQ's working set for the largest weight, and the layer's
 quantized outputs. GPTAQ adds the full-precision model's hidden states, one sample's inputs to the
-Linears in it, and a second `[in, in]` sum per Hessian (`(X_fp - X)^T X`). Phase 2 is `kvq compress`'s
+Linears in it, and a second `[in, in]` sum per Hessian (`(X_fp - X)^T X`); true-sequential GPTAQ a
+copy of the layer's dense targeted weights (the full-precision ones, while later groups calibrate). Phase 2 is `kvq compress`'s
 shard writing (`runner.peak_rss_bound`). Arithmetic over the plan and the config.
 """
 
@@ -31,6 +32,7 @@ def gptq_peak_bound(
     dtype: str,
     workers: int,
     gptaq: bool = False,
+    true_sequential: bool = False,
 ) -> int:
     """Upper estimate of the process tree's peak RSS over both phases of a GPTQ run. `lm`: the language
     model's tensors in transformers' names (those of `layer_names`); `fields`: its config.json fields."""
@@ -48,6 +50,8 @@ def gptq_peak_bound(
         weights = sum(lm.tensors[n].numel * act for n in names if not n.endswith("_scale_inv"))
         read = max((lm.tensors[n].numel * (4 + 4) for n in names), default=0)
         dense = sum(shapes[t.name][1] ** 2 * 4 for t in layer.linears) * (2 if gptaq else 1)
+        if gptaq and true_sequential:
+            dense += sum(shapes[t.name][0] * shapes[t.name][1] * act for t in layer.linears)
         expert = max((shapes[t.name][1] ** 2 * 4 for t in layer.experts), default=0) * 2
         names = [t.name for t in layer.linears] + [t.name for t in layer.experts]
         gptq = max((_gptq_bytes(shapes[n]) for n in names), default=0)

@@ -228,6 +228,7 @@ def _stream_layers(
         job.config.moe_min_tokens,
         job.config.moe_calibrate_all_experts,
         job.config.gptaq_alpha,
+        job.config.true_sequential,
     )
     for i in range(start, job.num_layers):
         layer = model.model.layers[i]
