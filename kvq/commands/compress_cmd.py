@@ -64,7 +64,7 @@ def compress_command(
     calibrate_kv: CalibrateKvOption = False,
     kv_strategy: KvStrategyOption = None,
     gptaq_alpha: GptaqAlphaOption = None,
-    true_sequential: TrueSequentialOption = False,
+    true_sequential: TrueSequentialOption = None,
 ) -> None:
     """Compress SRC into OUT as compressed-tensors pack-quantized INT4 (W4A16, symmetric) per the recipe.
 
@@ -89,7 +89,7 @@ def compress_command(
     (memory: one layer and the samples' hidden states, printed at start), then the same shards; a rerun
     resumes at the first layer not finished. --method gptaq: GPTAQ, the same with each Linear fitted to
     the full-precision model's outputs (its hidden states carried beside the quantized model's; routed
-    experts stay GPTQ).
+    experts stay GPTQ), each layer's Linears group by group (--true-sequential, its default).
     """
     options = GptqOptions(
         method,

@@ -46,13 +46,15 @@ GptaqAlphaOption = Annotated[
     ),
 ]
 TrueSequentialOption = Annotated[
-    bool,
+    bool | None,
     typer.Option(
-        "--true-sequential",
-        help="GPTQ/GPTAQ: within each decoder layer, calibrate its Linears group by group in the order the "
-        "forward reaches them (llama: q/k/v, o, gate/up, down), each group on the inputs the already "
-        "quantized groups give it (the GPTQ and GPTAQ reference implementations' option; llm-compressor "
-        "calibrates a whole layer at once). One more forward per group, sample and layer.",
+        "--true-sequential/--no-true-sequential",
+        help="Within each decoder layer, calibrate its Linears group by group in the order the forward "
+        "reaches them (llama: q/k/v, o, gate/up, down), each group on the inputs the quantized groups "
+        "before it give (the GPTQ and GPTAQ reference implementations' option; llm-compressor calibrates "
+        "a whole layer at once). One more forward per group, sample and layer. Default: on for gptaq, "
+        "off for gptq (llm-compressor's arithmetic).",
+        show_default=False,
     ),
 ]
 DatasetOption = Annotated[
@@ -121,7 +123,7 @@ class GptqOptions:
     calibrate_kv: bool = False
     kv_strategy: str | None = None
     gptaq_alpha: float | None = None
-    true_sequential: bool = False
+    true_sequential: bool | None = None
 
     def method_for(self, recipe: Recipe) -> str:
         """rtn, gptq or gptaq; `KvqError` for a contradiction or options of another method."""
@@ -159,7 +161,7 @@ class GptqOptions:
             moe_calibrate_all_experts=self.moe_calibrate_all_experts,
             calibrate_kv=self.calibrate_kv,
             gptaq_alpha=_given(self.gptaq_alpha, GPTAQ_ALPHA) if self.method == "gptaq" else None,
-            true_sequential=self.true_sequential,
+            true_sequential=self.method == "gptaq" if self.true_sequential is None else self.true_sequential,
         )
 
 

@@ -11,6 +11,11 @@
    dequantized INT4 weight written back into the layer.
 3. Propagation pass: every sample through the quantized layer; these outputs (and the K/V the
    recorder sees) are what the next layer gets.
+With `true_sequential` steps 1 and 2 run per group of Linears (those fed one input tensor, in the order
+the forward reaches them: llama's q/k/v, o, gate/up, down), each group's pass through the layer with
+the groups before it already quantized; routed experts are recorded in the last group's pass and
+quantized after it. GPTAQ's full-precision passes run the quantized groups' original weights
+(`_swapped`), and only the last one moves its states on.
 Returns the `weight_packed` / `weight_scale` / `weight_shape` of every GPTQ'd module, in the dtypes
 round-to-nearest would write. Imports torch, transformers (through kvq.calibrate) and kvq.
 """
@@ -73,11 +78,9 @@ def quantize_layer(
     original layer), then carry `state` through the quantized layer."""
     experts = layer.get_submodule("mlp.experts") if targets.experts else None
     captured = ExpertInputs(experts, getattr(experts, GATE_UP).shape[0]) if experts is not None else None
-    groups = (
-        _sequential_groups(layer, layer_idx, state, inputs, recorder, targets)
-        if options.true_sequential
-        else [targets.linears]
-    )
+    groups = [targets.linears]  # [[]] when only routed experts are targeted: one pass records them
+    if options.true_sequential and targets.linears:
+        groups = _sequential_groups(layer, layer_idx, state, inputs, recorder, targets)
     originals: dict[str, torch.Tensor] = {}  # GPTAQ, true-sequential: the quantized Linears' own weights
     outcome = LayerOutcome()
     for g, group in enumerate(groups):

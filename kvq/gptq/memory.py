@@ -7,8 +7,8 @@ the compute dtype plus the largest module being read and dequantized, the input 
 Linears (fp32, one expert's at a time), GPTQ's working set for the largest weight, and the layer's
 quantized outputs. GPTAQ adds the full-precision model's hidden states, one sample's inputs to the
 Linears in it, and a second `[in, in]` sum per Hessian (`(X_fp - X)^T X`); true-sequential GPTAQ a
-copy of the layer's dense targeted weights (the full-precision ones, while later groups calibrate). Phase 2 is `kvq compress`'s
-shard writing (`runner.peak_rss_bound`). Arithmetic over the plan and the config.
+copy of the layer's dense targeted weights (the original ones, while later groups calibrate). Phase 2
+is `kvq compress`'s shard writing (`runner.peak_rss_bound`). Arithmetic over the plan and the config.
 """
 
 from __future__ import annotations

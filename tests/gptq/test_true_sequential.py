@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvq.calibrate.config import CalibrationConfig
+from kvq.commands.gptq_options import GptqOptions
 from kvq.compress.manifest import read_manifest
-from kvq.compress.recipe import load_recipe
+from kvq.compress.recipe import load_recipe, resolve_recipe_path
 from kvq.formats.pack_quantized import dequantize_pack_quantized
 from kvq.gptq.config import GptqConfig
 from kvq.gptq.run import GptqReport, prepare_gptq, run_gptq
@@ -127,25 +128,35 @@ def test_gptaq_true_sequential_resumes_byte_identical(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["glm4_moe", "glm_moe_dsa"])
+@pytest.mark.parametrize(
+    ("arch", "recipe"),
+    [("glm4_moe", "w4a16-linear"), ("glm_moe_dsa", "w4a16-linear"), ("glm4_moe", "routed-experts")],
+)
 def test_moe_and_mla_layers_run_true_sequential(
-    arch: str, tiny_checkpoint: TinyCheckpoint, tmp_path: Path
+    arch: str, recipe: str, tiny_checkpoint: TinyCheckpoint, tmp_path: Path
 ) -> None:
-    """MoE (routed experts from the last group's pass) and MLA (q_a/kv_a share the layer's input; the
-    latent's q_b / kv_b after them) layers: every target calibrated, in at least three groups."""
+    """MoE (routed experts recorded in the last group's pass; only experts targeted: one pass) and MLA
+    (q_a/kv_a share the layer's input; the latent's q_b / kv_b after them) layers: every target
+    calibrated, dense ones in at least three groups."""
     src, out = tiny_checkpoint(arch, "bf16"), tmp_path / "out"
+    if recipe == "routed-experts":  # w4a16-experts without its shared-experts target
+        text = resolve_recipe_path("w4a16-experts").read_text()
+        recipe = str(tmp_path / "routed-experts.yaml")
+        Path(recipe).write_text("\n".join(ln for ln in text.splitlines() if "shared_experts" not in ln))
     config = GptqConfig(CALIBRATION, moe_min_tokens=0, true_sequential=True, gptaq_alpha=0.25)
-    job = prepare_gptq(src, out, load_recipe("w4a16-linear", 64), config)
+    job = prepare_gptq(src, out, load_recipe(recipe, 64), config)
     report = run_gptq(job, workers=2)
     assert report.num_gptq == len(job.compress.plan.int4_modules) and not report.rtn_fallback
     recorded = modules(out)
+    experts = {n: m for n, m in recorded.items() if ".mlp.experts." in n}
+    assert experts and {m["method"] for m in experts.values()} == {"gptq"}
+    assert all(m["routed_tokens"] > 0 for m in experts.values())
     dense = {n: m for n, m in recorded.items() if ".mlp.experts." not in n}
-    assert {m["method"] for m in dense.values()} == {"gptaq"}
-    groups = {m["sequential_group"] for n, m in dense.items() if ".layers.0." in n}
-    assert len(groups) >= 3 and groups == set(range(len(groups)))
-    assert (
-        (json.loads((out / "config.json").read_text())["quantization_config"]["format"]) == "pack-quantized"
-    )
+    assert {m["method"] for m in dense.values()} == ({"gptaq"} if recipe == "w4a16-linear" else set())
+    if dense:
+        groups = {m["sequential_group"] for n, m in dense.items() if ".layers.0." in n}
+        assert len(groups) >= 3 and groups == set(range(len(groups)))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
 
 
 def test_true_sequential_is_refused_for_rtn(tiny_checkpoint: TinyCheckpoint, tmp_path: Path) -> None:
@@ -165,3 +176,11 @@ def test_true_sequential_is_refused_for_rtn(tiny_checkpoint: TinyCheckpoint, tmp
         done.returncode != 0 and "--true-sequential only apply to --method gptq" in done.stderr + done.stdout
     )
     assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_default_is_on_for_gptaq_and_off_for_gptq() -> None:
+    assert GptqOptions(method="gptaq").config().true_sequential is True
+    assert GptqOptions(method="gptaq", true_sequential=False).config().true_sequential is False
+    assert GptqOptions(method="gptq").config().true_sequential is False
+    assert GptqOptions(method="gptq", true_sequential=True).config().true_sequential is True
+    assert GptqOptions().config().record() == GptqConfig().record()  # GPTQ jobs keep their identity
