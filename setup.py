@@ -1,5 +1,6 @@
 """Builds kvq's C extensions, both optional: without a C compiler kvq uses torch instead (the same bytes for
-`kvq compress`; `aten._weight_int4pack_mm_for_cpu` for INT4 matmuls, eager torch ops for the bf16 norms). Everything else is in pyproject.toml."""
+`kvq compress`; `aten._weight_int4pack_mm_for_cpu` for INT4 matmuls, eager torch ops for the bf16 norms).
+Everything else is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -19,11 +20,12 @@ setup(
                 "kvq/runtime/kernels/_w4a16_cpu_pool.h",
                 "kvq/runtime/kernels/_w4a16_cpu_simd.h",
                 "kvq/runtime/kernels/_w4a16_cpu_bf16.h",
+                "kvq/runtime/kernels/_w4a16_cpu_amx.h",
                 "kvq/runtime/kernels/_w4a16_cpu_dequant.h",
                 "kvq/runtime/kernels/_w8a16_cpu.h",
                 "kvq/runtime/kernels/_w8a16_cpu_simd.h",
             ],
-            # one build for every x86 CPU: the AVX2, AVX-512 and AVX-512 BF16 loops carry their own target attributes
+            # one build for every x86 CPU: each ISA's loops (AVX2 up to AMX) carry their own target attributes
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", "-fno-fast-math"],
             extra_link_args=["-pthread"],
             optional=True,

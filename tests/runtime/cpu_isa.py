@@ -10,11 +10,14 @@ from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, runnable_isas
 CPU_ISAS = [
     *(
         pytest.param(isa, marks=pytest.mark.skipif(isa not in runnable_isas(), reason=f"no {isa} path here"))
-        for isa in ("avx512bf16", "avx512", "avx2", "scalar")
+        for isa in ("amx", "avx512bf16", "avx512", "avx2", "scalar")
     ),
     "torch",
 ]
-SIMD_ISAS = CPU_ISAS[:3]  # the native SIMD paths, each skipped where this CPU or build cannot run it
+# the native SIMD paths with fp32 sums of q * x, each skipped where this CPU or build cannot run it (amx's
+# batches are x @ bf16(q * scale): test_w4a16_cpu_amx.py)
+SIMD_ISAS = CPU_ISAS[1:4]
+needs_amx = pytest.mark.skipif("amx" not in runnable_isas(), reason="no amx path here (AMX-BF16 CPU and OS)")
 needs_native = pytest.mark.skipif("scalar" not in runnable_isas(), reason="kvq's CPU extension is not built")
 
 

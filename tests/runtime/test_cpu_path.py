@@ -34,5 +34,5 @@ def test_a_bad_choice_is_one_line(tiny_checkpoint, monkeypatch) -> None:
     monkeypatch.setenv(CPU_ISA_ENV, "avx9")
     result = run_kvq("generate", str(tiny_checkpoint("llama", "bf16")), "hi", "--max-tokens", "2")
     assert_one_line_error(
-        result, "KVQ_CPU_ISA is 'avx9'", "expected one of auto, avx512bf16, avx512, avx2, scalar, torch"
+        result, "KVQ_CPU_ISA is 'avx9'", "expected one of auto, amx, avx512bf16, avx512, avx2, scalar, torch"
     )

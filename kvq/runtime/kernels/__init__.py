@@ -25,7 +25,8 @@ Public API
 Prepared weights and KV caches carry the backend they were made for; the bare-tensor calls resolve it
 per call. Either way it comes from `backend=`, else $KVQ_KERNELS (auto|torch|triton), else the device.
 On CPU, W4A16 weights also carry the path chosen at prepare by `resolve_cpu_isa` ($KVQ_CPU_ISA:
-auto|avx512bf16|avx512|avx2|scalar|torch; `describe_cpu_path` says which runs, for logs and benchmarks).
+auto|amx|avx512bf16|avx512|avx2|scalar|torch; `describe_cpu_path` says which runs, for logs and
+benchmarks).
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@
    [N, K/8] (nibble j of word k is q[n, 8k + j] + 8), weight_scale [N, K/G] (bf16 or fp32), activations
    x [M, K] and output y [M, N] in fp32, bf16 or fp16 (rounded to nearest even), all contiguous.
    Paths (isa): 0 scalar (the C reference: plain loops in the natural order), 1 AVX2 + FMA, 2 AVX-512F,
-   3 AVX-512 BF16 (path 2, but bf16 activations go through vdpbf16ps: _w4a16_cpu_bf16.h);
+   3 AVX-512 BF16 (path 2, but bf16 activations go through vdpbf16ps: _w4a16_cpu_bf16.h), 4 AMX (path 3,
+   but bf16 batches of M >= 2 rows go through AMX tiles over bf16(q * scale): _w4a16_cpu_amx.h);
    one build holds all of them (per-function target attributes) and `isas()` says which this CPU runs.
    Threads split the output rows (N); activations are converted once per call (to fp32, or for
-   avx512bf16 to bf16 pairs in its block order).
+   avx512bf16 to bf16 pairs in its block order, or for amx to bf16 pairs in AMX's tile layout).
 
    gemm(isa, threads, x, x_dtype, M, K, weight_packed, weight_scale, scale_dtype, N, group, y, y_dtype)
    takes addresses (torch data_ptr) and dtype codes 0 fp32, 1 bf16, 2 fp16; the caller checks shapes,
@@ -20,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "_w4a16_cpu_pool.h"
 
@@ -37,10 +40,13 @@
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+#define KVQ_AMX 1 /* not in the SIMDe check build: SIMDe has no AMX */
+#define TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#include <cpuid.h>
 #endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX = 4 };
 #define MIN_WORK_PER_THREAD 32768 /* multiply-adds: below this a thread costs more than it saves */
 #define CHUNKS_PER_THREAD 4         /* row ranges per thread, taken dynamically (see _w4a16_cpu_pool.h) */
 
@@ -52,7 +58,8 @@ typedef struct {
     const uint8_t *scale;
     void *y;
     float *xp; /* activations in fp32: natural order (scalar) or permuted blocks (SIMD); bf16 pair planes
-                  (avx512bf16) */
+                  (avx512bf16); bf16 pairs in B tiles (amx) */
+    atomic_int failed; /* set by a thread that could not get its buffer (amx): the call raises MemoryError */
 } Job;
 
 static inline uint32_t f32_bits(float f) {
@@ -178,8 +185,11 @@ static inline void w8_store(const W8Job *job, int64_t m, int64_t n, float dot) {
 static inline int isa_lanes(int isa) { return isa >= ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 0; }
 
 /* Activations per row, in 4-byte units: K fp32 (scalar), per block of `lanes` words 8 * lanes fp32
-   planes + lanes fp32 sums (SIMD), or per block of 16 words 4 * 16 bf16 pairs (avx512bf16). */
+   planes + lanes fp32 sums (SIMD), per block of 16 words 4 * 16 bf16 pairs (avx512bf16), or K / 2 bf16
+   pairs (amx). */
 static int64_t xp_stride_of(int isa, int64_t K) {
+    if (isa == ISA_AMX)
+        return K / 2;
     int lanes = isa_lanes(isa);
     if (lanes == 0)
         return K;
@@ -201,9 +211,22 @@ static void convert_row_pairs(const Job *job, int64_t m) {
             }
 }
 
+#ifdef KVQ_AMX
+static void convert_row_amx(const Job *job, int64_t m); /* _w4a16_cpu_amx.h */
+#endif
+
+/* Activation rows as the path reads them: M, or for amx M rounded up to its 16-row tiles. */
+static int64_t xp_rows(const Job *job) { return job->isa == ISA_AMX ? (job->M + 15) / 16 * 16 : job->M; }
+
 static void convert_row(const Job *job, int64_t m) {
     float *out = job->xp + m * job->xp_stride;
     int lanes = isa_lanes(job->isa);
+#ifdef KVQ_AMX
+    if (job->isa == ISA_AMX) {
+        convert_row_amx(job, m);
+        return;
+    }
+#endif
     if (job->isa == ISA_AVX512BF16) {
         convert_row_pairs(job, m);
         return;
@@ -231,7 +254,8 @@ static void convert_row(const Job *job, int64_t m) {
 
 static void convert_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const Job *job = (const Job *)ctx;
-    for (int64_t m = job->M * chunk / num_chunks; m < job->M * (chunk + 1) / num_chunks; m++)
+    const int64_t rows = xp_rows(job);
+    for (int64_t m = rows * chunk / num_chunks; m < rows * (chunk + 1) / num_chunks; m++)
         convert_row(job, m);
 }
 
@@ -361,12 +385,34 @@ TARGET static inline __m256 half_sum_avx512(__m512 v) { /* the two 256-bit halve
 #include "_w8a16_cpu_simd.h"
 #include "_w4a16_cpu_bf16.h"
 #endif
+#ifdef KVQ_AMX
+#include "_w4a16_cpu_amx.h"
+#endif
+
+#ifdef KVQ_AMX
+static int amx_state; /* AMX-TILE and AMX-BF16 in cpuid, and the kernel's permission to use the tile data */
+
+static void amx_probe(void) {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 22)))
+        return;
+    /* Linux hands out AMX's 8 KiB of tile state only on request: ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+       (once per process, for all its threads; a kernel without AMX support refuses) */
+    amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+static int amx_permitted(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, amx_probe);
+    return amx_state;
+}
+#endif
 
 static int isa_supported(int isa) {
     if (isa == ISA_SCALAR)
         return 1;
 #if defined(KVQ_SIMDE_CHECK)
-    return 1;
+    return isa != ISA_AMX;
 #elif defined(KVQ_X86)
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -375,26 +421,41 @@ static int isa_supported(int isa) {
     int avx512 = avx2 && __builtin_cpu_supports("avx512f");
     if (isa == ISA_AVX512)
         return avx512;
+    int avx512bf16 = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
     if (isa == ISA_AVX512BF16)
-        return avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+        return avx512bf16;
+#ifdef KVQ_AMX
+    if (isa == ISA_AMX)
+        return avx512bf16 && __builtin_cpu_supports("avx512vl") && amx_permitted();
+#endif
 #endif
     return 0;
 }
 
-/* Output rows [n0, n1) of chunk `chunk` of `num_chunks` over N rows, in whole tiles of 4; 0 when empty. */
-static int chunk_rows(int64_t N, int64_t chunk, int64_t num_chunks, int64_t *n0, int64_t *n1) {
-    int64_t tiles = (N + 3) / 4;
-    *n0 = tiles * chunk / num_chunks * 4;
-    *n1 = tiles * (chunk + 1) / num_chunks * 4;
+/* Output rows [n0, n1) of chunk `chunk` of `num_chunks` over N rows, in whole tiles of `tile` rows; 0
+   when empty. */
+static int chunk_rows(int64_t N, int64_t tile, int64_t chunk, int64_t num_chunks, int64_t *n0, int64_t *n1) {
+    int64_t tiles = (N + tile - 1) / tile;
+    *n0 = tiles * chunk / num_chunks * tile;
+    *n1 = tiles * (chunk + 1) / num_chunks * tile;
     *n1 = *n1 < N ? *n1 : N;
     return *n0 < *n1;
 }
 
+/* Output rows per chunk unit: AMX's 16-row strips, else the 4-row tiles of the other paths. */
+static int64_t row_tile(int isa) { return isa == ISA_AMX ? 16 : 4; }
+
 static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
-    const Job *job = (const Job *)ctx;
+    Job *job = (Job *)ctx;
     int64_t n0, n1;
-    if (!chunk_rows(job->N, chunk, num_chunks, &n0, &n1))
+    if (!chunk_rows(job->N, row_tile(job->isa), chunk, num_chunks, &n0, &n1))
         return;
+#ifdef KVQ_AMX
+    if (job->isa == ISA_AMX) {
+        gemm_amx(job, n0, n1);
+        return;
+    }
+#endif
 #ifdef KVQ_X86
     if (job->isa == ISA_AVX2) {
         run_avx2(job, n0, n1);
@@ -436,18 +497,20 @@ static float *scratch_of(size_t floats) {
 }
 
 static int run_job(Job *job, int threads) {
-    job->xp = scratch_of((size_t)(job->M * job->xp_stride));
+    const int64_t rows = xp_rows(job);
+    job->xp = scratch_of((size_t)(rows * job->xp_stride));
     if (job->xp == NULL)
         return -1;
     int64_t work = job->M * job->N * job->K, useful = work / MIN_WORK_PER_THREAD;
     int nt = useful < threads ? (int)(useful > 1 ? useful : 1) : threads;
-    int64_t tiles = (job->N + 3) / 4, chunks = (int64_t)nt * CHUNKS_PER_THREAD;
+    int64_t tiles = (job->N + row_tile(job->isa) - 1) / row_tile(job->isa);
+    int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD;
     if (job->M * job->K > 65536)
-        run_parallel(convert_task, job, chunks < job->M ? chunks : job->M, nt);
+        run_parallel(convert_task, job, chunks < rows ? chunks : rows, nt);
     else
         convert_task(job, 0, 1);
     run_parallel(rows_task, job, chunks < tiles ? chunks : tiles, nt);
-    return 0;
+    return atomic_load(&job->failed) ? -1 : 0;
 }
 
 static PyObject *gemm(PyObject *self, PyObject *args) {
@@ -458,8 +521,10 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKi", &isa, &threads, &x, &x_dtype, &M, &K, &packed, &scale,
                           &scale_dtype, &N, &group, &y, &y_dtype))
         return NULL;
-    if (isa < ISA_SCALAR || isa > ISA_AVX512BF16 || !isa_supported(isa))
+    if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (isa == ISA_AMX && (M < 2 || x_dtype != DTYPE_BF16))
+        isa = ISA_AVX512BF16; /* its GEMV, and other activations, are the AVX-512 BF16 path's */
     if (isa == ISA_AVX512BF16 && x_dtype != DTYPE_BF16)
         isa = ISA_AVX512; /* other activations are the AVX-512 path's */
     if ((group != 32 && group != 64 && group != 128) || M < 0 || N < 0 || K <= 0 || K % group)
@@ -505,10 +570,10 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
 static PyObject *isas(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    static const char *names[] = {"scalar", "avx2", "avx512", "avx512bf16"};
-    const char *runnable[4];
+    static const char *names[] = {"scalar", "avx2", "avx512", "avx512bf16", "amx"};
+    const char *runnable[5];
     Py_ssize_t count = 0;
-    for (int isa = ISA_SCALAR; isa <= ISA_AVX512BF16; isa++)
+    for (int isa = ISA_SCALAR; isa <= ISA_AMX; isa++)
         if (isa_supported(isa))
             runnable[count++] = names[isa];
     PyObject *out = PyTuple_New(count);

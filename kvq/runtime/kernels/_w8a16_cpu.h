@@ -25,7 +25,7 @@ static void w8_scalar_rows(const W8Job *job, int64_t n0, int64_t n1) {
 static void w8_rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const W8Job *job = (const W8Job *)ctx;
     int64_t n0, n1;
-    if (!chunk_rows(job->N, chunk, num_chunks, &n0, &n1))
+    if (!chunk_rows(job->N, 4, chunk, num_chunks, &n0, &n1))
         return;
 #ifdef KVQ_X86
     if (job->isa == ISA_AVX2) {
@@ -59,8 +59,10 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiKiLLKKiLKi", &isa, &threads, &x, &x_dtype, &M, &K, &w, &scale, &scale_dtype,
                           &N, &y, &y_dtype))
         return NULL;
-    if (isa < ISA_SCALAR || isa > ISA_AVX512BF16 || !isa_supported(isa))
+    if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (isa == ISA_AMX)
+        isa = ISA_AVX512BF16; /* no AMX loops for int8 weights: avx512bf16's */
     if (isa == ISA_AVX512BF16 && (M < 2 || x_dtype != DTYPE_BF16))
         isa = ISA_AVX512; /* its GEMV, and other activations, are the AVX-512 path's */
     if (M < 0 || N < 0 || K <= 0)

@@ -44,7 +44,7 @@ class W4A16Weight:
     - "compressed-tensors": `weight_packed` int32 `[(E,) N, K/8]` and `weight_scale` `[(E,) N, K/G]` as
       loaded (Triton on any device; the torch path off-CPU dequantizes per call).
     - "native-cpu": `weight_packed` as loaded and `weight_scale` (bf16 as loaded, other dtypes as fp32)
-      for kvq's CPU kernel; `cpu_isa` names its path ("avx512bf16", "avx512", "avx2" or "scalar") and
+      for kvq's CPU kernel; `cpu_isa` names its path ("amx", "avx512bf16", "avx512", "avx2" or "scalar") and
       `native` (plain weights only) is the kernel call with the weight's arguments bound.
     - "int4pack-cpu": `int4pack` uint8 `[(E,) N16, K/2]` for `aten._weight_int4pack_mm_for_cpu` and
       `scales_and_zeros` `[(E,) K/G, N16, 2]` (zeros are 0); N16 = N rounded up to a multiple of 16.

@@ -2,12 +2,12 @@
 (the W8A16 entry's too, `gemm_w8`).
 
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
-`w4a16.py`) with AVX-512 BF16 (AVX-512, but bf16 activations through vdpbf16ps), AVX-512,
-AVX2 + FMA or scalar C loops chosen at run time. On avx512bf16, batches of at least `DENSE_FROM_ROWS`
-bf16 rows (prefill) instead decompress the weight to bf16 (`dequantize`: compressed-tensors' bf16(q *
-scale), in chunks of rows) and run torch's BF16 GEMM (oneDNN, at the CPU's vdpbf16ps peak). Without the
-extension, or with KVQ_CPU_ISA=torch, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch
-and kvq.errors.
+`w4a16.py`) with AMX (avx512bf16, but batches of at least `AMX_FROM_ROWS` bf16 rows through AMX tiles
+over compressed-tensors' bf16(q * scale)), AVX-512 BF16 (AVX-512, but bf16 activations through
+vdpbf16ps), AVX-512, AVX2 + FMA or scalar C loops chosen at run time. On avx512bf16, batches of at least
+`DENSE_FROM_ROWS` bf16 rows (prefill; amx: `AMX_DENSE_FROM_ROWS`) instead decompress the weight to bf16
+(`dequantize`, in chunks of rows) and run torch's BF16 GEMM (oneDNN). Without the extension, or with
+KVQ_CPU_ISA=torch, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
 """
 
 from __future__ import annotations
@@ -23,13 +23,19 @@ import torch
 from kvq.errors import KvqError
 
 CPU_ISA_ENV = "KVQ_CPU_ISA"
-CPU_ISA_CHOICES = ("auto", "avx512bf16", "avx512", "avx2", "scalar", "torch")
-NATIVE_ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
-AUTO_ISAS = NATIVE_ISAS[:3]  # auto's order of preference ("scalar" is the reference, never auto's)
-_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
+CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
+NATIVE_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
+AUTO_ISAS = NATIVE_ISAS[:4]  # auto's order of preference ("scalar" is the reference, never auto's)
+_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NATIVE_DTYPES = tuple(_DTYPE_CODES)  # activation / output dtypes the native kernels take
-_REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile")
+_REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+# amx, bf16 activations: from this many rows the AMX GEMM outruns avx512bf16's vdpbf16ps one (Emerald
+# Rapids, SmolLM2 shapes, one thread: ~1.0x at 3 rows, 1.3x at 4, 3x at 8, 7x at 32); below, avx512bf16
+AMX_FROM_ROWS = 4
+# amx: from this many rows dense_matmul (oneDNN's AMX GEMM) outruns it again (0.6x its time at 64 rows,
+# 0.8x at 128, ~1x at 192, 1.1-1.4x at 256-512: the W4A16 kernel re-reads its activations per 16 weight rows)
+AMX_DENSE_FROM_ROWS = 256
 # avx512bf16, bf16 activations: from this many rows, bf16(q * scale) + oneDNN outruns the W4A16 GEMM (Zen 4,
 # SmolLM2 shapes, one thread: ~1.0x at 32 rows, 1.4x at 64, 1.7x at 512)
 DENSE_FROM_ROWS = 64
@@ -48,7 +54,8 @@ def runnable_isas() -> tuple[str, ...]:
 
 
 def resolve_cpu_isa(choice: str | None = None) -> str:
-    """The CPU W4A16 path: `choice`, else $KVQ_CPU_ISA, else auto (avx512bf16, avx512, avx2, else torch).
+    """The CPU W4A16 path: `choice`, else $KVQ_CPU_ISA, else auto (amx, avx512bf16, avx512, avx2, else
+    torch).
 
     "scalar" (the C reference) is never chosen by auto. Raises `KvqError` for an unknown choice or a path
     this CPU or build cannot run.
@@ -106,11 +113,16 @@ class NativeW4A16:
     """One prepared plain (not stacked) weight's `w4a16_native` with its constant arguments bound: decode
     calls ~100 Linears per token, so the per-call Python (~1 us per line here) is worth keeping short."""
 
-    __slots__ = ("weight_packed", "weight_scale", "group_size", "isa", "_isa_code", "_ptrs", "_scale_code")
+    __slots__ = (
+        "weight_packed", "weight_scale", "group_size", "isa", "_isa_code", "_few_rows_code",
+        "_dense_from_rows", "_ptrs", "_scale_code",
+    )  # fmt: skip
 
     def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int, isa: str):
         self.weight_packed, self.weight_scale = weight_packed, weight_scale  # keep the addresses valid
         self.group_size, self.isa, self._isa_code = group_size, isa, _ISA_CODES[isa]
+        self._few_rows_code = _ISA_CODES[_few_rows_isa(isa)]
+        self._dense_from_rows = _dense_from_rows(isa)
         self._ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
         self._scale_code = _DTYPE_CODES[weight_scale.dtype]
 
@@ -118,10 +130,22 @@ class NativeW4A16:
         """x `[M, K]` -> `[M, N]` in x.dtype."""
         if x.dtype not in _DTYPE_CODES or not x.is_contiguous():  # an error or a copy: the general path
             return w4a16_native(x, self.weight_packed, self.weight_scale, self.group_size, self.isa)
-        if x.shape[0] >= DENSE_FROM_ROWS and self.isa == "avx512bf16" and x.dtype == torch.bfloat16:
+        num_rows = x.shape[0]
+        if num_rows >= self._dense_from_rows and x.dtype == torch.bfloat16:
             return dense_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
-        y = torch.empty((x.shape[0], self.weight_packed.shape[0]), dtype=x.dtype)
-        return _gemm(self._isa_code, x, *self._ptrs, self._scale_code, self.group_size, y)
+        code = self._isa_code if num_rows >= AMX_FROM_ROWS else self._few_rows_code
+        y = torch.empty((num_rows, self.weight_packed.shape[0]), dtype=x.dtype)
+        return _gemm(code, x, *self._ptrs, self._scale_code, self.group_size, y)
+
+
+def _few_rows_isa(isa: str) -> str:
+    """The path that runs batches of fewer than `AMX_FROM_ROWS` rows on `isa`: avx512bf16's for amx."""
+    return "avx512bf16" if isa == "amx" else isa
+
+
+def _dense_from_rows(isa: str) -> int | float:
+    """From how many bf16 rows `NativeW4A16` on `isa` runs `dense_matmul` instead (inf: never)."""
+    return {"avx512bf16": DENSE_FROM_ROWS, "amx": AMX_DENSE_FROM_ROWS}.get(isa, float("inf"))
 
 
 def w4a16_native(
@@ -132,7 +156,8 @@ def w4a16_native(
     isa: str,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """y `[M, N]` in out_dtype (default x.dtype) = x `[M, K]` @ (q * scale)^T on path `isa` (fp32 sums).
+    """y `[M, N]` in out_dtype (default x.dtype) = x `[M, K]` @ (q * scale)^T on path `isa` (fp32 sums;
+    amx's AMX GEMM, bf16 x of at least `AMX_FROM_ROWS` rows: x @ bf16(q * scale)^T).
 
     `weight_packed` int32 `[N, K/8]`, `weight_scale` `[N, K/G]` from `native_scale` (both contiguous,
     checked at prepare); x fp32, bf16 or fp16 (copied if not contiguous). Threads: torch.get_num_threads().
@@ -143,7 +168,8 @@ def w4a16_native(
     y = torch.empty((x.shape[0], weight_packed.shape[0]), dtype=out_dtype or x.dtype)
     scale_code = _DTYPE_CODES[weight_scale.dtype]
     ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
-    return _gemm(_ISA_CODES[isa], x, *ptrs, scale_code, group_size, y)
+    code = _ISA_CODES[isa if x.shape[0] >= AMX_FROM_ROWS else _few_rows_isa(isa)]
+    return _gemm(code, x, *ptrs, scale_code, group_size, y)
 
 
 _dense_scratch: torch.Tensor | None = None

@@ -154,16 +154,16 @@ def test_fused_moe_runs_on_each_cpu_path(cpu_isa: str) -> None:
 def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CPU_ISA_ENV, raising=False)
     runnable = runnable_isas()
-    expected = next((isa for isa in ("avx512bf16", "avx512", "avx2") if isa in runnable), "torch")
+    expected = next((isa for isa in ("amx", "avx512bf16", "avx512", "avx2") if isa in runnable), "torch")
     assert resolve_cpu_isa() == expected
     monkeypatch.setenv(CPU_ISA_ENV, " Torch ")
     assert resolve_cpu_isa() == "torch"
     assert resolve_cpu_isa("auto") == expected  # an argument beats the environment
     monkeypatch.setenv(CPU_ISA_ENV, "sse2")
-    expected_choices = r"KVQ_CPU_ISA is 'sse2'; expected one of auto, avx512bf16, avx512, avx2, scalar"
+    expected_choices = r"KVQ_CPU_ISA is 'sse2'; expected one of auto, amx, avx512bf16, avx512, avx2, scalar"
     with pytest.raises(KvqError, match=expected_choices):
         resolve_cpu_isa()
-    for isa in ("avx512bf16", "avx512", "avx2", "scalar"):
+    for isa in ("amx", "avx512bf16", "avx512", "avx2", "scalar"):
         if isa not in runnable:
             monkeypatch.setenv(CPU_ISA_ENV, isa)
             with pytest.raises(KvqError, match=f"is '{isa}' but .* pick one of auto"):

@@ -1,0 +1,314 @@
+/* The AMX kernel (path amx: bf16 activations, M >= 2 rows; w4a16_cpu.py runs it from AMX_FROM_ROWS):
+   y = x @ bf16(q * scale)^T with AMX-BF16's tdpbf16ps. Included by _w4a16_cpu.c after the AVX-512 BF16
+   path; not in the SIMDe check build.
+
+   The weight goes through the tiles as compressed-tensors decompresses it, bf16(q * scale) (q * scale
+   exact in fp32, rounded once to nearest even: `dequantize`'s bits), the activations as they are, so y is
+   a BF16 GEMM over the decompressed weight with fp32 sums (tdpbf16ps flushes denormals). The weight is
+   the A operand: a strip of 16 weight rows gives one A tile (16 rows x 32 bf16) per 32 inputs, with no
+   reordering across rows; the activations are the B one (pairs of inputs of 16 rows per 32-bit column,
+   laid out once per call, zero past row M: convert_row_amx); C[n][m] is y transposed, turned back
+   16 x 16 in registers when stored. Inputs within a block of 128 go in the order that decompresses
+   cheapest (amx_decompress_block), the activations' pairs in the same order.
+   Per strip the weight is decompressed a chunk of 4 tiles at a time just before the chunk's tdpbf16ps,
+   into a two-chunk ring that stays in L1 (M <= 32: one pass) or into the whole strip (the other passes,
+   32 activation rows each, read it back). Threads split the strips. */
+
+#define AMX_ROWS 16      /* weight rows per strip (A tile rows) and activation rows per B / C tile */
+#define AMX_KC 32        /* inputs per tile (K is a multiple of the group size, so of 32) */
+#define AMX_TILE_ELEMS (AMX_ROWS * AMX_KC) /* bf16 in a tile */
+#define AMX_TILE_PAIRS (AMX_TILE_ELEMS / 2)
+#define AMX_CHUNK 4 /* tiles decompressed at a time: 128 inputs, whole groups of 32, 64 or 128 */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Every tile 16 rows x 64 bytes; a thread must load this before its first tile instruction. */
+TARGET_AMX static void amx_load_config(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = AMX_ROWS;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Row m of bf16 activations as B tiles: layout [m tile][input tile c][pair kk 0..15][row 0..15] of 32-bit
+   pairs, in the weight tiles' input order (amx_decompress): tile c = 4b + p of a whole block b of 128
+   inputs holds (x[m, 128b + 8kk + p], x[m, 128b + 8kk + 4 + p]); a tile past the last whole block
+   (K % 128) holds (x[m, 32c + 2kk], x[m, 32c + 2kk + 1]). Rows M..(M rounded up to 16) zero. */
+static void convert_row_amx(const Job *job, int64_t m) {
+    const int64_t num_kc = job->K / AMX_KC, block_tiles = job->K / 128 * 4;
+    uint32_t *out = (uint32_t *)job->xp + (m / AMX_ROWS) * num_kc * AMX_TILE_PAIRS + m % AMX_ROWS;
+    const uint16_t *x = (const uint16_t *)job->x + m * job->K;
+    for (int64_t c = 0; c < num_kc; c++)
+        for (int kk = 0; kk < 16; kk++, out += AMX_ROWS) {
+            int64_t k = c < block_tiles ? 128 * (c / 4) + 8 * kk + c % 4 : AMX_KC * c + 2 * kk;
+            int64_t next = c < block_tiles ? 4 : 1;
+            *out = m < job->M ? (uint32_t)x[k] | (uint32_t)x[k + next] << 16 : 0;
+        }
+}
+
+/* bf16((u - 8) * s) for u = 0..15 as 16 bf16: a quarter of vpermt2w's 64-entry table. vcvtne2ps2bf16
+   rounds to nearest even as `dequantize` does, but flushes a denormal product to zero: tdpbf16ps would
+   read it as zero. */
+TARGET_AMX static inline __m512 amx_scaled_q(float s) {
+    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_mul_ps(q, _mm512_set1_ps(s));
+}
+
+TARGET_AMX static inline __m512i amx_table(__m512 low, __m512 high) { /* entries 0..15 low, 16..31 high */
+    __m512bh table = _mm512_cvtne2ps_pbh(high, low);
+    __m512i out;
+    memcpy(&out, &table, sizeof out);
+    return out;
+}
+
+/* A whole block of 128 inputs of a row (16 words, 4 tiles): one load, then per tile p a 16-bit shift
+   puts nibble p of every 16-bit half at its bottom (half h of word i: input 8i + 4h + p), so tile p holds
+   pairs (8kk + p, 8kk + 4 + p); the nibble, with the half's group in bits 4-5 (vpternlogd), indexes
+   vpermt2w's table of the block's (up to 4) groups' bf16(q * scale). */
+TARGET_AMX static inline void amx_decompress_block(const Job *job, const uint8_t *w, const uint8_t *srow,
+                                                   int64_t b, uint16_t *out) {
+    const int64_t groups = 128 / job->group, g0 = b * groups; /* groups in the block: 1, 2 or 4 */
+    __m512 s0 = amx_scaled_q(scale_at(job, srow, g0));
+    __m512 s1 = groups > 1 ? amx_scaled_q(scale_at(job, srow, g0 + 1)) : s0;
+    __m512i t01 = amx_table(s0, s1), t23 = t01;
+    if (groups > 2)
+        t23 = amx_table(amx_scaled_q(scale_at(job, srow, g0 + 2)), amx_scaled_q(scale_at(job, srow, g0 + 3)));
+    /* bits 4-5 of half i (inputs 4i..4i+3): its group in the block, (4i / group) */
+    const __m512i group_bits = groups == 4   ? _mm512_set_epi16(48, 48, 48, 48, 48, 48, 48, 48, 32, 32, 32, 32, 32, 32,
+                                                                32, 32, 16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0)
+                               : groups == 2 ? _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16,
+                                                                16, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                                             : _mm512_setzero_si512();
+    const __m512i nibble = _mm512_set1_epi16(15);
+    __m512i words = _mm512_loadu_si512(w + 64 * b);
+    for (int p = 0; p < 4; p++, out += AMX_TILE_ELEMS) {
+        __m512i shifted = p ? _mm512_srli_epi16(words, 4 * p) : words;
+        __m512i idx = _mm512_ternarylogic_epi32(shifted, nibble, group_bits, 0xEA); /* (a & b) | c */
+        _mm512_storeu_si512(out, _mm512_permutex2var_epi16(t01, idx, t23));
+    }
+}
+
+/* Tiles c0..c1 of a row past its last whole block, in natural input order: per 32 weights 16 bytes
+   widen to 16 dwords, byte t (inputs 2t, 2t + 1) in dword t; one shift and or put the high nibble into
+   the dword's high half and one vpermw looks both up (it reads 5 index bits: bit 4 of the low half is
+   the high nibble's, the group's table repeats). */
+TARGET_AMX static inline void amx_decompress_tail(const Job *job, const uint8_t *w, const uint8_t *srow,
+                                                  int64_t c0, int64_t c1, uint16_t *out) {
+    const int64_t tiles_shift = job->group_shift - 5; /* tiles per group: 1 << tiles_shift */
+    __m512i table = _mm512_setzero_si512();
+    for (int64_t c = c0; c < c1; c++, out += AMX_TILE_ELEMS) {
+        if (((c >> tiles_shift) << tiles_shift) == c) {
+            __m512 s = amx_scaled_q(scale_at(job, srow, c >> tiles_shift));
+            table = amx_table(s, s);
+        }
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * c)));
+        __m512i idx = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
+        _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, table));
+    }
+}
+
+/* Weight rows n0..n0+16, input tiles c0..c1 (a whole block: c0 = 4b, c1 = c0 + 4; or the tiles past the
+   last block) as bf16(q * scale) into out [c1 - c0][16][32]; rows past N zero. */
+TARGET_AMX static void amx_decompress(const Job *job, int64_t n0, int64_t c0, int64_t c1, uint16_t *out) {
+    const int64_t words = job->K / 8, is_block = c0 + 4 <= job->K / 128 * 4;
+    for (int r = 0; r < AMX_ROWS; r++, out += AMX_KC) {
+        if (n0 + r >= job->N) {
+            for (int64_t c = c0; c < c1; c++)
+                memset(out + (c - c0) * AMX_TILE_ELEMS, 0, AMX_KC * sizeof(uint16_t));
+            continue;
+        }
+        const uint8_t *w = (const uint8_t *)(job->packed + (n0 + r) * words);
+        const uint8_t *srow = job->scale + (n0 + r) * job->num_groups * job->scale_size;
+        if (is_block)
+            amx_decompress_block(job, w, srow, c0 / 4, out);
+        else
+            amx_decompress_tail(job, w, srow, c0, c1, out);
+    }
+}
+
+/* y[m, n..n+count) = v's first count lanes, rounded as store_y rounds. */
+TARGET_AMX static inline void store_y16(const Job *job, int64_t m, int64_t n, int count, __m512 v) {
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    if (job->y_dtype == DTYPE_F32) {
+        _mm512_mask_storeu_ps((float *)job->y + m * job->N + n, mask, v);
+        return;
+    }
+    if (job->y_dtype == DTYPE_F16) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, v);
+        for (int i = 0; i < count; i++)
+            store_y(job, m, n + i, lanes[i]);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+    __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); /* NaN: kept, made quiet */
+    rounded = _mm512_mask_or_epi32(rounded, nan, high, _mm512_set1_epi32(0x40));
+    _mm256_mask_storeu_epi16((uint16_t *)job->y + m * job->N + n, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+/* C0 += strip . B tile b, over the strip's chunks: A and B loads alternate between two pairs of tiles, so
+   a load never waits for a tdpbf16ps still reading its tile (reusing a tile at once: ~1.6x slower). */
+TARGET_AMX static void amx_dot_1(const uint16_t *a, const uint32_t *b, int64_t num_kc) {
+    int64_t c = 0;
+    for (; c + 2 <= num_kc; c += 2) {
+        _tile_loadd(4, a + c * AMX_TILE_ELEMS, 64);
+        _tile_loadd(5, b + c * AMX_TILE_PAIRS, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, a + (c + 1) * AMX_TILE_ELEMS, 64);
+        _tile_loadd(7, b + (c + 1) * AMX_TILE_PAIRS, 64);
+        _tile_dpbf16ps(0, 6, 7);
+    }
+    if (c < num_kc) {
+        _tile_loadd(4, a + c * AMX_TILE_ELEMS, 64);
+        _tile_loadd(5, b + c * AMX_TILE_PAIRS, 64);
+        _tile_dpbf16ps(0, 4, 5);
+    }
+}
+
+/* C0, C1 += strip . B tiles b, b + next: each A tile loaded once for both, the tiles alternating. */
+TARGET_AMX static void amx_dot_2(const uint16_t *a, const uint32_t *b, int64_t next, int64_t num_kc) {
+    int64_t c = 0;
+    for (; c + 2 <= num_kc; c += 2) {
+        _tile_loadd(2, a + c * AMX_TILE_ELEMS, 64);
+        _tile_loadd(4, b + c * AMX_TILE_PAIRS, 64);
+        _tile_loadd(5, b + next + c * AMX_TILE_PAIRS, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 2, 5);
+        _tile_loadd(3, a + (c + 1) * AMX_TILE_ELEMS, 64);
+        _tile_loadd(6, b + (c + 1) * AMX_TILE_PAIRS, 64);
+        _tile_loadd(7, b + next + (c + 1) * AMX_TILE_PAIRS, 64);
+        _tile_dpbf16ps(0, 3, 6);
+        _tile_dpbf16ps(1, 3, 7);
+    }
+    if (c < num_kc) {
+        _tile_loadd(2, a + c * AMX_TILE_ELEMS, 64);
+        _tile_loadd(4, b + c * AMX_TILE_PAIRS, 64);
+        _tile_loadd(5, b + next + c * AMX_TILE_PAIRS, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 2, 5);
+    }
+}
+
+/* The 16 x 16 fp32 block c [n][m] transposed in registers: rows[m] = activation row m's 16 outputs. */
+TARGET_AMX static void amx_transpose(const float *c, __m512 rows[AMX_ROWS]) {
+    __m512 t[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i += 2) { /* t[i + h]: rows i, i + 1 interleaved (h: high halves) */
+        __m512 r0 = _mm512_load_ps(c + i * AMX_ROWS), r1 = _mm512_load_ps(c + (i + 1) * AMX_ROWS);
+        t[i] = _mm512_unpacklo_ps(r0, r1);
+        t[i + 1] = _mm512_unpackhi_ps(r0, r1);
+    }
+    for (int i = 0; i < AMX_ROWS; i += 4) /* rows[i + r], 128-bit lane l: n = i..i+3 of m = 4l + r */
+        for (int h = 0; h < 2; h++) {
+            __m512d lo = _mm512_castps_pd(t[i + h]), hi = _mm512_castps_pd(t[i + 2 + h]);
+            rows[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+            rows[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+        }
+    for (int r = 0; r < 4; r++) { /* the 128-bit lanes: lane l of rows[4q + r] to lane q of m = 4l + r */
+        __m512 a0 = _mm512_shuffle_f32x4(rows[r], rows[4 + r], 0x88);
+        __m512 a1 = _mm512_shuffle_f32x4(rows[r], rows[4 + r], 0xDD);
+        __m512 b0 = _mm512_shuffle_f32x4(rows[8 + r], rows[12 + r], 0x88);
+        __m512 b1 = _mm512_shuffle_f32x4(rows[8 + r], rows[12 + r], 0xDD);
+        t[r] = _mm512_shuffle_f32x4(a0, b0, 0x88);
+        t[8 + r] = _mm512_shuffle_f32x4(a0, b0, 0xDD);
+        t[4 + r] = _mm512_shuffle_f32x4(a1, b1, 0x88);
+        t[12 + r] = _mm512_shuffle_f32x4(a1, b1, 0xDD);
+    }
+    for (int i = 0; i < AMX_ROWS; i++)
+        rows[i] = t[i];
+}
+
+/* The 16 x 16 accumulator block c (C[n][m], weight rows n0.., activation rows m0..) into y. */
+TARGET_AMX static void amx_store(const Job *job, const float *c, int64_t n0, int64_t m0) {
+    __m512 rows[AMX_ROWS];
+    amx_transpose(c, rows);
+    const int count = job->N - n0 < AMX_ROWS ? (int)(job->N - n0) : AMX_ROWS;
+    for (int64_t i = 0; i < AMX_ROWS && m0 + i < job->M; i++)
+        store_y16(job, m0 + i, n0, count, rows[i]);
+}
+
+/* Accumulators C0 (and, if two, C1) into y: activation tiles mt (and mt + 1), weight rows n0... */
+TARGET_AMX static void amx_flush(const Job *job, int64_t n0, int64_t mt, int two) {
+    float c[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
+    _tile_stored(0, c, 64);
+    amx_store(job, c, n0, mt * AMX_ROWS);
+    if (two) {
+        _tile_stored(1, c, 64);
+        amx_store(job, c, n0, (mt + 1) * AMX_ROWS);
+    }
+}
+
+/* C0 (and, if two, C1) += tiles c0..c1 of a (A tile c at a + (c - c0) * AMX_TILE_ELEMS) . B. */
+TARGET_AMX static void amx_dot(const Job *job, const uint16_t *a, int64_t mt, int two, int64_t c0, int64_t c1) {
+    const int64_t next = job->K / AMX_KC * AMX_TILE_PAIRS; /* one activation tile's pairs */
+    const uint32_t *b = (const uint32_t *)job->xp + mt * next + c0 * AMX_TILE_PAIRS;
+    if (two)
+        amx_dot_2(a, b, next, c1 - c0);
+    else
+        amx_dot_1(a, b, c1 - c0);
+}
+
+/* Weight rows n0..n0+16 (a strip) through all activation rows. The first pass (activation tiles 0 and 1)
+   decompresses the strip AMX_CHUNK tiles at a time just before their tdpbf16ps: into a ring of two chunks
+   when that is the only pass (M <= 32), which stays in L1, else into the whole strip buffer, which the
+   other passes read. (Decompressing a whole 16 x K strip first and then loading its tiles ran ~2x
+   slower: its stores missed L1.) */
+TARGET_AMX static void amx_strip(const Job *job, int64_t n0, uint16_t *strip) {
+    const int64_t num_kc = job->K / AMX_KC, num_mt = (job->M + AMX_ROWS - 1) / AMX_ROWS;
+    const int is_ring = num_mt <= 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c0 = 0; c0 < num_kc; c0 += AMX_CHUNK) {
+        int64_t c1 = c0 + AMX_CHUNK < num_kc ? c0 + AMX_CHUNK : num_kc;
+        uint16_t *a = strip + (is_ring ? (c0 / AMX_CHUNK) % 2 * AMX_CHUNK : c0) * AMX_TILE_ELEMS;
+        amx_decompress(job, n0, c0, c1, a);
+        amx_dot(job, a, 0, num_mt > 1, c0, c1);
+    }
+    amx_flush(job, n0, 0, num_mt > 1);
+    for (int64_t mt = 2; mt < num_mt; mt += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        amx_dot(job, strip, mt, mt + 1 < num_mt, 0, num_kc);
+        amx_flush(job, n0, mt, mt + 1 < num_mt);
+    }
+}
+
+/* This thread's strip buffer: a whole strip (16 x K bf16) or the ring; NULL when out of memory. Grown
+   when K grows, kept for the thread's life. */
+static uint16_t *amx_strip_of(int64_t K) {
+    static _Thread_local uint16_t *strip;
+    static _Thread_local int64_t strip_k;
+    K = K > 2 * AMX_CHUNK * AMX_KC ? K : 2 * AMX_CHUNK * AMX_KC;
+    if (K > strip_k) {
+        free(strip);
+        strip_k = 0;
+        if (posix_memalign((void **)&strip, 64, (size_t)(AMX_ROWS * K) * sizeof(uint16_t)) != 0) {
+            strip = NULL;
+            return NULL;
+        }
+        strip_k = K;
+    }
+    return strip;
+}
+
+/* Output rows [n0, n1) (n0 a multiple of 16) on this thread's tiles. */
+TARGET_AMX static void gemm_amx(Job *job, int64_t n0, int64_t n1) {
+    uint16_t *strip = amx_strip_of(job->K);
+    if (strip == NULL) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+    amx_load_config();
+    for (int64_t n = n0; n < n1; n += AMX_ROWS)
+        amx_strip(job, n, strip);
+    _tile_release(); /* the thread's tiles back to their init state (oneDNN runs AMX on it too) */
+}
