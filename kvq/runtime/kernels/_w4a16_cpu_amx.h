@@ -7,18 +7,23 @@
    a BF16 GEMM over the decompressed weight with fp32 sums (tdpbf16ps flushes denormals). The weight is
    the A operand: a strip of 16 weight rows gives one A tile (16 rows x 32 bf16) per 32 inputs, with no
    reordering across rows; the activations are the B one (pairs of inputs of 16 rows per 32-bit column,
-   laid out once per call, zero past row M: convert_row_amx); C[n][m] is y transposed, turned back
-   16 x 16 in registers when stored. Inputs within a block of 128 go in the order that decompresses
-   cheapest (amx_decompress_block), the activations' pairs in the same order.
-   Per strip the weight is decompressed a chunk of 4 tiles at a time just before the chunk's tdpbf16ps,
-   into a two-chunk ring that stays in L1 (M <= 32: one pass) or into the whole strip (the other passes,
-   32 activation rows each, read it back). Threads split the strips. */
+   laid out once per call 16 rows at a time, zero past row M: convert_row_amx); C[n][m] is y transposed,
+   turned back 16 x 16 in registers when stored. Inputs within a block of 128 go in the order that
+   decompresses cheapest (amx_decompress_block), the activations' pairs in the same order.
+   M <= 32 (one pass): two strips at a time (amx_pair, 4 accumulators, each B tile loaded once for both),
+   decompressed a chunk of 4 tiles at a time into a two-slot ring that stays in L1, interleaved with the
+   previous chunk's tdpbf16ps. M > 32: per strip, the first pass decompresses into the whole strip, which
+   the other passes (32 activation rows each) read back. The weight rows 32 ahead are prefetched into L2.
+   Threads split the strips. */
 
 #define AMX_ROWS 16      /* weight rows per strip (A tile rows) and activation rows per B / C tile */
 #define AMX_KC 32        /* inputs per tile (K is a multiple of the group size, so of 32) */
 #define AMX_TILE_ELEMS (AMX_ROWS * AMX_KC) /* bf16 in a tile */
 #define AMX_TILE_PAIRS (AMX_TILE_ELEMS / 2)
 #define AMX_CHUNK 4 /* tiles decompressed at a time: 128 inputs, whole groups of 32, 64 or 128 */
+/* a ring slot (one strip's chunk) in bf16, padded: slots 4 KiB apart made the tile loads of one alias the
+   stores into the next (~1.7x slower at K = 4096) */
+#define AMX_RING_SLOT (AMX_CHUNK * AMX_TILE_ELEMS + 128)
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -38,22 +43,6 @@ TARGET_AMX static void amx_load_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Row m of bf16 activations as B tiles: layout [m tile][input tile c][pair kk 0..15][row 0..15] of 32-bit
-   pairs, in the weight tiles' input order (amx_decompress): tile c = 4b + p of a whole block b of 128
-   inputs holds (x[m, 128b + 8kk + p], x[m, 128b + 8kk + 4 + p]); a tile past the last whole block
-   (K % 128) holds (x[m, 32c + 2kk], x[m, 32c + 2kk + 1]). Rows M..(M rounded up to 16) zero. */
-static void convert_row_amx(const Job *job, int64_t m) {
-    const int64_t num_kc = job->K / AMX_KC, block_tiles = job->K / 128 * 4;
-    uint32_t *out = (uint32_t *)job->xp + (m / AMX_ROWS) * num_kc * AMX_TILE_PAIRS + m % AMX_ROWS;
-    const uint16_t *x = (const uint16_t *)job->x + m * job->K;
-    for (int64_t c = 0; c < num_kc; c++)
-        for (int kk = 0; kk < 16; kk++, out += AMX_ROWS) {
-            int64_t k = c < block_tiles ? 128 * (c / 4) + 8 * kk + c % 4 : AMX_KC * c + 2 * kk;
-            int64_t next = c < block_tiles ? 4 : 1;
-            *out = m < job->M ? (uint32_t)x[k] | (uint32_t)x[k + next] << 16 : 0;
-        }
-}
-
 /* bf16((u - 8) * s) for u = 0..15 as 16 bf16: a quarter of vpermt2w's 64-entry table. vcvtne2ps2bf16
    rounds to nearest even as `dequantize` does, but flushes a denormal product to zero: tdpbf16ps would
    read it as zero. */
@@ -69,24 +58,29 @@ TARGET_AMX static inline __m512i amx_table(__m512 low, __m512 high) { /* entries
     return out;
 }
 
+/* Bits 4-5 of a block's 16-bit half i (inputs 4i..4i+3): its group in the block, (4i / group), for the
+   block's groups (1, 2 or 4). */
+TARGET_AMX static inline __m512i amx_group_bits(int64_t groups) {
+    return groups == 4   ? _mm512_set_epi16(48, 48, 48, 48, 48, 48, 48, 48, 32, 32, 32, 32, 32, 32, 32, 32, 16, 16, 16,
+                                            16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0)
+           : groups == 2 ? _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0,
+                                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                         : _mm512_setzero_si512();
+}
+
 /* A whole block of 128 inputs of a row (16 words, 4 tiles): one load, then per tile p a 16-bit shift
    puts nibble p of every 16-bit half at its bottom (half h of word i: input 8i + 4h + p), so tile p holds
    pairs (8kk + p, 8kk + 4 + p); the nibble, with the half's group in bits 4-5 (vpternlogd), indexes
    vpermt2w's table of the block's (up to 4) groups' bf16(q * scale). */
-TARGET_AMX static inline void amx_decompress_block(const Job *job, const uint8_t *w, const uint8_t *srow,
-                                                   int64_t b, uint16_t *out) {
-    const int64_t groups = 128 / job->group, g0 = b * groups; /* groups in the block: 1, 2 or 4 */
-    __m512 s0 = amx_scaled_q(scale_at(job, srow, g0));
-    __m512 s1 = groups > 1 ? amx_scaled_q(scale_at(job, srow, g0 + 1)) : s0;
+TARGET_AMX static inline void amx_decompress_block(const uint8_t *w, const uint8_t *srow, int scale_dtype, int64_t b,
+                                                   int64_t groups, __m512i group_bits, uint16_t *out) {
+    const int64_t g0 = b * groups;
+    __m512 s0 = amx_scaled_q(row_scale(srow, scale_dtype, g0));
+    __m512 s1 = groups > 1 ? amx_scaled_q(row_scale(srow, scale_dtype, g0 + 1)) : s0;
     __m512i t01 = amx_table(s0, s1), t23 = t01;
     if (groups > 2)
-        t23 = amx_table(amx_scaled_q(scale_at(job, srow, g0 + 2)), amx_scaled_q(scale_at(job, srow, g0 + 3)));
-    /* bits 4-5 of half i (inputs 4i..4i+3): its group in the block, (4i / group) */
-    const __m512i group_bits = groups == 4   ? _mm512_set_epi16(48, 48, 48, 48, 48, 48, 48, 48, 32, 32, 32, 32, 32, 32,
-                                                                32, 32, 16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0)
-                               : groups == 2 ? _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16,
-                                                                16, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-                                             : _mm512_setzero_si512();
+        t23 = amx_table(amx_scaled_q(row_scale(srow, scale_dtype, g0 + 2)),
+                        amx_scaled_q(row_scale(srow, scale_dtype, g0 + 3)));
     const __m512i nibble = _mm512_set1_epi16(15);
     __m512i words = _mm512_loadu_si512(w + 64 * b);
     for (int p = 0; p < 4; p++, out += AMX_TILE_ELEMS) {
@@ -117,21 +111,33 @@ TARGET_AMX static inline void amx_decompress_tail(const Job *job, const uint8_t 
 
 /* Weight rows n0..n0+16, input tiles c0..c1 (a whole block: c0 = 4b, c1 = c0 + 4; or the tiles past the
    last block) as bf16(q * scale) into out [c1 - c0][16][32]; rows past N zero. */
-TARGET_AMX static void amx_decompress(const Job *job, int64_t n0, int64_t c0, int64_t c1, uint16_t *out) {
-    const int64_t words = job->K / 8, is_block = c0 + 4 <= job->K / 128 * 4;
-    for (int r = 0; r < AMX_ROWS; r++, out += AMX_KC) {
-        if (n0 + r >= job->N) {
+TARGET_AMX static void amx_decompress_rows(const Job *job, int64_t n0, int r0, int r1, int64_t c0, int64_t c1,
+                                           uint16_t *out) {
+    /* job's fields in locals: the tile stores may alias them, which would reload them every row */
+    const int64_t row_bytes = job->K / 2, scale_bytes = job->num_groups * job->scale_size, N = job->N;
+    const int64_t groups = 128 / job->group, is_block = c0 + 4 <= job->K / 128 * 4; /* groups in a block: 1, 2, 4 */
+    const int scale_dtype = job->scale_dtype;
+    const __m512i group_bits = amx_group_bits(groups);
+    const uint8_t *w = (const uint8_t *)job->packed + (n0 + r0) * row_bytes;
+    const uint8_t *srow = job->scale + (n0 + r0) * scale_bytes;
+    out += r0 * AMX_KC;
+    for (int r = r0; r < r1; r++, out += AMX_KC, w += row_bytes, srow += scale_bytes) {
+        if (n0 + r >= N) {
             for (int64_t c = c0; c < c1; c++)
                 memset(out + (c - c0) * AMX_TILE_ELEMS, 0, AMX_KC * sizeof(uint16_t));
             continue;
         }
-        const uint8_t *w = (const uint8_t *)(job->packed + (n0 + r) * words);
-        const uint8_t *srow = job->scale + (n0 + r) * job->num_groups * job->scale_size;
+        if (n0 + r + 2 * AMX_ROWS < N) /* 32 rows ahead into L2: cold weights ran ~1.7x slower without */
+            _mm_prefetch((const char *)(w + 2 * AMX_ROWS * row_bytes + c0 * 16), _MM_HINT_T1);
         if (is_block)
-            amx_decompress_block(job, w, srow, c0 / 4, out);
+            amx_decompress_block(w, srow, scale_dtype, c0 / 4, groups, group_bits, out);
         else
             amx_decompress_tail(job, w, srow, c0, c1, out);
     }
+}
+
+TARGET_AMX static void amx_decompress(const Job *job, int64_t n0, int64_t c0, int64_t c1, uint16_t *out) {
+    amx_decompress_rows(job, n0, 0, AMX_ROWS, c0, c1, out);
 }
 
 /* y[m, n..n+count) = v's first count lanes, rounded as store_y rounds. */
@@ -227,6 +233,51 @@ TARGET_AMX static void amx_transpose(const float *c, __m512 rows[AMX_ROWS]) {
         rows[i] = t[i];
 }
 
+/* Activation rows m..m+16 (m a multiple of 16; other m: nothing, that tile's first row did it) as B
+   tiles: layout [m tile][input tile c][pair kk 0..15][row 0..15] of 32-bit pairs, in the weight tiles'
+   input order (amx_decompress): tile c = 4b + p of a whole block b of 128 inputs holds
+   (x[m, 128b + 8kk + p], x[m, 128b + 8kk + 4 + p]); a tile past the last whole block (K % 128) holds
+   (x[m, 32c + 2kk], x[m, 32c + 2kk + 1]). Rows M..(M rounded up to 16) zero. Per row one vpermt2w per 64
+   inputs and tile gives its 16 pairs, a 16 x 16 transpose (amx_transpose) the tile's whole lines. */
+TARGET_AMX static void convert_row_amx(const Job *job, int64_t m) {
+    if (m % AMX_ROWS)
+        return;
+    const int64_t num_kc = job->K / AMX_KC, block_tiles = job->K / 128 * 4;
+    const int num_rows = job->M - m < AMX_ROWS ? (int)(job->M - m) : AMX_ROWS;
+    uint32_t *out = (uint32_t *)job->xp + (m / AMX_ROWS) * num_kc * AMX_TILE_PAIRS;
+    const uint16_t *x = (const uint16_t *)job->x + m * job->K;
+    /* word 2kk + h of tile p (kk < 8) is input 8kk + 4h + p of 64 */
+    const __m512i idx0 = _mm512_set_epi16(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0, 60, 56, 52, 48,
+                                          44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+    float pairs[4][AMX_ROWS * AMX_ROWS] __attribute__((aligned(64))); /* [tile p][row][kk] */
+    memset(pairs, 0, sizeof pairs);
+    __m512 lines[AMX_ROWS];
+    for (int64_t c = 0; c < num_kc; c += 4) {
+        const int is_block = c < block_tiles, num_tiles = is_block ? 4 : (int)(num_kc - c < 4 ? num_kc - c : 4);
+        for (int r = 0; r < num_rows; r++) {
+            const uint16_t *xr = x + r * job->K + c * AMX_KC;
+            for (int p = 0; p < num_tiles; p++) {
+                __m512i v;
+                if (is_block) {
+                    __m512i idx = _mm512_add_epi16(idx0, _mm512_set1_epi16((short)p));
+                    __m512i lo = _mm512_permutex2var_epi16(_mm512_loadu_si512(xr), idx, _mm512_loadu_si512(xr + 32));
+                    __m512i hi =
+                        _mm512_permutex2var_epi16(_mm512_loadu_si512(xr + 64), idx, _mm512_loadu_si512(xr + 96));
+                    v = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+                } else {
+                    v = _mm512_loadu_si512(xr + p * AMX_KC);
+                }
+                _mm512_store_si512(pairs[p] + r * AMX_ROWS, v);
+            }
+        }
+        for (int p = 0; p < num_tiles; p++, out += AMX_TILE_PAIRS) {
+            amx_transpose(pairs[p], lines);
+            for (int kk = 0; kk < AMX_ROWS; kk++)
+                _mm512_store_ps(out + kk * AMX_ROWS, lines[kk]);
+        }
+    }
+}
+
 /* The 16 x 16 accumulator block c (C[n][m], weight rows n0.., activation rows m0..) into y. */
 TARGET_AMX static void amx_store(const Job *job, const float *c, int64_t n0, int64_t m0) {
     __m512 rows[AMX_ROWS];
@@ -247,6 +298,17 @@ TARGET_AMX static void amx_flush(const Job *job, int64_t n0, int64_t mt, int two
     }
 }
 
+/* Accumulators C2 (and, if two, C3) into y: the second strip of a pair (amx_pair). */
+TARGET_AMX static void amx_flush_23(const Job *job, int64_t n0, int two) {
+    float c[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
+    _tile_stored(2, c, 64);
+    amx_store(job, c, n0, 0);
+    if (two) {
+        _tile_stored(3, c, 64);
+        amx_store(job, c, n0, AMX_ROWS);
+    }
+}
+
 /* C0 (and, if two, C1) += tiles c0..c1 of a (A tile c at a + (c - c0) * AMX_TILE_ELEMS) . B. */
 TARGET_AMX static void amx_dot(const Job *job, const uint16_t *a, int64_t mt, int two, int64_t c0, int64_t c1) {
     const int64_t next = job->K / AMX_KC * AMX_TILE_PAIRS; /* one activation tile's pairs */
@@ -255,6 +317,52 @@ TARGET_AMX static void amx_dot(const Job *job, const uint16_t *a, int64_t mt, in
         amx_dot_2(a, b, next, c1 - c0);
     else
         amx_dot_1(a, b, c1 - c0);
+}
+
+/* C0, C2 (and, if two, C1, C3) += A tiles a0, a1 (one input tile of two strips) . B tiles b (and b + next):
+   2 A and 1 or 2 B loads for 2 or 4 tdpbf16ps. */
+TARGET_AMX static inline void amx_dot_pair(const uint16_t *a0, const uint16_t *a1, const uint32_t *b, int64_t next,
+                                           int two) {
+    _tile_loadd(4, a0, 64);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) {
+        _tile_loadd(7, b + next, 64);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_loadd(5, a1, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    if (two)
+        _tile_dpbf16ps(3, 5, 7);
+}
+
+/* Two strips, weight rows n0..n0+32, when M <= 32 (one pass): C0..C3 are strip x activation tile, so a
+   B tile is loaded once for both strips. Chunk c of both strips is decompressed into one slot of a
+   two-slot ring while chunk c - 1 goes through the tiles from the other, interleaved a quarter of the
+   rows per input tile: run one after the other, the two did not overlap (the chunk's decompression
+   outgrows the reorder window); chunk-at-a-time pipelining alone gave half the gain. */
+TARGET_AMX static void amx_pair(const Job *job, int64_t n0, uint16_t *ring) {
+    const int64_t num_kc = job->K / AMX_KC, next = num_kc * AMX_TILE_PAIRS;
+    const int two = job->M > AMX_ROWS;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c0 = 0; c0 < num_kc + AMX_CHUNK; c0 += AMX_CHUNK) {
+        uint16_t *a = ring + (c0 / AMX_CHUNK) % 2 * 2 * AMX_RING_SLOT;
+        const uint16_t *prev = ring + (c0 / AMX_CHUNK + 1) % 2 * 2 * AMX_RING_SLOT;
+        int64_t c1 = c0 + AMX_CHUNK < num_kc ? c0 + AMX_CHUNK : num_kc, d0 = c0 - AMX_CHUNK;
+        for (int q = 0; q < 4; q++) { /* a quarter of the chunk's rows per input tile of the previous one */
+            if (d0 >= 0 && d0 + q < num_kc)
+                amx_dot_pair(prev + q * AMX_TILE_ELEMS, prev + AMX_RING_SLOT + q * AMX_TILE_ELEMS,
+                             (const uint32_t *)job->xp + (d0 + q) * AMX_TILE_PAIRS, next, two);
+            if (c0 < num_kc)
+                amx_decompress_rows(job, n0 + q / 2 * AMX_ROWS, q % 2 * 8, q % 2 * 8 + 8, c0, c1,
+                                    a + q / 2 * AMX_RING_SLOT);
+        }
+    }
+    amx_flush(job, n0, 0, two);
+    amx_flush_23(job, n0 + AMX_ROWS, two);
 }
 
 /* Weight rows n0..n0+16 (a strip) through all activation rows. The first pass (activation tiles 0 and 1)
@@ -267,12 +375,17 @@ TARGET_AMX static void amx_strip(const Job *job, int64_t n0, uint16_t *strip) {
     const int is_ring = num_mt <= 2;
     _tile_zero(0);
     _tile_zero(1);
+    uint16_t *prev = NULL;
+    int64_t p0 = 0, p1 = 0;
     for (int64_t c0 = 0; c0 < num_kc; c0 += AMX_CHUNK) {
         int64_t c1 = c0 + AMX_CHUNK < num_kc ? c0 + AMX_CHUNK : num_kc;
-        uint16_t *a = strip + (is_ring ? (c0 / AMX_CHUNK) % 2 * AMX_CHUNK : c0) * AMX_TILE_ELEMS;
+        uint16_t *a = strip + (is_ring ? (c0 / AMX_CHUNK) % 2 * AMX_RING_SLOT : c0 * AMX_TILE_ELEMS);
         amx_decompress(job, n0, c0, c1, a);
-        amx_dot(job, a, 0, num_mt > 1, c0, c1);
+        if (prev)
+            amx_dot(job, prev, 0, num_mt > 1, p0, p1);
+        prev = a, p0 = c0, p1 = c1;
     }
+    amx_dot(job, prev, 0, num_mt > 1, p0, p1);
     amx_flush(job, n0, 0, num_mt > 1);
     for (int64_t mt = 2; mt < num_mt; mt += 2) {
         _tile_zero(0);
@@ -287,7 +400,7 @@ TARGET_AMX static void amx_strip(const Job *job, int64_t n0, uint16_t *strip) {
 static uint16_t *amx_strip_of(int64_t K) {
     static _Thread_local uint16_t *strip;
     static _Thread_local int64_t strip_k;
-    K = K > 2 * AMX_CHUNK * AMX_KC ? K : 2 * AMX_CHUNK * AMX_KC;
+    K = K > 4 * AMX_RING_SLOT / AMX_ROWS ? K : 4 * AMX_RING_SLOT / AMX_ROWS; /* a pair's ring */
     if (K > strip_k) {
         free(strip);
         strip_k = 0;
@@ -308,7 +421,11 @@ TARGET_AMX static void gemm_amx(Job *job, int64_t n0, int64_t n1) {
         return;
     }
     amx_load_config();
-    for (int64_t n = n0; n < n1; n += AMX_ROWS)
+    int64_t n = n0;
+    if (job->M <= 2 * AMX_ROWS)
+        for (; n + AMX_ROWS < n1; n += 2 * AMX_ROWS)
+            amx_pair(job, n, strip);
+    for (; n < n1; n += AMX_ROWS)
         amx_strip(job, n, strip);
     _tile_release(); /* the thread's tiles back to their init state (oneDNN runs AMX on it too) */
 }
