@@ -26,9 +26,7 @@ class GptqConfig:
     moe_calibrate_all_experts: bool = False
     calibrate_kv: bool = False
     gptaq_alpha: float | None = None  # --method gptaq: the asymmetric correction's scale; None: GPTQ
-    true_sequential: bool = (
-        False  # each group of a layer's Linears calibrated on the quantized ones before it
-    )
+    true_sequential: bool = False  # a layer's Linears group by group (`layer.quantize_layer`)
 
     def __post_init__(self) -> None:
         if self.moe_min_tokens < 0:

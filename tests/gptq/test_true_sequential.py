@@ -27,6 +27,7 @@ from kvq.gptq.run import GptqReport, prepare_gptq, run_gptq
 from kvq.gptq.staging import STAGING_DIR
 from tests.calibrate.test_errors import snapshot
 from tests.conftest import TinyCheckpoint
+from tests.gptq.test_gptaq import Interrupted, stop
 
 CALIBRATION = CalibrationConfig(num_samples=10, seq_len=64)
 LLAMA_GROUPS = [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
@@ -92,14 +93,6 @@ def test_each_group_calibrates_on_the_quantized_groups_before_it(
     compress(with_quantized(src, tmp_path / "src-qkv", b, qkv), oracle, None, False)
     o_proj = "model.layers.0.self_attn.o_proj.weight_packed"
     assert torch.equal(weights(oracle)[o_proj], b[o_proj])
-
-
-class Interrupted(Exception):
-    pass
-
-
-def stop(_layer_idx: int) -> None:
-    raise Interrupted
 
 
 @pytest.mark.slow
