@@ -143,7 +143,14 @@ def test_moe_and_mla_layers_run_true_sequential(
     recorded = modules(out)
     experts = {n: m for n, m in recorded.items() if ".mlp.experts." in n}
     assert experts and {m["method"] for m in experts.values()} == {"gptq"}
-    assert all(m["routed_tokens"] > 0 for m in experts.values())
+    routed: dict[tuple[str, str], int] = {}  # (layer, expert) -> its routed calibration tokens
+    for name, m in experts.items():
+        layer, _, rest = name.partition(".mlp.experts.")
+        routed[(layer, rest.split(".")[0])] = m["routed_tokens"]
+    top_k = json.loads((src / "config.json").read_text())["num_experts_per_tok"]
+    for layer in {layer for layer, _ in routed}:  # every token reached its top-k experts in the last pass
+        total = sum(n for (lay, _), n in routed.items() if lay == layer)
+        assert total == CALIBRATION.num_samples * CALIBRATION.seq_len * top_k
     dense = {n: m for n, m in recorded.items() if ".mlp.experts." not in n}
     assert {m["method"] for m in dense.values()} == ({"gptaq"} if recipe == "w4a16-linear" else set())
     if dense:
