@@ -40,9 +40,13 @@
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
-#define KVQ_AMX 1 /* not in the SIMDe check build: SIMDe has no AMX */
+/* AMX: not in the SIMDe check build (SIMDe has no AMX), and only from compilers that know its targets and
+   intrinsics (GCC 11, clang 12); older ones build every other path */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define KVQ_AMX 1
 #define TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 #include <cpuid.h>
+#endif
 #endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
