@@ -128,29 +128,18 @@ def _sequential_groups(
     targets: LayerTargets,
 ) -> list[list[LinearTarget]]:
     """The targeted Linears in the order a forward reaches them, those fed the same input tensor in one
-    group (llama: q/k/v, o, gate/up, down), from one sample's forward."""
+    group (llama: q/k/v, o, gate/up, down): `LinearHessians`' shared-input leaders over one sample's
+    forward (their first call sets them, in call order)."""
     by_local = {t.local: t for t in targets.linears}
-    seen: list[tuple[torch.Tensor, list[LinearTarget]]] = []
-
-    def hook(name: str):  # noqa: ANN202 (a forward hook)
-        def record(_module: nn.Module, args: tuple[torch.Tensor, ...], _output: torch.Tensor) -> None:
-            group = next((g for x, g in seen if x is args[0]), None)
-            if group is None:
-                seen.append((args[0], [by_local[name]]))
-            elif by_local[name] not in group:
-                group.append(by_local[name])
-
-        return record
-
-    handles = [layer.get_submodule(name).register_forward_hook(hook(name)) for name in by_local]
-    try:
+    probe = LinearHessians(layer, list(by_local))
+    with probe.hooked():
         run_layer(
             layer, layer_idx, _one_sample(state, 0), KvRecorder(recorder.layout), inputs, keep_outputs=False
         )
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [g for _, g in seen]
+    groups: dict[str, list[LinearTarget]] = {}
+    for name, leader in probe.leader.items():
+        groups.setdefault(leader, []).append(by_local[name])
+    return list(groups.values())
 
 
 @contextmanager
