@@ -17,10 +17,11 @@
      page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
      e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
    decode_attention(q, q_row_stride, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride,
-                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads):
+                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads, fp8_simd):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
-     bf16 or float8_e4m3fn K/V (bytes to fp32 in arithmetic, times the fp32 per-head scale, no bf16
-     copy of the pages), fp32 scores, softmax and sums, out bf16 [B, Hq, D]. q's rows are q_row_stride
+     bf16 or float8_e4m3fn K/V (bytes to fp32 exactly, times the fp32 per-head scale, no bf16 copy of
+     the pages: with F16C where fp8_simd is set and the CPU has it, else in arithmetic; the same bits),
+     fp32 scores, softmax and sums, out bf16 [B, Hq, D]. q's rows are q_row_stride
      elements apart (heads packed: a split of the rotary's [B, Hq + Hkv, D] output at B > 1); k/v strides
      are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
      head) pairs go over `threads` threads of _w4a16_cpu's pool (its `_parallel_for` capsule), without
@@ -267,22 +268,34 @@ static PyObject *rotary(PyObject *self, PyObject *args) {
 
 #define FP8_MAX 448.0f
 
-/* fp32 -> float8_e4m3fn, round to nearest even; |f| <= 448 after the caller's clamp, NaN kept. */
-static inline uint8_t f32_to_e4m3(float f) {
-    uint32_t u;
+/* fp32 -> float8_e4m3fn, round to nearest even; |f| <= 448 after the caller's clamp, NaN kept. Both
+   encodings computed and one chosen by masks (no branch), so that a row of them vectorizes: below 2^-6,
+   the smallest normal, a multiple of 2^-9 (rounded by adding and taking away 2^23, exact and to nearest
+   even; 8, the rounding up to 2^-6, encodes it too); above, the mantissa rounded to 3 bits in the fp32
+   bits and the exponent rebiased. */
+ALWAYS_INLINE uint8_t f32_to_e4m3(float f) {
+    uint32_t u, magnitude;
     memcpy(&u, &f, 4);
-    uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    u &= 0x7FFFFFFFu;
-    if (u > 0x7F800000u)
-        return sign | 0x7F;
-    if (u < 0x3C800000u) { /* below 2^-6, the smallest normal: multiples of 2^-9 */
-        float a;
-        memcpy(&a, &u, 4);
-        return sign | (uint8_t)nearbyintf(a * 512.0f); /* 8 (the rounding up to 2^-6) encodes it too */
+    magnitude = u & 0x7FFFFFFFu;
+    float a;
+    memcpy(&a, &magnitude, 4);
+    int is_subnormal = magnitude < 0x3C800000u;
+    float steps = is_subnormal ? (a * 512.0f + 8388608.0f) - 8388608.0f : 0.0f; /* 0..8 */
+    uint32_t rounded = magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u);
+    uint32_t normal = (((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 7u);
+    uint32_t out = is_subnormal ? (uint32_t)(int32_t)steps : normal;
+    out = magnitude > 0x7F800000u ? 0x7Fu : out;
+    return (uint8_t)(((u >> 24) & 0x80u) | out);
+}
+
+/* One head's D bf16 values -> e4m3fn bytes of x / scale, clamped to +-448 (NaN passes: torch's clamp). */
+KVQ_CLONES static void quantize_e4m3_row(const uint16_t *restrict src, uint8_t *restrict dst, int64_t D,
+                                         float scale) {
+    for (int64_t d = 0; d < D; d++) {
+        float q = bf16_f32(src[d]) / scale;
+        q = q > FP8_MAX ? FP8_MAX : q < -FP8_MAX ? -FP8_MAX : q;
+        dst[d] = f32_to_e4m3(q);
     }
-    u += 0x7FFFFu + ((u >> 20) & 1u); /* round the mantissa to 3 bits */
-    uint32_t exponent = (u >> 23) - 120, mantissa = (u >> 20) & 7u;
-    return sign | (uint8_t)((exponent << 3) | mantissa);
 }
 
 static PyObject *store_kv(PyObject *self, PyObject *args) {
@@ -310,13 +323,8 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
                     memcpy((uint16_t *)(uintptr_t)(half ? vc : kc) + base + h * hs, src + h * D, (size_t)D * 2);
                     continue;
                 }
-                uint8_t *dst = (uint8_t *)(uintptr_t)(half ? vc : kc) + base + h * hs;
-                float sc = scale[half * Hkv + h];
-                for (int64_t d = 0; d < D; d++) {
-                    float q = bf16_f32(src[h * D + d]) / sc;
-                    q = q > FP8_MAX ? FP8_MAX : q < -FP8_MAX ? -FP8_MAX : q; /* NaN passes: torch's clamp */
-                    dst[d] = f32_to_e4m3(q);
-                }
+                quantize_e4m3_row(src + h * D, (uint8_t *)(uintptr_t)(half ? vc : kc) + base + h * hs, D,
+                                  scale[half * Hkv + h]);
             }
         }
     }
@@ -330,12 +338,18 @@ static PyObject *has_thread_pool(PyObject *self, PyObject *args) {
     return PyBool_FromLong(kvq_parallel_for != NULL);
 }
 
+static PyObject *fp8_f16c(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    return PyBool_FromLong(has_f16c());
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "bf16 RMSNorm rows, optionally after a residual add (see source)."},
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
+    {"fp8_f16c", fp8_f16c, METH_NOARGS, "Whether FP8 pages can be widened with F16C on this build and CPU."},
     {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},
     {NULL, NULL, 0, NULL},
 };

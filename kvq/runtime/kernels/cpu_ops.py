@@ -31,6 +31,13 @@ def _enabled(env_value: str | None) -> bool:
     return _ext is not None and resolve_cpu_isa() != "torch"
 
 
+@cache
+def _fp8_simd(env_value: str | None) -> bool:
+    """Whether FP8 pages are widened with F16C where the CPU has it: under every $KVQ_CPU_ISA but
+    `scalar`, which keeps the C reference's arithmetic (the same bits, tested against each other)."""
+    return resolve_cpu_isa() != "scalar"
+
+
 def native_ops_apply(x: torch.Tensor) -> bool:
     """True when the C ops run on `x`: bf16, contiguous, on CPU, built, and $KVQ_CPU_ISA is not torch."""
     return (
@@ -176,7 +183,8 @@ def decode_attention_native(
     sm_scale: float,
 ) -> torch.Tensor:
     """Paged decode attention (`paged_attention.py`'s contract) in C, reading bf16 or FP8 pages directly
-    (FP8: bytes to fp32 in arithmetic, times the per-head scale; no bf16 copy of the pages), the (sequence,
+    (FP8: bytes to fp32 with F16C or, under KVQ_CPU_ISA=scalar, in arithmetic, times the per-head scale; no
+    bf16 copy of the pages), the (sequence,
     KV head) pairs over torch.get_num_threads() threads of the W4A16 kernel's pool. q bf16 `[B, Hq, D]`
     (`native_attention_applies`), scales fp32 contiguous `[2, Hkv]` (K, V) -> bf16 `[B, Hq, D]`."""
     assert _ext is not None
@@ -205,5 +213,6 @@ def decode_attention_native(
         page_size,
         sm_scale,
         torch.get_num_threads(),
+        int(_fp8_simd(os.environ.get(CPU_ISA_ENV))),
     )
     return out

@@ -160,20 +160,48 @@ def test_decode_attention_runs_on_the_w4a16_pool_after_a_package_import() -> Non
     assert linked == "True" and int(new_threads) == 2 and float(max_diff) < 0.05
 
 
-def test_decode_attention_reads_every_fp8_byte_as_torch_does() -> None:
-    """The C op turns e4m3fn bytes into fp32 in arithmetic (no table): all 256 of them, subnormals and NaN
-    included, through one token's attention (softmax of one score is 1, so out = bf16(v * v_scale))."""
+FP8_PATHS = ["scalar", "auto"]  # the C reference's arithmetic; F16C where the CPU has it
+
+
+@pytest.mark.parametrize("isa", FP8_PATHS)
+def test_decode_attention_reads_every_fp8_byte_as_torch_does(isa: str, monkeypatch) -> None:
+    """The C op turns e4m3fn bytes into fp32 exactly, in arithmetic (KVQ_CPU_ISA=scalar) or through
+    binary16 and F16C: all 256 of them, subnormals and NaN included, through one token's attention
+    (softmax of one score is 1, so out = bf16(v * v_scale)); D = 259 puts bytes in the 16-wide loop and
+    in its tail."""
+    monkeypatch.setenv(CPU_ISA_ENV, isa)
     v_bytes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    v_cache = v_bytes.view(1, 1, 1, 256).repeat(2, 16, 1, 1)
+    v_bytes = torch.cat([v_bytes, v_bytes[[0x7F, 0x08, 0xFF]]])  # NaN, a subnormal, -NaN in the tail
+    v_cache = v_bytes.view(1, 1, 1, 259).repeat(2, 16, 1, 1)
     k_cache = torch.zeros_like(v_cache)
     scales = torch.tensor([[1.0], [0.375]])
-    q = torch.ones(1, 2, 256, dtype=torch.bfloat16)
+    q = torch.ones(1, 2, 259, dtype=torch.bfloat16)
     tables, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
     out = decode_attention_native(q, k_cache, v_cache, scales, tables, lens, 1.0)
     expected = (v_bytes.float() * 0.375).bfloat16()
     for head in out[0]:
-        assert torch.equal(head.isnan(), expected.isnan()) and expected.isnan().sum() == 2
+        assert torch.equal(head.isnan(), expected.isnan()) and expected.isnan().sum() == 4
         assert torch.equal(head[~expected.isnan()], expected[~expected.isnan()])
+        assert torch.equal(head.view(torch.int16)[expected.isnan()] < 0, torch.tensor([False, True] * 2))
+
+
+def test_fp8_pages_give_the_same_bits_on_every_path(monkeypatch) -> None:
+    """F16C's widening equals the arithmetic one to the bit, so attention over FP8 pages does too, at
+    head sizes on and off the 16-byte step and with scales that are not powers of two."""
+    if not cpu_ops._ext.fp8_f16c():
+        pytest.skip("this CPU has no AVX2 + F16C: only the arithmetic path runs")
+    gen = torch.Generator().manual_seed(3)
+    for head_dim in (64, 72, 13):
+        kv = random_paged_kv([37, 5, 16], 16, 2, head_dim, torch.float8_e4m3fn, True, gen)
+        q = torch.randn(3, 6, head_dim, generator=gen).bfloat16()
+        scales = torch.rand(2, 2, generator=gen) * 3 + 0.01
+        outs = {}
+        for isa in FP8_PATHS:
+            monkeypatch.setenv(CPU_ISA_ENV, isa)
+            outs[isa] = decode_attention_native(
+                q, kv.k_cache, kv.v_cache, scales, kv.block_tables, kv.seq_lens, 0.2
+            )
+        assert torch.isfinite(outs["auto"]).all() and torch.equal(outs["scalar"], outs["auto"])
 
 
 @pytest.mark.parametrize(("num_tokens", "rotary_dim"), [(1, 64), (5, 64), (3, 32)])  # 32: partial (GLM)
@@ -228,3 +256,20 @@ def test_store_writes_the_bytes_torch_writes(cache_dtype: torch.dtype) -> None:
     assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
     if cache_dtype == torch.float8_e4m3fn:
         assert float(pool.float().abs().max()) == FP8_E4M3_MAX  # some values were clamped
+
+
+@pytest.mark.parametrize("v_scale", [1.0, 0.37, 3e-3])
+def test_store_quantizes_every_bf16_value_as_torch_does(v_scale: float) -> None:
+    """FP8 pages from all 65,536 bf16 bit patterns (NaN, infinities, subnormals, every rounding tie), K at
+    scale 1 and V at `v_scale`: the C op's branch-free conversion writes torch's bytes."""
+    from kvq.runtime.kernels.kv_cache_layout import quantize_kv
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    k = every.view(256, 1, 256)
+    v = every.flip(0).view(256, 1, 256)
+    pool = torch.zeros(2, 16, 16, 1, 256, dtype=torch.float8_e4m3fn)
+    scales = torch.tensor([[1.0], [v_scale]])
+    store_kv_native(k, v, pool[0], pool[1], scales, torch.arange(256, dtype=torch.int32))
+    for i, x in enumerate((k, v)):
+        expected = quantize_kv(x, torch.float8_e4m3fn, scales[i][:, None])
+        assert torch.equal(pool[i].view(256, 1, 256).view(torch.uint8), expected.view(torch.uint8))
