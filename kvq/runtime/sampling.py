@@ -1,7 +1,8 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
 
 A request with a seed draws from its own generator, so its tokens do not depend on what it is batched
-with. Rows with non-finite logits are reported, not sampled. Imports torch and kvq.errors.
+with. Rows with non-finite logits are reported, not sampled. Imports torch, kvq.errors and the C argmax
+(kvq.runtime.kernels.cpu_ops).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvq.errors import KvqError
+from kvq.runtime.kernels.cpu_ops import argmax_rows
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
@@ -72,7 +74,7 @@ def sample(
     """fp32 logits `[B, V]` -> (token id per row, whether the row's logits were all finite)."""
     logits = logits.float().cpu()
     is_finite = logits.sum(dim=-1).isfinite().tolist()  # a NaN or inf (or overflow) shows in the sum
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = argmax_rows(logits).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.is_greedy or not is_finite[row]:
             continue

@@ -26,6 +26,8 @@
      are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
      head) pairs go over `threads` threads of _w4a16_cpu's pool (its `_parallel_for` capsule), without
      the GIL; each pair's sums are in one order whatever the thread count.
+   argmax(x, M, V, out, threads): out int64 [M] = torch.argmax(x, dim=-1) for fp32 x [M, V]: the first
+     index of each row's maximum, or of its first NaN.
    decode_attention runs without the GIL, and so do rms_norm and silu_mul from 8,192 elements, where their
    rows go over `threads` threads of that pool.
    Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
@@ -50,6 +52,23 @@
 #else
 #define KVQ_CLONES
 #endif
+
+/* 16 fp32 lanes as a GCC vector: one AVX-512 register, two AVX2 ones, four SSE2 ones on each clone, with
+   the same sums in the same order (no contraction: -ffp-contract=off). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define LANES16 16
+#if defined(__clang__)
+#define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE16(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
+#endif
+
+ALWAYS_INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 static inline float bf16_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -240,6 +259,73 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The first index of row x[0..V)'s maximum, or of its first NaN (torch.argmax's answer): the maximum in
+   16 running lanes (NaN never wins a compare-and-select; it is flagged in the same pass), then the first
+   block of 16 holding it, then the index in that block. */
+KVQ_CLONES static int64_t row_argmax(const float *restrict x, int64_t V) {
+    v16 top16 = load16((const float[LANES16]){-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                                              -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                                              -INFINITY, -INFINITY, -INFINITY, -INFINITY});
+    v16i nan16 = {0};
+    int64_t i = 0;
+    for (; i + LANES16 <= V; i += LANES16) {
+        v16 v = load16(x + i);
+        v16i wins = v > top16;
+        top16 = (v16)((wins & (v16i)v) | (~wins & (v16i)top16));
+        nan16 |= v != v;
+    }
+    int any_nan = 0;
+    float top = -INFINITY;
+    for (int j = 0; j < LANES16; j++) {
+        top = top16[j] > top ? top16[j] : top;
+        any_nan |= nan16[j] != 0;
+    }
+    for (; i < V; i++) {
+        top = x[i] > top ? x[i] : top;
+        any_nan |= x[i] != x[i];
+    }
+    int64_t b = 0;
+    if (!any_nan)
+        for (; b + LANES16 <= V; b += LANES16) { /* a vector "is it in this block" before the scalar scan */
+            v16i hit = load16(x + b) == top;
+            int any = 0;
+            for (int j = 0; j < LANES16; j++)
+                any |= hit[j];
+            if (any)
+                break;
+        }
+    for (; b < V; b++)
+        if (any_nan ? x[b] != x[b] : x[b] == top)
+            return b;
+    return 0; /* V == 0: not reached (the caller checks) */
+}
+
+typedef struct {
+    const float *x;
+    int64_t *out;
+    int64_t M, V;
+} Argmax;
+
+static void argmax_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    const Argmax *a = ctx;
+    for (int64_t m = chunk_start(a->M, chunk, num_chunks); m < chunk_start(a->M, chunk + 1, num_chunks); m++)
+        a->out[m] = row_argmax(a->x + m * a->V, a->V);
+}
+
+static PyObject *argmax(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, out;
+    long long M, V;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLLKi", &x, &M, &V, &out, &threads))
+        return NULL;
+    if (M < 0 || V <= 0)
+        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld V=%lld", M, V);
+    Argmax a = {(const float *)(uintptr_t)x, (int64_t *)(uintptr_t)out, M, V};
+    run_row_chunks(argmax_task, &a, M, M * V, threads);
+    Py_RETURN_NONE;
+}
+
 static PyObject *rotary(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, cos, sin, out;
@@ -348,6 +434,7 @@ static PyMethodDef methods[] = {
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
+    {"argmax", argmax, METH_VARARGS, "The first index of each fp32 row's maximum (or first NaN), as torch.argmax."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {"fp8_f16c", fp8_f16c, METH_NOARGS, "Whether FP8 pages can be widened with F16C on this build and CPU."},
     {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},

@@ -87,23 +87,6 @@ ALWAYS_INLINE void load_page_rows(const Pages *p, int64_t page, int64_t n, int64
     }
 }
 
-/* 16 fp32 lanes as a GCC vector: one AVX-512 register, two AVX2 ones, four SSE2 ones on each clone, with
-   the same sums in the same order (no contraction: -ffp-contract=off). */
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-#define LANES16 16
-#if defined(__clang__)
-#define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define SHUFFLE16(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
-#endif
-
-ALWAYS_INLINE v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* a . b over D: 16 partial sums, the tail's own sum, then a fixed tree: one order on every clone. */
 ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int64_t D) {
     v16 part = {0};

@@ -22,7 +22,7 @@ from kvq.runtime.config import LM_HEAD_GROUP_SIZE
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
-from kvq.runtime.kernels.cpu_ops import native_ops_apply, silu_mul_native
+from kvq.runtime.kernels.cpu_ops import silu_mul_applies, silu_mul_native
 from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.layers.linear import DenseLinear, Linear, int4_copy, int8_copy
 from kvq.runtime.layers.norm import RMSNorm
@@ -144,7 +144,7 @@ class MLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if native_ops_apply(gate_up):  # CPU bf16: one C call, the same rounding
+        if silu_mul_applies(gate_up):  # CPU bf16 decode sizes: one C call, the same rounding
             y = self.down_proj(silu_mul_native(gate_up))
         else:
             gate, up = gate_up.chunk(2, dim=-1)

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 
 from kvq.runtime.kernels import PagedKVCache, cpu_ops
 from kvq.runtime.kernels.cpu_ops import (
+    argmax_rows,
     decode_attention_native,
     native_attention_applies,
     native_ops_apply,
     rms_norm_native,
+    silu_mul_applies,
     silu_mul_native,
     store_applies,
     store_kv_native,
@@ -88,6 +90,8 @@ def test_which_tensors_take_the_c_ops(monkeypatch) -> None:
     assert native_ops_apply(x)
     assert not native_ops_apply(x.float())  # fp32 (the reference mode) stays in torch
     assert not native_ops_apply(x.t())  # not contiguous
+    assert silu_mul_applies(torch.zeros(2, 2 * 1536).bfloat16())  # a decode step's few rows: C
+    assert not silu_mul_applies(torch.zeros(32, 2 * 1536).bfloat16())  # a batch: torch's vectorized exp
     monkeypatch.setenv(CPU_ISA_ENV, "torch")
     assert not native_ops_apply(x)
     norm = RMSNorm(torch.ones(64).bfloat16(), 1e-5)
@@ -202,6 +206,31 @@ def test_fp8_pages_give_the_same_bits_on_every_path(monkeypatch) -> None:
                 q, kv.k_cache, kv.v_cache, scales, kv.block_tables, kv.seq_lens, 0.2
             )
         assert torch.isfinite(outs["auto"]).all() and torch.equal(outs["scalar"], outs["auto"])
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 151_937])
+def test_argmax_equals_torch(vocab: int) -> None:
+    """The sampler's argmax in C gives torch.argmax's index on rows with ties (the first maximum wins), with
+    +-inf, with NaN (the first NaN), all -inf, and on widths off the 16 lanes; non-contiguous or
+    non-fp32 rows go to torch itself."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1] = x[1].round()  # many ties
+    x[1, -1] = x[1].max() + 1 if vocab > 1 else x[1, -1]
+    x[2, vocab // 2] = float("inf")
+    x[3] = float("-inf")
+    x[4, vocab // 3] = float("nan")
+    x[4, -1] = float("nan")
+    x[5, :] = 0.0  # all tied: index 0
+    x[6, vocab - 1] = 1e30  # the maximum in the tail past the 16-lane blocks
+    x[7, 0] = float("-inf")
+    x[8] = x[8].abs().neg()  # all negative
+    expected = x.argmax(dim=-1)
+    assert torch.equal(argmax_rows(x), expected)
+    with torch_threads(3):
+        assert torch.equal(argmax_rows(x), expected)
+    assert torch.equal(argmax_rows(x.t().contiguous().t()), expected)  # strided: torch's own
+    assert argmax_rows(x[:0]).shape == (0,)
 
 
 @pytest.mark.parametrize(("num_tokens", "rotary_dim"), [(1, 64), (5, 64), (3, 32)])  # 32: partial (GLM)
