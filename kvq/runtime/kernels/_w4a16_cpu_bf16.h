@@ -68,6 +68,7 @@ TARGET_AVX512BF16 static inline __m512 row_dot_bf16(const Job *job, int64_t n, _
     const uint32_t *x = (const uint32_t *)job->xp;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
+        prefetch_ahead(wrow + b * 16);
         __m512i w = load_block_avx512(wrow, b, words);
         const uint32_t *xb = x + b * 64;
         __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bf16_pairs(q_pairs(w, 0, table)),

@@ -89,14 +89,19 @@ TARGET static inline VF FN(row_dot)(const Job *job, int64_t n, VI idx, VF lut) {
     VF acc = V_ZERO();
     int64_t b = 0;
     for (int64_t g = 0; g < whole_groups; g++) {
+        prefetch_ahead(wrow + b * L);
         VF sum = FN(block_raw)(VI_LOADU(wrow + b * L), job->xp + b * BLOCK_FLOATS, lut);
-        for (b++; b < (g + 1) * blocks_per_group; b++)
+        for (b++; b < (g + 1) * blocks_per_group; b++) {
+            prefetch_ahead(wrow + b * L);
             sum = V_ADD(sum, FN(block_raw)(VI_LOADU(wrow + b * L), job->xp + b * BLOCK_FLOATS, lut));
+        }
         acc = V_FMA(sum, V_SET1(scale_at(job, srow, g)), acc);
     }
-    for (; b < num_blocks; b++)
+    for (; b < num_blocks; b++) {
+        prefetch_ahead(wrow + b * L);
         acc = FN(block_dot)(FN(load_block)(wrow, b, words), job->xp + b * BLOCK_FLOATS,
                             FN(scale_vec)(job, srow, b, idx), acc, lut);
+    }
     return acc;
 }
 

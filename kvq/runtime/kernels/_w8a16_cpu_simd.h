@@ -14,6 +14,7 @@ TARGET static float W8_FN(w8_dot)(const int8_t *w, const float *x, int64_t K) {
     VF a0 = V_ZERO(), a1 = V_ZERO(), a2 = V_ZERO(), a3 = V_ZERO();
     int64_t k = 0;
     for (; k + 4 * L <= K; k += 4 * L) {
+        __builtin_prefetch(w + k + GEMV_PREFETCH_BYTES, 0, 3); /* as the W4A16 GEMVs (_w4a16_cpu.c) */
         a0 = V_FMA(V_LOAD_I8(w + k), V_LOADU(x + k), a0);
         a1 = V_FMA(V_LOAD_I8(w + k + L), V_LOADU(x + k + L), a1);
         a2 = V_FMA(V_LOAD_I8(w + k + 2 * L), V_LOADU(x + k + 2 * L), a2);
