@@ -17,10 +17,11 @@
      page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
      e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
    decode_attention(q, q_row_stride, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride,
-                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads, fp8_simd):
+                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads, fp8_wanted):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
      bf16 or float8_e4m3fn K/V (bytes to fp32 exactly, times the fp32 per-head scale, no bf16 copy of
-     the pages: with F16C where fp8_simd is set and the CPU has it, else in arithmetic; the same bits),
+     the pages: in AVX-512 BW or F16C registers up to fp8_wanted (2, 1; 0: in arithmetic) where the CPU
+     has them; the same bits),
      fp32 scores, softmax and sums, out bf16 [B, Hq, D]. q's rows are q_row_stride
      elements apart (heads packed: a split of the rotary's [B, Hq + Hkv, D] output at B > 1); k/v strides
      are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
@@ -57,11 +58,15 @@
    the same sums in the same order (no contraction: -ffp-contract=off). */
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32))); /* 16 bf16 bit patterns */
 #define LANES16 16
 #if defined(__clang__)
 #define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define SHUFFLE32(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUFFLE16(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
+#define SHUFFLE32(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
 
 ALWAYS_INLINE v16 load16(const float *p) {
@@ -424,9 +429,12 @@ static PyObject *has_thread_pool(PyObject *self, PyObject *args) {
     return PyBool_FromLong(kvq_parallel_for != NULL);
 }
 
-static PyObject *fp8_f16c(PyObject *self, PyObject *args) {
-    (void)self, (void)args;
-    return PyBool_FromLong(has_f16c());
+static PyObject *fp8_widening(PyObject *self, PyObject *args) {
+    (void)self;
+    int wanted;
+    if (!PyArg_ParseTuple(args, "i", &wanted))
+        return NULL;
+    return PyLong_FromLong(fp8_path(wanted));
 }
 
 static PyMethodDef methods[] = {
@@ -436,7 +444,7 @@ static PyMethodDef methods[] = {
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
     {"argmax", argmax, METH_VARARGS, "The first index of each fp32 row's maximum (or first NaN), as torch.argmax."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
-    {"fp8_f16c", fp8_f16c, METH_NOARGS, "Whether FP8 pages can be widened with F16C on this build and CPU."},
+    {"fp8_widening", fp8_widening, METH_VARARGS, "The FP8 page widening that runs for a wanted one (0-2)."},
     {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},
     {NULL, NULL, 0, NULL},
 };

@@ -31,11 +31,15 @@ def _enabled(env_value: str | None) -> bool:
     return _ext is not None and resolve_cpu_isa() != "torch"
 
 
+FP8_WIDENINGS = {"scalar": 0, "avx2": 1}  # the C op's FP8 page widening held to a $KVQ_CPU_ISA; else 2
+
+
 @cache
-def _fp8_simd(env_value: str | None) -> bool:
-    """Whether FP8 pages are widened with F16C where the CPU has it: under every $KVQ_CPU_ISA but
-    `scalar`, which keeps the C reference's arithmetic (the same bits, tested against each other)."""
-    return resolve_cpu_isa() != "scalar"
+def fp8_widening(env_value: str | None) -> int:
+    """How the C attention widens FP8 pages under this $KVQ_CPU_ISA value: 0 in arithmetic (`scalar`, the
+    reference), at most 1 with F16C (`avx2`), else 2 (AVX-512 BW where the CPU has it). The same bits
+    every way (tested against each other)."""
+    return FP8_WIDENINGS.get(resolve_cpu_isa(), 2)
 
 
 def native_ops_apply(x: torch.Tensor) -> bool:
@@ -212,8 +216,8 @@ def decode_attention_native(
     sm_scale: float,
 ) -> torch.Tensor:
     """Paged decode attention (`paged_attention.py`'s contract) in C, reading bf16 or FP8 pages directly
-    (FP8: bytes to fp32 with F16C or, under KVQ_CPU_ISA=scalar, in arithmetic, times the per-head scale; no
-    bf16 copy of the pages), the (sequence,
+    (FP8: bytes to fp32 in AVX-512 or F16C registers or, under KVQ_CPU_ISA=scalar, in arithmetic; the
+    per-head scales on the query and the output; no bf16 copy of the pages), the (sequence,
     KV head) pairs over torch.get_num_threads() threads of the W4A16 kernel's pool. q bf16 `[B, Hq, D]`
     (`native_attention_applies`), scales fp32 contiguous `[2, Hkv]` (K, V) -> bf16 `[B, Hq, D]`."""
     assert _ext is not None
@@ -242,6 +246,6 @@ def decode_attention_native(
         page_size,
         sm_scale,
         torch.get_num_threads(),
-        int(_fp8_simd(os.environ.get(CPU_ISA_ENV))),
+        fp8_widening(os.environ.get(CPU_ISA_ENV)),
     )
     return out

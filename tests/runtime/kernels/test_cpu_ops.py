@@ -164,15 +164,21 @@ def test_decode_attention_runs_on_the_w4a16_pool_after_a_package_import() -> Non
     assert linked == "True" and int(new_threads) == 2 and float(max_diff) < 0.05
 
 
-FP8_PATHS = ["scalar", "auto"]  # the C reference's arithmetic; F16C where the CPU has it
+FP8_PATHS = ["scalar", "avx2", "auto"]  # arithmetic; F16C; AVX-512 BW where the CPU has it
+
+
+def _fp8_path_or_skip(isa: str) -> None:
+    if isa != "auto" and isa not in runnable_isas():
+        pytest.skip(f"this CPU cannot run KVQ_CPU_ISA={isa}")
 
 
 @pytest.mark.parametrize("isa", FP8_PATHS)
 def test_decode_attention_reads_every_fp8_byte_as_torch_does(isa: str, monkeypatch) -> None:
     """The C op turns e4m3fn bytes into fp32 exactly, in arithmetic (KVQ_CPU_ISA=scalar) or through
-    binary16 and F16C: all 256 of them, subnormals and NaN included, through one token's attention
-    (softmax of one score is 1, so out = bf16(v * v_scale)); D = 259 puts bytes in the 16-wide loop and
-    in its tail."""
+    binary16 with F16C or AVX-512: all 256 of them, subnormals and NaN included, through one token's
+    attention (softmax of one score is 1, so out = bf16(v * v_scale)); D = 259 puts bytes in the 32- and
+    16-wide loops and in their tails."""
+    _fp8_path_or_skip(isa)
     monkeypatch.setenv(CPU_ISA_ENV, isa)
     v_bytes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     v_bytes = torch.cat([v_bytes, v_bytes[[0x7F, 0x08, 0xFF]]])  # NaN, a subnormal, -NaN in the tail
@@ -190,22 +196,29 @@ def test_decode_attention_reads_every_fp8_byte_as_torch_does(isa: str, monkeypat
 
 
 def test_fp8_pages_give_the_same_bits_on_every_path(monkeypatch) -> None:
-    """F16C's widening equals the arithmetic one to the bit, so attention over FP8 pages does too, at
-    head sizes on and off the 16-byte step and with scales that are not powers of two."""
-    if not cpu_ops._ext.fp8_f16c():
-        pytest.skip("this CPU has no AVX2 + F16C: only the arithmetic path runs")
+    """The registers' widening equals the arithmetic one to the bit, so attention over FP8 pages does too,
+    at head sizes on and off the 16- and 32-byte steps and with scales that are not powers of two; auto
+    takes the widest this CPU has."""
+    runs = ["scalar"] + [isa for isa in FP8_PATHS[1:] if isa == "auto" or isa in runnable_isas()]
+    monkeypatch.setenv(CPU_ISA_ENV, "auto")
+    widest = cpu_ops._ext.fp8_widening(2)
+    assert widest == cpu_ops.fp8_widening("auto") and cpu_ops._ext.fp8_widening(0) == 0
+    if widest == 0:
+        pytest.skip("this CPU has neither AVX2 + F16C nor AVX-512 BW: only the arithmetic path runs")
     gen = torch.Generator().manual_seed(3)
-    for head_dim in (64, 72, 13):
+    for head_dim in (64, 72, 13, 128):
         kv = random_paged_kv([37, 5, 16], 16, 2, head_dim, torch.float8_e4m3fn, True, gen)
         q = torch.randn(3, 6, head_dim, generator=gen).bfloat16()
         scales = torch.rand(2, 2, generator=gen) * 3 + 0.01
         outs = {}
-        for isa in FP8_PATHS:
+        for isa in runs:
             monkeypatch.setenv(CPU_ISA_ENV, isa)
             outs[isa] = decode_attention_native(
                 q, kv.k_cache, kv.v_cache, scales, kv.block_tables, kv.seq_lens, 0.2
             )
-        assert torch.isfinite(outs["auto"]).all() and torch.equal(outs["scalar"], outs["auto"])
+        assert torch.isfinite(outs["auto"]).all()
+        for isa in runs[1:]:
+            assert torch.equal(outs["scalar"], outs[isa]), isa
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 151_937])
