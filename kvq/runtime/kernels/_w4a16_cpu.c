@@ -233,6 +233,8 @@ static void convert_row_amx(const Job *job, int64_t m); /* _w4a16_cpu_amx.h */
 /* Activation rows as the path reads them: M, or for amx M rounded up to its 16-row tiles. */
 static int64_t xp_rows(const Job *job) { return job->isa == ISA_AMX ? (job->M + 15) / 16 * 16 : job->M; }
 
+static const float PLANE_INPUT_SCALE[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+
 static void convert_row(const Job *job, int64_t m) {
     float *out = job->xp + m * job->xp_stride;
     int lanes = isa_lanes(job->isa);
@@ -252,6 +254,7 @@ static void convert_row(const Job *job, int64_t m) {
         return;
     }
     int64_t words = job->K / 8, num_blocks = (words + lanes - 1) / lanes;
+    const int unshifted = job->isa == ISA_AVX2 && job->M == 1; /* V_PLANE_GEMV's planes: inputs / 16^j */
     for (int64_t b = 0; b < num_blocks; b++) {
         float *block = out + b * (9 * lanes);
         for (int i = 0; i < lanes; i++) {
@@ -259,7 +262,7 @@ static void convert_row(const Job *job, int64_t m) {
             float sum = 0.0f;
             for (int j = 0; j < 8; j++) {
                 float v = word < words ? x_at(job, m, 8 * word + j) : 0.0f;
-                block[j * lanes + i] = v;
+                block[j * lanes + i] = unshifted && j > 0 && j < 7 ? v * PLANE_INPUT_SCALE[j] : v;
                 sum += v;
             }
             block[8 * lanes + i] = 8.0f * sum;
@@ -318,6 +321,11 @@ static void scalar_rows(const Job *job, int64_t n0, int64_t n1) {
 /* Nibble j of each lane as a float (the top one needs no mask); the table is AVX-512's. */
 #define V_PLANE(w, j, lut)                                                                                   \
     ((j) == 7 ? V_CVT(VI_SRLI(w, 28)) : V_CVT(VI_AND((j) ? VI_SRLI(w, 4 * (j)) : (w), VI_SET1(15))))
+/* The GEMV's plane j: nibbles 1-6 masked in place, u * 16^j, exact in fp32, against inputs stored times
+   16^-j (convert_row, M = 1): no shift, so 2 of the 3 port-0/1 operations per 8 weights (mask, convert,
+   FMA: the AVX2 GEMV is bound by them) where the shifted form takes 3; the same products to the bit. */
+#define V_PLANE_GEMV(w, j, lut)                                                                              \
+    ((j) == 7 ? V_CVT(VI_SRLI(w, 28)) : V_CVT(VI_AND(w, VI_SET1(15 << (4 * (j))))))
 #define V_NIBBLE_LUT() _mm256_setzero_ps()
 #define VI_SET1(i) _mm256_set1_epi32(i)
 #define VI_LOADU(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -358,6 +366,7 @@ TARGET static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
 #undef V_HSUM
 #undef V_HSUM4
 #undef V_PLANE
+#undef V_PLANE_GEMV
 #undef V_NIBBLE_LUT
 #undef VI_SET1
 #undef VI_LOADU
@@ -386,6 +395,7 @@ TARGET static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
     hsum4_avx2(half_sum_avx512(a), half_sum_avx512(b), half_sum_avx512(c), half_sum_avx512(d))
 /* Nibble j of each lane as a float: vpermps reads the index's low 4 bits, so no mask and no convert. */
 #define V_PLANE(w, j, lut) _mm512_permutexvar_ps((j) ? VI_SRLI(w, 4 * (j)) : (w), lut)
+#define V_PLANE_GEMV V_PLANE
 #define V_NIBBLE_LUT() _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define VI_SET1(i) _mm512_set1_epi32(i)
 #define VI_LOADU(p) _mm512_loadu_si512((const void *)(p))

@@ -6,8 +6,8 @@
    vectors of plane inputs, then a vector of 8 * (sum of each word's 8 inputs), which turns the
    stored nibble u = q + 8 into q without a per-element subtraction: sum(u x) - 8 sum(x) = sum(q x).
 
-   gemv (M = 1): per row, per block: 8 planes (V_PLANE: shift, and, convert; AVX-512: shift and a
-   16-entry table lookup) times their inputs, fp32 sums, times the lane's group scale; rows in fours.
+   gemv (M = 1): per row, per block: 8 planes (V_PLANE_GEMV: AVX2 and, convert, against inputs scaled
+   by 16^-j; AVX-512: shift and a 16-entry table lookup) times their inputs, fp32 sums, times the lane's group scale; rows in fours.
    gemm (M >= 2): per tile of 4 rows and KC_BLOCKS blocks, the weights are dequantized once (q * scale,
    fp32) into an L1 buffer, then every activation row (in pairs) is dotted with all 4 rows from it:
    8 accumulators, 6 loads per 8 FMAs. */
@@ -49,14 +49,14 @@ TARGET static inline VF FN(scale_vec)(const Job *job, const uint8_t *srow, int64
 /* sum_j plane_j(w) * x_j - 8 * sum(x), i.e. sum(q x) per lane, for one block (no scale). */
 TARGET static inline VF FN(block_raw)(VI w, const float *xb, VF lut) {
     (void)lut;
-    VF p0 = V_MUL(V_PLANE(w, 0, lut), V_LOAD(xb));
-    VF p1 = V_MUL(V_PLANE(w, 1, lut), V_LOAD(xb + L));
-    p0 = V_FMA(V_PLANE(w, 2, lut), V_LOAD(xb + 2 * L), p0);
-    p1 = V_FMA(V_PLANE(w, 3, lut), V_LOAD(xb + 3 * L), p1);
-    p0 = V_FMA(V_PLANE(w, 4, lut), V_LOAD(xb + 4 * L), p0);
-    p1 = V_FMA(V_PLANE(w, 5, lut), V_LOAD(xb + 5 * L), p1);
-    p0 = V_FMA(V_PLANE(w, 6, lut), V_LOAD(xb + 6 * L), p0);
-    p1 = V_FMA(V_PLANE(w, 7, lut), V_LOAD(xb + 7 * L), p1);
+    VF p0 = V_MUL(V_PLANE_GEMV(w, 0, lut), V_LOAD(xb));
+    VF p1 = V_MUL(V_PLANE_GEMV(w, 1, lut), V_LOAD(xb + L));
+    p0 = V_FMA(V_PLANE_GEMV(w, 2, lut), V_LOAD(xb + 2 * L), p0);
+    p1 = V_FMA(V_PLANE_GEMV(w, 3, lut), V_LOAD(xb + 3 * L), p1);
+    p0 = V_FMA(V_PLANE_GEMV(w, 4, lut), V_LOAD(xb + 4 * L), p0);
+    p1 = V_FMA(V_PLANE_GEMV(w, 5, lut), V_LOAD(xb + 5 * L), p1);
+    p0 = V_FMA(V_PLANE_GEMV(w, 6, lut), V_LOAD(xb + 6 * L), p0);
+    p1 = V_FMA(V_PLANE_GEMV(w, 7, lut), V_LOAD(xb + 7 * L), p1);
     return V_SUB(V_ADD(p0, p1), V_LOAD(xb + 8 * L));
 }
 
