@@ -25,8 +25,10 @@ decode_speed = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(decode_speed)
 decode_tok_s = decode_speed.decode_tok_s
 torch.set_num_threads(args["threads"])
+# gpu_memory_utilization: on CPU the share of RAM vLLM reserves (default 0.92, refused at start on a box
+# with less than that free; a 32 x 1024-token KV cache needs a sliver of 0.25)
 llm = LLM(args["model"], dtype="bfloat16", max_model_len=1024, max_num_seqs=max(args["batch_seqs"], 1),
-          enforce_eager=True, seed=0)
+          enforce_eager=True, seed=0, gpu_memory_utilization=0.25)
 
 def contender(num_seqs):
     prompts = [{"prompt_token_ids": args["prompt_ids"]}] * num_seqs
