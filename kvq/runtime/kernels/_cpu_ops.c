@@ -17,20 +17,20 @@
      page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
      e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
    decode_attention(q, q_row_stride, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride,
-                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads, fp8_wanted):
+                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads,
+                    fp8_wanted):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
-     bf16 or float8_e4m3fn K/V (bytes to fp32 exactly, times the fp32 per-head scale, no bf16 copy of
-     the pages: in AVX-512 BW or F16C registers up to fp8_wanted (2, 1; 0: in arithmetic) where the CPU
-     has them; the same bits),
-     fp32 scores, softmax and sums, out bf16 [B, Hq, D]. q's rows are q_row_stride
-     elements apart (heads packed: a split of the rotary's [B, Hq + Hkv, D] output at B > 1); k/v strides
-     are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
+     bf16 or float8_e4m3fn K/V (FP8 bytes to fp32 exactly, no bf16 copy of the pages: in AVX-512 BW or
+     F16C registers up to fp8_wanted (2, 1; 0: in arithmetic) where the CPU has them, the same bits; the
+     fp32 per-head scales applied on the query and the output), fp32 scores, softmax and sums, out bf16
+     [B, Hq, D]. q's rows are q_row_stride elements apart (heads packed: a split of the rotary's
+     [B, Hq + Hkv, D] output at B > 1); k/v strides are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
      head) pairs go over `threads` threads of _w4a16_cpu's pool (its `_parallel_for` capsule), without
      the GIL; each pair's sums are in one order whatever the thread count.
    argmax(x, M, V, out, threads): out int64 [M] = torch.argmax(x, dim=-1) for fp32 x [M, V]: the first
      index of each row's maximum, or of its first NaN.
-   decode_attention runs without the GIL, and so do rms_norm and silu_mul from 8,192 elements, where their
-   rows go over `threads` threads of that pool.
+   decode_attention runs without the GIL, and so do rms_norm, silu_mul and argmax from 8,192 elements,
+   where their rows go over `threads` threads of that pool.
    Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
    caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu_ops.py). */
 
@@ -268,9 +268,7 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
    16 running lanes (NaN never wins a compare-and-select; it is flagged in the same pass), then the first
    block of 16 holding it, then the index in that block. */
 KVQ_CLONES static int64_t row_argmax(const float *restrict x, int64_t V) {
-    v16 top16 = load16((const float[LANES16]){-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                                              -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                                              -INFINITY, -INFINITY, -INFINITY, -INFINITY});
+    v16 top16 = (v16){0} - INFINITY;
     v16i nan16 = {0};
     int64_t i = 0;
     for (; i + LANES16 <= V; i += LANES16) {
@@ -442,7 +440,7 @@ static PyMethodDef methods[] = {
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
-    {"argmax", argmax, METH_VARARGS, "The first index of each fp32 row's maximum (or first NaN), as torch.argmax."},
+    {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 rows (see the module source)."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {"fp8_widening", fp8_widening, METH_VARARGS, "The FP8 page widening that runs for a wanted one (0-2)."},
     {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},

@@ -56,9 +56,8 @@ __attribute__((target("avx2,f16c"))) static void e4m3_rows_f16c(const uint8_t *r
 }
 
 /* e4m3_rows_f16c 32 bytes at a time in AVX-512 registers, the NaN fix in a mask (the same values). */
-__attribute__((target("avx512f,avx512bw"))) static void e4m3_rows_avx512(const uint8_t *restrict src, int64_t n,
-                                                                        int64_t src_stride, int64_t D,
-                                                                        float *restrict rows) {
+__attribute__((target("avx512f,avx512bw"))) static void
+e4m3_rows_avx512(const uint8_t *restrict src, int64_t n, int64_t src_stride, int64_t D, float *restrict rows) {
     const __m512i keep = _mm512_set1_epi16((short)0xBF80), nan_bits = _mm512_set1_epi16((short)0xFE00);
     const __m512i to_nan = _mm512_set1_epi16(0x4180);
     for (int64_t j = 0; j < n; j++) {
@@ -66,7 +65,8 @@ __attribute__((target("avx512f,avx512bw"))) static void e4m3_rows_avx512(const u
         float *restrict row = rows + j * D;
         int64_t d = 0;
         for (; d + 32 <= D; d += 32) {
-            __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(s + d))), 8);
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(s + d));
+            __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(bytes), 8);
             __m512i h = _mm512_and_si512(_mm512_srai_epi16(w, 1), keep);
             __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(w, 1), nan_bits);
             h = _mm512_mask_mov_epi16(h, nan, _mm512_xor_si512(h, to_nan));
@@ -94,7 +94,10 @@ ALWAYS_INLINE void load_page_rows(const Pages *p, int64_t page, int64_t n, int64
     const int64_t base = page * p->page_stride + h * p->head_stride;
 #ifdef KVQ_HAS_F16C_PATH
     if (p->is_fp8 && p->fp8_path != FP8_SCALAR) {
-        (p->fp8_path == FP8_AVX512 ? e4m3_rows_avx512 : e4m3_rows_f16c)(p->base + base, n, p->slot_stride, D, rows);
+        if (p->fp8_path == FP8_AVX512)
+            e4m3_rows_avx512(p->base + base, n, p->slot_stride, D, rows);
+        else
+            e4m3_rows_f16c(p->base + base, n, p->slot_stride, D, rows);
         return;
     }
 #endif
@@ -134,9 +137,9 @@ ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int64_
     return (part[0] + part[1]) + tail;
 }
 
-/* s[r] = (a . rows[r]) * scale for the 4 rows [4, D]: each row's 16 partial sums as in dot (a loaded once for the
-   four), then one tree that adds the four rows' lanes together (halves, quarters, pairs), so 4 scores take
-   8 shuffles where dot's 4 would take 12 and 4 scalar steps. */
+/* s[r] = (a . rows[r]) * scale for the 4 rows [4, D]: each row's 16 partial sums as in dot (a loaded once
+   for the four), then one tree that adds the four rows' lanes together (halves, quarters, pairs), so 4
+   scores take 8 shuffles where dot's 4 would take 12 and 4 scalar steps. */
 ALWAYS_INLINE void dot4(const float *restrict a, const float *restrict rows, int64_t D, float scale,
                         float *restrict s) {
     v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
@@ -261,7 +264,8 @@ KVQ_CLONES static void attend(const Attention *a, int64_t b, int64_t h, float *w
         return;
     }
     float *qs = work, *acc = qs + G * D, *scores = acc + G * D, *rows = scores + G * L; /* [G,D] [G,D] [G,L] [P,D] */
-    const float k_factor = page_factor(&a->kp, a->scale[h]), v_factor = page_factor(&a->vp, a->scale[a->Hkv + h]);
+    const float k_factor = page_factor(&a->kp, a->scale[h]);
+    const float v_factor = page_factor(&a->vp, a->scale[a->Hkv + h]);
     for (int64_t i = 0; i < G * D; i++) /* q . (rows * k_factor) as (q * k_factor) . rows: once per query */
         qs[i] = bf16_f32(a->q[b * a->q_row_stride + h * G * D + i]) * k_factor;
     for (int64_t t0 = 0; t0 < L; t0 += P) {

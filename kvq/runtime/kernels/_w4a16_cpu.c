@@ -233,7 +233,10 @@ static void convert_row_amx(const Job *job, int64_t m); /* _w4a16_cpu_amx.h */
 /* Activation rows as the path reads them: M, or for amx M rounded up to its 16-row tiles. */
 static int64_t xp_rows(const Job *job) { return job->isa == ISA_AMX ? (job->M + 15) / 16 * 16 : job->M; }
 
-static const float PLANE_INPUT_SCALE[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+/* convert_row's factor for the AVX2 GEMV's plane j inputs (V_PLANE_GEMV): 16^-j for the planes masked in
+   place, 1 for plane 0 and the shifted plane 7. Powers of two: exact. */
+static const float PLANE_INPUT_SCALE[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f,
+                                           1.0f};
 
 static void convert_row(const Job *job, int64_t m) {
     float *out = job->xp + m * job->xp_stride;

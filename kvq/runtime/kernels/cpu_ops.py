@@ -216,9 +216,9 @@ def decode_attention_native(
     sm_scale: float,
 ) -> torch.Tensor:
     """Paged decode attention (`paged_attention.py`'s contract) in C, reading bf16 or FP8 pages directly
-    (FP8: bytes to fp32 in AVX-512 or F16C registers or, under KVQ_CPU_ISA=scalar, in arithmetic; the
-    per-head scales on the query and the output; no bf16 copy of the pages), the (sequence,
-    KV head) pairs over torch.get_num_threads() threads of the W4A16 kernel's pool. q bf16 `[B, Hq, D]`
+    (FP8: bytes to fp32 in AVX-512 or F16C registers or, under KVQ_CPU_ISA=scalar, in arithmetic, the
+    per-head scales on the query and the output; no bf16 copy of the pages), the (sequence, KV head)
+    pairs over torch.get_num_threads() threads of the W4A16 kernel's pool. q bf16 `[B, Hq, D]`
     (`native_attention_applies`), scales fp32 contiguous `[2, Hkv]` (K, V) -> bf16 `[B, Hq, D]`."""
     assert _ext is not None
     num_seqs, num_heads, head_dim = q.shape
