@@ -234,7 +234,8 @@ static void convert_row_amx(const Job *job, int64_t m); /* _w4a16_cpu_amx.h */
 static int64_t xp_rows(const Job *job) { return job->isa == ISA_AMX ? (job->M + 15) / 16 * 16 : job->M; }
 
 /* convert_row's factor for the AVX2 GEMV's plane j inputs (V_PLANE_GEMV): 16^-j for the planes masked in
-   place, 1 for plane 0 and the shifted plane 7. Powers of two: exact. */
+   place, 1 for plane 0 and the shifted plane 7. Powers of two: exact for inputs from 2^-102 up (smaller
+   ones become fp32 subnormals and lose bits; their products are below 2^-98). */
 static const float PLANE_INPUT_SCALE[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f,
                                            1.0f};
 

@@ -7,7 +7,8 @@
    stored nibble u = q + 8 into q without a per-element subtraction: sum(u x) - 8 sum(x) = sum(q x).
 
    gemv (M = 1): per row, per block: 8 planes (V_PLANE_GEMV: AVX2 and, convert, against inputs scaled
-   by 16^-j; AVX-512: shift and a 16-entry table lookup) times their inputs, fp32 sums, times the lane's group scale; rows in fours.
+   by 16^-j; AVX-512: shift and a 16-entry table lookup) times their inputs, fp32 sums, times the lane's
+   group scale; rows in fours; the weight stream prefetched ahead (prefetch_ahead).
    gemm (M >= 2): per tile of 4 rows and KC_BLOCKS blocks, the weights are dequantized once (q * scale,
    fp32) into an L1 buffer, then every activation row (in pairs) is dotted with all 4 rows from it:
    8 accumulators, 6 loads per 8 FMAs. */
