@@ -20,7 +20,10 @@ INT4=$(python -c "from kvq.config_file import embedded_model; print(embedded_mod
 KVQ="python -m kvq serve --port {port} --threads $THREADS --config"
 VLLM_ENV="env VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1))"
 VLLM="$VLLM_PYTHON -m vllm.entrypoints.openai.api_server"
+# --gpu-memory-utilization: on CPU the share of RAM vLLM reserves (its 0.92 default is refused at start on a
+# box with less than that free)
 VLLM_ARGS="--port {port} --dtype bfloat16 --max-model-len 2048 --max-num-seqs 64 --enforce-eager --seed 0"
+VLLM_ARGS="$VLLM_ARGS --gpu-memory-utilization 0.25"
 launches=(--launch "kvq smollm2-cpu=$KVQ configs/smollm2-cpu.yaml")
 launches+=(--launch "kvq smollm2-int4-fp8kv-cpu=$KVQ configs/smollm2-int4-fp8kv-cpu.yaml")
 launches+=(--launch "vllm bf16=$VLLM_ENV $VLLM --model $BF16 --served-model-name smollm2 $VLLM_ARGS")
