@@ -102,6 +102,13 @@ def many_shard_source(root: Path) -> Path:
     return src
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A shell runs a background job (`make test &`)
+    with SIGINT ignored, which exec passes on, and Python then leaves Ctrl-C ignored: the CLI ran to the
+    end and exited 0 (the SIGINT case failed in background runs only)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals, workers: int = 1) -> int:
     """Run `kvq compress` in its own session; once a shard is recorded and under its final name, send `sig`
     to the whole session."""
@@ -119,7 +126,11 @@ def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals, worke
         "--quiet",
     ]
     proc = subprocess.Popen(
-        argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        argv,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_default_sigint,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
