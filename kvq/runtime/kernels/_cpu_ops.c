@@ -75,19 +75,20 @@ ALWAYS_INLINE v16 load16(const float *p) {
     return v;
 }
 
-static inline float bf16_f32(uint16_t h) {
+ALWAYS_INLINE float bf16_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-static inline uint16_t f32_bf16(float f) { /* round to nearest even, NaN kept quiet */
+/* Round to nearest even, NaN kept quiet; both answers computed and one selected (no branch), so that
+   loops of it vectorize. */
+ALWAYS_INLINE uint16_t f32_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
-        return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
 /* e^x in fp32 within 1.3 ulp (every 64th fp32 in range checked against expl), in arithmetic, so that
@@ -161,7 +162,7 @@ static inline int64_t chunk_start(int64_t rows, int64_t c, int64_t n) {
 
 #define LANES 16 /* independent partial sums: the loop vectorizes without reassociation flags */
 
-static void rms_norm_row(const uint16_t *x, const uint16_t *res, uint16_t *res_out, const uint16_t *w,
+ALWAYS_INLINE void rms_norm_row(const uint16_t *x, const uint16_t *res, uint16_t *res_out, const uint16_t *w,
                          uint16_t *out, int64_t H, float eps, float *s) {
     for (int64_t i = 0; i < H; i++)
         s[i] = res ? bf16_f32(f32_bf16(bf16_f32(x[i]) + bf16_f32(res[i]))) : bf16_f32(x[i]);
@@ -191,7 +192,7 @@ typedef struct {
     atomic_int out_of_memory;
 } RmsNorm;
 
-static void rms_norm_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+KVQ_CLONES static void rms_norm_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     RmsNorm *a = ctx;
     const int64_t first = chunk_start(a->M, chunk, num_chunks);
     const int64_t last = chunk_start(a->M, chunk + 1, num_chunks);
@@ -329,6 +330,31 @@ static PyObject *argmax(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* o[i] = bf16(bf16(x[i] * c[i]) + x[partner + i] * s[i]) for i in [0, n): one half of rotate_half. */
+ALWAYS_INLINE void rotary_half(const uint16_t *restrict x, const uint16_t *restrict partner,
+                               const uint16_t *restrict c, const uint16_t *restrict s, uint16_t *restrict o,
+                               int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float first = bf16_f32(f32_bf16(bf16_f32(x[i]) * bf16_f32(c[i])));
+        o[i] = f32_bf16(first + bf16_f32(partner[i]) * bf16_f32(s[i]));
+    }
+}
+
+KVQ_CLONES static void rotary_rows(const uint16_t *x, int64_t row_stride, int64_t T, int64_t H, int64_t D,
+                                   int64_t R, const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
+    const int64_t half = R / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos + t * R, *s = sin + t * R;
+        for (int64_t h = 0; h < H; h++) {
+            const uint16_t *xi = x + t * row_stride + h * D;
+            uint16_t *o = out + (t * H + h) * D;
+            rotary_half(xi, xi + half, c, s, o, half); /* rotate_half: -x2 (in sin_signed) for the first */
+            rotary_half(xi + half, xi, c + half, s + half, o + half, half);
+            memcpy(o + R, xi + R, (size_t)(D - R) * 2);
+        }
+    }
+}
+
 static PyObject *rotary(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, cos, sin, out;
@@ -338,20 +364,8 @@ static PyObject *rotary(PyObject *self, PyObject *args) {
     if (T < 0 || H <= 0 || D <= 0 || R <= 0 || R > D || R % 2 || row_stride < H * D)
         return PyErr_Format(PyExc_ValueError, "bad shape T=%lld H=%lld D=%lld R=%lld stride=%lld", T, H, D, R,
                             row_stride);
-    const int64_t half = R / 2;
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *c = (const uint16_t *)(uintptr_t)cos + t * R, *s = (const uint16_t *)(uintptr_t)sin + t * R;
-        for (int64_t h = 0; h < H; h++) {
-            const uint16_t *xi = (const uint16_t *)(uintptr_t)x + t * row_stride + h * D;
-            uint16_t *o = (uint16_t *)(uintptr_t)out + (t * H + h) * D;
-            for (int64_t i = 0; i < R; i++) {
-                float partner = bf16_f32(xi[i < half ? i + half : i - half]);
-                float first = bf16_f32(f32_bf16(bf16_f32(xi[i]) * bf16_f32(c[i])));
-                o[i] = f32_bf16(first + partner * bf16_f32(s[i]));
-            }
-            memcpy(o + R, xi + R, (size_t)(D - R) * 2);
-        }
-    }
+    rotary_rows((const uint16_t *)(uintptr_t)x, row_stride, T, H, D, R, (const uint16_t *)(uintptr_t)cos,
+                (const uint16_t *)(uintptr_t)sin, (uint16_t *)(uintptr_t)out);
     Py_RETURN_NONE;
 }
 
