@@ -45,11 +45,11 @@
 /* Helpers of the cloned functions: inlined, so that they take each clone's instructions. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* The attention's and silu_mul's loops built for AVX-512 and AVX2 too, picked at load by the CPU (glibc
-   ifunc). Their fp32 sums keep one order (explicit lanes, no contraction), so every clone gives the same
-   bits. */
+/* The attention's and the row ops' loops built for x86-64-v4 (AVX-512) and v3 (AVX2 + FMA) too, picked
+   at load by the CPU (glibc ifunc). Their fp32 sums keep one order (explicit lanes; no contraction, only
+   the explicit fused multiply-adds of fma16, exact on every clone), so every clone gives the same bits. */
 #if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
-#define KVQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define KVQ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define KVQ_CLONES
 #endif
@@ -68,6 +68,15 @@ typedef uint16_t v16h __attribute__((vector_size(32))); /* 16 bf16 bit patterns 
 #define SHUFFLE16(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
 #define SHUFFLE32(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
+
+/* a * b + c rounded once, lane by lane: one vfmadd on the v3 / v4 clones, fmaf calls on the default one
+   (the same bits). */
+ALWAYS_INLINE v16 fma16(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int i = 0; i < LANES16; i++)
+        r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+}
 
 ALWAYS_INLINE v16 load16(const float *p) {
     v16 v;

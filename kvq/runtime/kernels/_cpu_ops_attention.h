@@ -127,7 +127,7 @@ ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int64_
     v16 part = {0};
     int64_t d = 0;
     for (; d + LANES16 <= D; d += LANES16)
-        part += load16(a + d) * load16(b + d);
+        part = fma16(load16(a + d), load16(b + d), part);
     float tail = 0.0f;
     for (; d < D; d++)
         tail += a[d] * b[d];
@@ -146,10 +146,10 @@ ALWAYS_INLINE void dot4(const float *restrict a, const float *restrict rows, int
     int64_t d = 0;
     for (; d + LANES16 <= D; d += LANES16) {
         v16 x = load16(a + d);
-        p0 += x * load16(rows + d);
-        p1 += x * load16(rows + D + d);
-        p2 += x * load16(rows + 2 * D + d);
-        p3 += x * load16(rows + 3 * D + d);
+        p0 = fma16(x, load16(rows + d), p0);
+        p1 = fma16(x, load16(rows + D + d), p1);
+        p2 = fma16(x, load16(rows + 2 * D + d), p2);
+        p3 = fma16(x, load16(rows + 3 * D + d), p3);
     }
     v16 t01 = SHUFFLE32(p0, p1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
               SHUFFLE32(p0, p1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -208,10 +208,11 @@ ALWAYS_INLINE void weighted_rows(float *restrict acc, const float *restrict p, c
         v16 v0 = load16(acc + d), v1 = load16(acc + d + 16), v2 = load16(acc + d + 32), v3 = load16(acc + d + 48);
         for (int64_t j = 0; j < n; j++) {
             const float *r = rows + j * D + d;
-            v0 += p[j] * load16(r);
-            v1 += p[j] * load16(r + 16);
-            v2 += p[j] * load16(r + 32);
-            v3 += p[j] * load16(r + 48);
+            v16 pj = (v16){0} + p[j];
+            v0 = fma16(pj, load16(r), v0);
+            v1 = fma16(pj, load16(r + 16), v1);
+            v2 = fma16(pj, load16(r + 32), v2);
+            v3 = fma16(pj, load16(r + 48), v3);
         }
         memcpy(acc + d, &v0, sizeof v0);
         memcpy(acc + d + 16, &v1, sizeof v1);
@@ -221,7 +222,7 @@ ALWAYS_INLINE void weighted_rows(float *restrict acc, const float *restrict p, c
     for (; d + LANES16 <= D; d += LANES16) {
         v16 v = load16(acc + d);
         for (int64_t j = 0; j < n; j++)
-            v += p[j] * load16(rows + j * D + d);
+            v = fma16((v16){0} + p[j], load16(rows + j * D + d), v);
         memcpy(acc + d, &v, sizeof v);
     }
     for (; d < D; d++)
