@@ -200,7 +200,8 @@ ALWAYS_INLINE void softmax(float *restrict s, int64_t L) {
 }
 
 /* acc[0..D) += sum over j < n of p[j] * rows[j] (rows [n, D]), each element's sum in token order; 64
-   elements of acc at a time stay in registers over the n rows (four independent chains of adds). */
+   elements of acc at a time stay in registers over the n rows (four independent chains of fused
+   multiply-adds). */
 ALWAYS_INLINE void weighted_rows(float *restrict acc, const float *restrict p, const float *restrict rows,
                                  int64_t n, int64_t D) {
     int64_t d = 0;
