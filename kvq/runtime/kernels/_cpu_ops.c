@@ -46,12 +46,19 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* The attention's and the row ops' loops built for x86-64-v4 (AVX-512) and v3 (AVX2 + FMA) too, picked
-   at load by the CPU (glibc ifunc). Their fp32 sums keep one order (explicit lanes; no contraction, only
-   the explicit fused multiply-adds of fma16, exact on every clone), so every clone gives the same bits. */
-#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
+   at load by the CPU (glibc ifunc; GCC 11 named these levels, older GCCs get AVX-512F / AVX2 clones).
+   Their fp32 sums keep one order (explicit lanes; no contraction, only fma16's explicit fused
+   multiply-adds where KVQ_FMA says they are instructions), so every clone of a build gives the same bits. */
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define KVQ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define KVQ_FMA 1 /* the default clone calls fmaf: the same bits, slowly, on pre-Haswell CPUs only */
+#elif defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
+#define KVQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KVQ_CLONES
+#endif
+#if !defined(KVQ_FMA) && (defined(__aarch64__) || defined(__FMA__))
+#define KVQ_FMA 1 /* an instruction on every build target */
 #endif
 
 /* 16 fp32 lanes as a GCC vector: one AVX-512 register, two AVX2 ones, four SSE2 ones on each clone, with
@@ -69,13 +76,17 @@ typedef uint16_t v16h __attribute__((vector_size(32))); /* 16 bf16 bit patterns 
 #define SHUFFLE32(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
 
-/* a * b + c rounded once, lane by lane: one vfmadd on the v3 / v4 clones, fmaf calls on the default one
-   (the same bits). */
+/* a * b + c: rounded once, lane by lane, where KVQ_FMA (one vfmadd on the v3 / v4 clones); else a product
+   and a sum, each rounded (fmaf would be a library call per lane). */
 ALWAYS_INLINE v16 fma16(v16 a, v16 b, v16 c) {
+#ifdef KVQ_FMA
     v16 r;
     for (int i = 0; i < LANES16; i++)
         r[i] = __builtin_fmaf(a[i], b[i], c[i]);
     return r;
+#else
+    return a * b + c;
+#endif
 }
 
 ALWAYS_INLINE v16 load16(const float *p) {
