@@ -65,6 +65,27 @@ def test_rms_norm_equals_torch(rows: int, width: int) -> None:
     assert torch.equal(threaded[0], out) and torch.equal(threaded[1], total)
 
 
+def test_rounding_keeps_nan_and_inf_as_torch_does() -> None:
+    """bf16 rounding in the C ops is a select, not a branch (so their loops vectorize): NaN stays a quiet
+    NaN and infinities stay infinite wherever torch's ops give them, in every lane of a vector."""
+    x = torch.randn(4, 40).bfloat16()
+    x[0, 3], x[1, 17], x[2, 33] = float("nan"), float("inf"), float("-inf")
+    residual = torch.zeros_like(x)
+    residual[3, 20] = float("nan")
+    weight = torch.ones(40).bfloat16()
+    out, total = rms_norm_native(x, weight, 1e-6, residual)
+    expected_total = x + residual
+    assert torch.equal(total.isnan(), expected_total.isnan())
+    assert torch.equal(total[~total.isnan()], expected_total[~expected_total.isnan()])
+    assert torch.equal(out.isnan(), F.rms_norm(expected_total, (40,), weight, 1e-6).isnan())
+    gate_up = torch.randn(3, 64).bfloat16()
+    gate_up[0, 5], gate_up[1, 40], gate_up[2, 7] = float("nan"), float("inf"), float("inf")
+    gate, up = gate_up.chunk(2, dim=-1)
+    out, expected = silu_mul_native(gate_up), F.silu(gate) * up
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
+
+
 @pytest.mark.parametrize(("rows", "width"), SHAPES)
 def test_silu_mul_equals_torch(rows: int, width: int) -> None:
     gen = torch.Generator().manual_seed(rows + width)
