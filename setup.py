@@ -33,7 +33,7 @@ setup(
         Extension(
             "kvq.runtime.kernels._cpu_ops",
             ["kvq/runtime/kernels/_cpu_ops.c"],
-            depends=["kvq/runtime/kernels/_cpu_ops_attention.h"],
+            depends=["kvq/runtime/kernels/_cpu_ops_attention.h", "kvq/runtime/kernels/_cpu_ops_lanes.h"],
             # torch's bf16 rounding steps exactly: no FMA contraction, no fast-math reassociation
             extra_compile_args=[
                 "-O3",

@@ -1,36 +1,38 @@
 /* kvq.runtime.kernels._cpu_ops: the small bf16 ops of a CPU decode step, one C call each instead of the
    5-10 eager torch ops (each ~1.5 us of dispatch and a temporary) they take in PyTorch.
 
-   rms_norm(x, residual, residual_out, weight, out, M, H, eps, threads): for each of M rows of H bf16
+   rms_norm(x, residual, residual_out, weight, out, M, H, eps, threads, level): for each of M rows of H bf16
      values, s = x (+ residual, rounded to bf16 and written to residual_out when residual != 0), then
      out = bf16(fp32(s) * rsqrt(mean(fp32(s)^2) + eps) * fp32(weight)): torch's F.rms_norm on bf16 (fp32
      inside, rounded once), and torch's bf16 `x + residual`.
-   silu_mul(gate_up, out, M, I, threads): gate_up [M, 2I] (gate then up), out [M, I] =
+   silu_mul(gate_up, out, M, I, threads, level): gate_up [M, 2I] (gate then up), out [M, I] =
      bf16(bf16(silu(gate)) * up), as torch's `F.silu(gate) * up` on bf16 rounds (silu in fp32, rounded,
      then the product rounded).
-   rotary(x, row_stride, T, H, D, R, cos, sin_signed, out): rotate-half rotary on the first R channels of
+   rotary(x, row_stride, T, H, D, R, cos, sin_signed, out, level): rotate-half rotary on the first R channels of
      each of H heads of T tokens (x rows `row_stride` apart, heads packed), cos/sin_signed [T, R]:
      out [T, H, D] = bf16(bf16(x * cos) + rotate_half(x) * sin_signed), the rest copied (torch's addcmul
      of `kvq.runtime.layers.rotary` on bf16: the products of bf16 values are exact in fp32).
    store_kv(k, k_row_stride, v, v_row_stride, T, Hkv, D, k_cache, k_strides, v_cache, v_strides, kv_fp8,
-            scales, slots, slots_int64, page_size): the step's bf16 K/V rows (heads packed) into their
+            scales, slots, slots_int64, page_size, level): the step's bf16 K/V rows (heads packed) into their
      page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
      e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
    decode_attention(q, q_row_stride, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride,
-                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads,
-                    fp8_wanted):
+                    bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads, level):
      paged decode attention (kvq/runtime/kernels/paged_attention.py's contract) straight from the pages:
-     bf16 or float8_e4m3fn K/V (FP8 bytes to fp32 exactly, no bf16 copy of the pages: in AVX-512 BW or
-     F16C registers up to fp8_wanted (2, 1; 0: in arithmetic) where the CPU has them, the same bits; the
+     bf16 or float8_e4m3fn K/V (FP8 bytes to fp32 exactly, no bf16 copy of the pages: in AVX-512 BW
+     registers at level 2, F16C ones at level 1, in arithmetic at level 0, the same bits; the
      fp32 per-head scales applied on the query and the output), fp32 scores, softmax and sums, out bf16
      [B, Hq, D]. q's rows are q_row_stride elements apart (heads packed: a split of the rotary's
-     [B, Hq + Hkv, D] output at B > 1); k/v strides are (page, slot, head) in elements (innermost 1); scales fp32 [2, Hkv] (K then V). The (sequence, KV
+     [B, Hq + Hkv, D] output at B > 1); k/v strides are (page, slot, head) in elements (innermost 1);
+     scales fp32 [2, Hkv] (K then V). The (sequence, KV
      head) pairs go over `threads` threads of _w4a16_cpu's pool (its `_parallel_for` capsule), without
      the GIL; each pair's sums are in one order whatever the thread count.
-   argmax(x, M, V, out, threads): out int64 [M] = torch.argmax(x, dim=-1) for fp32 x [M, V]: the first
+   argmax(x, M, V, out, threads, level): out int64 [M] = torch.argmax(x, dim=-1) for fp32 x [M, V]: the first
      index of each row's maximum, or of its first NaN.
    decode_attention runs without the GIL, and so do rms_norm, silu_mul and argmax from 8,192 elements,
    where their rows go over `threads` threads of that pool.
+   `level` is the highest vector level to run (0 the build's baseline, 1 AVX2 + F16C, 2 AVX-512;
+   lowered to what the CPU has; vector_level(wanted) says which runs): every level gives the same bits.
    Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
    caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu_ops.py). */
 
@@ -42,52 +44,68 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Helpers of the cloned functions: inlined, so that they take each clone's instructions. */
+/* Helpers of the per-level copies: inlined, so that they take each level's instructions. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* The attention's and the row ops' loops built for x86-64-v4 (AVX-512) and v3 (AVX2 + FMA) too, picked
-   at load by the CPU (glibc ifunc; GCC 11 named these levels, older GCCs get AVX-512F / AVX2 clones).
-   Their fp32 sums keep one order (explicit lanes; no contraction, only fma16's explicit fused
-   multiply-adds where KVQ_FMA says they are instructions), so every clone of a build gives the same bits. */
-#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define KVQ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define KVQ_FMA 1 /* the default clone calls fmaf: the same bits, slowly, on pre-Haswell CPUs only */
-#elif defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
-#define KVQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+/* The attention's and the row ops' loops built three times: for AVX-512 (LEVEL_AVX512: F, BW, DQ, VL),
+   AVX2 + F16C (LEVEL_AVX2) and the build's baseline (LEVEL_BASE), from one body each (`*_impl`, always
+   inlined, so each copy takes its level's instructions; KVQ_LEVELS defines the copies and their table).
+   The caller names the highest level to use (`kvq.runtime.kernels.cpu_ops.vector_level`: $KVQ_CPU_ISA=
+   scalar -> base, avx2 -> AVX2, else AVX-512) and `cpu_level` lowers it to what the CPU runs, so every
+   level runs, and is compared, on one machine (until stop 32 the attention picked its copy by the CPU
+   alone, so "held to AVX2" ran AVX-512 code, and the AVX2 copy, never run here, was ~5x slower: see
+   _cpu_ops_lanes.h). Their fp32 sums keep one order (explicit lanes, no contraction), so every level
+   gives the same bits. */
+enum { LEVEL_BASE, LEVEL_AVX2, LEVEL_AVX512 };
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KVQ_X86_LEVELS 1
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c")))
+#define TARGET_AVX2 __attribute__((target("avx2,f16c")))
 #else
-#define KVQ_CLONES
+#define TARGET_AVX512
+#define TARGET_AVX2
 #endif
-#if !defined(KVQ_FMA) && (defined(__aarch64__) || defined(__FMA__))
-#define KVQ_FMA 1 /* an instruction on every build target */
-#endif
+#define KVQ_LEVELS(name, params, args)                                                                             \
+    TARGET_AVX512 static void name##_avx512 params { name##_impl args; }                                           \
+    TARGET_AVX2 static void name##_avx2 params { name##_impl args; }                                               \
+    static void name##_base params { name##_impl args; }                                                          \
+    static void (*const name##_at[3]) params = {name##_base, name##_avx2, name##_avx512};
 
-/* 16 fp32 lanes as a GCC vector: one AVX-512 register, two AVX2 ones, four SSE2 ones on each clone, with
+/* The highest level up to `wanted` that this build and CPU run. */
+static int cpu_level(int wanted) {
+#ifdef KVQ_X86_LEVELS
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (wanted >= LEVEL_AVX512 && avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return LEVEL_AVX512;
+    if (wanted >= LEVEL_AVX2 && avx2)
+        return LEVEL_AVX2;
+#endif
+    (void)wanted;
+    return LEVEL_BASE;
+}
+
+/* 16 fp32 lanes as a GCC vector: one AVX-512 register, two AVX2 ones, four SSE2 ones at each level, with
    the same sums in the same order (no contraction: -ffp-contract=off). */
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32))); /* 16 bf16 bit patterns */
 #define LANES16 16
+/* 8 fp32 lanes: one AVX2 register. GCC keeps a 16-lane vector on the stack where the target has no
+   16-lane registers (~6x slower loops), so code for the AVX2 level and the baseline works on 8-lane ones. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 #if defined(__clang__)
+#define SHUFFLE8(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 #define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 #define SHUFFLE32(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
+#define SHUFFLE8(v, ...) __builtin_shuffle(v, (v8i){__VA_ARGS__})
 #define SHUFFLE16(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
 #define SHUFFLE32(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
-
-/* a * b + c: rounded once, lane by lane, where KVQ_FMA (one vfmadd on the v3 / v4 clones); else a product
-   and a sum, each rounded (fmaf would be a library call per lane). */
-ALWAYS_INLINE v16 fma16(v16 a, v16 b, v16 c) {
-#ifdef KVQ_FMA
-    v16 r;
-    for (int i = 0; i < LANES16; i++)
-        r[i] = __builtin_fmaf(a[i], b[i], c[i]);
-    return r;
-#else
-    return a * b + c;
-#endif
-}
 
 ALWAYS_INLINE v16 load16(const float *p) {
     v16 v;
@@ -209,23 +227,27 @@ typedef struct {
     uint16_t *res_out, *out;
     int64_t M, H;
     float eps;
+    int level;
     atomic_int out_of_memory;
 } RmsNorm;
 
-KVQ_CLONES static void rms_norm_task(void *ctx, int64_t chunk, int64_t num_chunks) {
-    RmsNorm *a = ctx;
-    const int64_t first = chunk_start(a->M, chunk, num_chunks);
-    const int64_t last = chunk_start(a->M, chunk + 1, num_chunks);
-    float *s = malloc((size_t)a->H * sizeof(float));
-    if (s == NULL) {
-        atomic_store(&a->out_of_memory, 1);
-        return;
-    }
+ALWAYS_INLINE void rms_norm_rows_impl(const RmsNorm *a, int64_t first, int64_t last, float *s) {
     for (int64_t m = first; m < last; m++) {
         int64_t o = m * a->H;
         rms_norm_row(a->x + o, a->res ? a->res + o : NULL, a->res ? a->res_out + o : NULL, a->w, a->out + o,
                      a->H, a->eps, s);
     }
+}
+KVQ_LEVELS(rms_norm_rows, (const RmsNorm *a, int64_t first, int64_t last, float *s), (a, first, last, s))
+
+static void rms_norm_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    RmsNorm *a = ctx;
+    float *s = malloc((size_t)a->H * sizeof(float));
+    if (s == NULL) {
+        atomic_store(&a->out_of_memory, 1);
+        return;
+    }
+    rms_norm_rows_at[a->level](a, chunk_start(a->M, chunk, num_chunks), chunk_start(a->M, chunk + 1, num_chunks), s);
     free(s);
 }
 
@@ -234,15 +256,15 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
     unsigned long long x, res, res_out, w, out;
     long long M, H;
     float eps;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KKKKKLLfi", &x, &res, &res_out, &w, &out, &M, &H, &eps, &threads))
+    int threads, level;
+    if (!PyArg_ParseTuple(args, "KKKKKLLfii", &x, &res, &res_out, &w, &out, &M, &H, &eps, &threads, &level))
         return NULL;
     if (M < 0 || H <= 0 || H > (1 << 20))
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld H=%lld", M, H);
     RmsNorm a = {
         .x = (const uint16_t *)(uintptr_t)x, .res = (const uint16_t *)(uintptr_t)res,
         .w = (const uint16_t *)(uintptr_t)w, .res_out = (uint16_t *)(uintptr_t)res_out,
-        .out = (uint16_t *)(uintptr_t)out, .M = M, .H = H, .eps = eps,
+        .out = (uint16_t *)(uintptr_t)out, .M = M, .H = H, .eps = eps, .level = cpu_level(level),
     };
     run_row_chunks(rms_norm_task, &a, M, M * H, threads);
     if (atomic_load(&a.out_of_memory))
@@ -254,12 +276,10 @@ typedef struct {
     const uint16_t *gate_up;
     uint16_t *out;
     int64_t M, I;
+    int level;
 } SiluMul;
 
-KVQ_CLONES static void silu_mul_task(void *ctx, int64_t chunk, int64_t num_chunks) {
-    const SiluMul *a = ctx;
-    const int64_t first = chunk_start(a->M, chunk, num_chunks);
-    const int64_t last = chunk_start(a->M, chunk + 1, num_chunks);
+ALWAYS_INLINE void silu_mul_rows_impl(const SiluMul *a, int64_t first, int64_t last) {
     const int64_t I = a->I;
     for (int64_t m = first; m < last; m++) {
         const uint16_t *g = a->gate_up + m * 2 * I, *u = g + I;
@@ -270,34 +290,50 @@ KVQ_CLONES static void silu_mul_task(void *ctx, int64_t chunk, int64_t num_chunk
         }
     }
 }
+KVQ_LEVELS(silu_mul_rows, (const SiluMul *a, int64_t first, int64_t last), (a, first, last))
+
+static void silu_mul_task(void *ctx, int64_t chunk, int64_t num_chunks) {
+    const SiluMul *a = ctx;
+    silu_mul_rows_at[a->level](a, chunk_start(a->M, chunk, num_chunks), chunk_start(a->M, chunk + 1, num_chunks));
+}
 
 static PyObject *silu_mul(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long gate_up, out;
     long long M, I;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KKLLi", &gate_up, &out, &M, &I, &threads))
+    int threads, level;
+    if (!PyArg_ParseTuple(args, "KKLLii", &gate_up, &out, &M, &I, &threads, &level))
         return NULL;
     if (M < 0 || I <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld I=%lld", M, I);
-    SiluMul a = {(const uint16_t *)(uintptr_t)gate_up, (uint16_t *)(uintptr_t)out, M, I};
+    SiluMul a = {(const uint16_t *)(uintptr_t)gate_up, (uint16_t *)(uintptr_t)out, M, I, cpu_level(level)};
     run_row_chunks(silu_mul_task, &a, M, M * I, threads);
     Py_RETURN_NONE;
 }
 
 /* The first index of row x[0..V)'s maximum, or of its first NaN (torch.argmax's answer): the maximum in
    16 running lanes (NaN never wins a compare-and-select; it is flagged in the same pass), then the first
-   block of 16 holding it, then the index in that block. */
-KVQ_CLONES static int64_t row_argmax(const float *restrict x, int64_t V) {
-    v16 top16 = (v16){0} - INFINITY;
-    v16i nan16 = {0};
+   block of 8 holding it, then the index in that block. */
+ALWAYS_INLINE int64_t row_argmax(const float *restrict x, int64_t V) {
+    v8 top_lo = (v8){0} - INFINITY, top_hi = top_lo; /* lanes 0-7 and 8-15, as two 8-lane vectors */
+    v8i nan_lo = {0}, nan_hi = {0};
     int64_t i = 0;
     for (; i + LANES16 <= V; i += LANES16) {
-        v16 v = load16(x + i);
-        v16i wins = v > top16;
-        top16 = (v16)((wins & (v16i)v) | (~wins & (v16i)top16));
-        nan16 |= v != v;
+        v8 lo, hi;
+        memcpy(&lo, x + i, sizeof lo);
+        memcpy(&hi, x + i + 8, sizeof hi);
+        v8i win_lo = lo > top_lo, win_hi = hi > top_hi;
+        top_lo = (v8)((win_lo & (v8i)lo) | (~win_lo & (v8i)top_lo));
+        top_hi = (v8)((win_hi & (v8i)hi) | (~win_hi & (v8i)top_hi));
+        nan_lo |= lo != lo;
+        nan_hi |= hi != hi;
     }
+    float top16[LANES16];
+    int32_t nan16[LANES16];
+    memcpy(top16, &top_lo, sizeof top_lo);
+    memcpy(top16 + 8, &top_hi, sizeof top_hi);
+    memcpy(nan16, &nan_lo, sizeof nan_lo);
+    memcpy(nan16 + 8, &nan_hi, sizeof nan_hi);
     int any_nan = 0;
     float top = -INFINITY;
     for (int j = 0; j < LANES16; j++) {
@@ -310,10 +346,12 @@ KVQ_CLONES static int64_t row_argmax(const float *restrict x, int64_t V) {
     }
     int64_t b = 0;
     if (!any_nan)
-        for (; b + LANES16 <= V; b += LANES16) { /* a vector "is it in this block" before the scalar scan */
-            v16i hit = load16(x + b) == top;
+        for (; b + 8 <= V; b += 8) { /* "is it in these 8" in lanes before the scalar scan */
+            v8 v;
+            memcpy(&v, x + b, sizeof v);
+            v8i hit = v == top;
             int any = 0;
-            for (int j = 0; j < LANES16; j++)
+            for (int j = 0; j < 8; j++)
                 any |= hit[j];
             if (any)
                 break;
@@ -328,24 +366,30 @@ typedef struct {
     const float *x;
     int64_t *out;
     int64_t M, V;
+    int level;
 } Argmax;
+
+ALWAYS_INLINE void argmax_rows_impl(const Argmax *a, int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; m++)
+        a->out[m] = row_argmax(a->x + m * a->V, a->V);
+}
+KVQ_LEVELS(argmax_rows, (const Argmax *a, int64_t first, int64_t last), (a, first, last))
 
 static void argmax_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const Argmax *a = ctx;
-    for (int64_t m = chunk_start(a->M, chunk, num_chunks); m < chunk_start(a->M, chunk + 1, num_chunks); m++)
-        a->out[m] = row_argmax(a->x + m * a->V, a->V);
+    argmax_rows_at[a->level](a, chunk_start(a->M, chunk, num_chunks), chunk_start(a->M, chunk + 1, num_chunks));
 }
 
 static PyObject *argmax(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, out;
     long long M, V;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KLLKi", &x, &M, &V, &out, &threads))
+    int threads, level;
+    if (!PyArg_ParseTuple(args, "KLLKii", &x, &M, &V, &out, &threads, &level))
         return NULL;
     if (M < 0 || V <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld V=%lld", M, V);
-    Argmax a = {(const float *)(uintptr_t)x, (int64_t *)(uintptr_t)out, M, V};
+    Argmax a = {(const float *)(uintptr_t)x, (int64_t *)(uintptr_t)out, M, V, cpu_level(level)};
     run_row_chunks(argmax_task, &a, M, M * V, threads);
     Py_RETURN_NONE;
 }
@@ -360,8 +404,8 @@ ALWAYS_INLINE void rotary_half(const uint16_t *restrict x, const uint16_t *restr
     }
 }
 
-KVQ_CLONES static void rotary_rows(const uint16_t *x, int64_t row_stride, int64_t T, int64_t H, int64_t D,
-                                   int64_t R, const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
+ALWAYS_INLINE void rotary_rows_impl(const uint16_t *x, int64_t row_stride, int64_t T, int64_t H, int64_t D,
+                                    int64_t R, const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
     const int64_t half = R / 2;
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *c = cos + t * R, *s = sin + t * R;
@@ -374,17 +418,22 @@ KVQ_CLONES static void rotary_rows(const uint16_t *x, int64_t row_stride, int64_
         }
     }
 }
+KVQ_LEVELS(rotary_rows,
+           (const uint16_t *x, int64_t row_stride, int64_t T, int64_t H, int64_t D, int64_t R, const uint16_t *cos,
+            const uint16_t *sin, uint16_t *out),
+           (x, row_stride, T, H, D, R, cos, sin, out))
 
 static PyObject *rotary(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, cos, sin, out;
     long long row_stride, T, H, D, R;
-    if (!PyArg_ParseTuple(args, "KLLLLLKKK", &x, &row_stride, &T, &H, &D, &R, &cos, &sin, &out))
+    int level;
+    if (!PyArg_ParseTuple(args, "KLLLLLKKKi", &x, &row_stride, &T, &H, &D, &R, &cos, &sin, &out, &level))
         return NULL;
     if (T < 0 || H <= 0 || D <= 0 || R <= 0 || R > D || R % 2 || row_stride < H * D)
         return PyErr_Format(PyExc_ValueError, "bad shape T=%lld H=%lld D=%lld R=%lld stride=%lld", T, H, D, R,
                             row_stride);
-    rotary_rows((const uint16_t *)(uintptr_t)x, row_stride, T, H, D, R, (const uint16_t *)(uintptr_t)cos,
+    rotary_rows_at[cpu_level(level)]((const uint16_t *)(uintptr_t)x, row_stride, T, H, D, R, (const uint16_t *)(uintptr_t)cos,
                 (const uint16_t *)(uintptr_t)sin, (uint16_t *)(uintptr_t)out);
     Py_RETURN_NONE;
 }
@@ -412,24 +461,28 @@ ALWAYS_INLINE uint8_t f32_to_e4m3(float f) {
 }
 
 /* One head's D bf16 values -> e4m3fn bytes of x / scale, clamped to +-448 (NaN passes: torch's clamp). */
-KVQ_CLONES static void quantize_e4m3_row(const uint16_t *restrict src, uint8_t *restrict dst, int64_t D,
-                                         float scale) {
+ALWAYS_INLINE void quantize_e4m3_row_impl(const uint16_t *restrict src, uint8_t *restrict dst, int64_t D,
+                                          float scale) {
     for (int64_t d = 0; d < D; d++) {
         float q = bf16_f32(src[d]) / scale;
         q = q > FP8_MAX ? FP8_MAX : q < -FP8_MAX ? -FP8_MAX : q;
         dst[d] = f32_to_e4m3(q);
     }
 }
+KVQ_LEVELS(quantize_e4m3_row, (const uint16_t *restrict src, uint8_t *restrict dst, int64_t D, float scale),
+           (src, dst, D, scale))
 
 static PyObject *store_kv(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long k, v, kc, vc, scales, slots;
     long long k_row, v_row, T, Hkv, D, ks0, ks1, ks2, vs0, vs1, vs2, page_size;
-    int kv_fp8, slots_int64;
-    if (!PyArg_ParseTuple(args, "KLKLLLLK(LLL)K(LLL)iKKiL", &k, &k_row, &v, &v_row, &T, &Hkv, &D, &kc, &ks0,
+    int kv_fp8, slots_int64, level;
+    if (!PyArg_ParseTuple(args, "KLKLLLLK(LLL)K(LLL)iKKiLi", &k, &k_row, &v, &v_row, &T, &Hkv, &D, &kc, &ks0,
                           &ks1, &ks2, &vc, &vs0, &vs1, &vs2, &kv_fp8, &scales, &slots, &slots_int64,
-                          &page_size))
+                          &page_size, &level))
         return NULL;
+    void (*const quantize_row)(const uint16_t *restrict, uint8_t *restrict, int64_t, float) =
+        quantize_e4m3_row_at[cpu_level(level)];
     if (T < 0 || Hkv <= 0 || D <= 0 || page_size <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape T=%lld Hkv=%lld D=%lld", T, Hkv, D);
     const float *scale = (const float *)(uintptr_t)scales;
@@ -446,7 +499,7 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
                     memcpy((uint16_t *)(uintptr_t)(half ? vc : kc) + base + h * hs, src + h * D, (size_t)D * 2);
                     continue;
                 }
-                quantize_e4m3_row(src + h * D, (uint8_t *)(uintptr_t)(half ? vc : kc) + base + h * hs, D,
+                quantize_row(src + h * D, (uint8_t *)(uintptr_t)(half ? vc : kc) + base + h * hs, D,
                                   scale[half * Hkv + h]);
             }
         }
@@ -461,12 +514,12 @@ static PyObject *has_thread_pool(PyObject *self, PyObject *args) {
     return PyBool_FromLong(kvq_parallel_for != NULL);
 }
 
-static PyObject *fp8_widening(PyObject *self, PyObject *args) {
+static PyObject *vector_level(PyObject *self, PyObject *args) {
     (void)self;
     int wanted;
     if (!PyArg_ParseTuple(args, "i", &wanted))
         return NULL;
-    return PyLong_FromLong(fp8_path(wanted));
+    return PyLong_FromLong(cpu_level(wanted));
 }
 
 static PyMethodDef methods[] = {
@@ -476,7 +529,7 @@ static PyMethodDef methods[] = {
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
     {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 rows (see the module source)."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
-    {"fp8_widening", fp8_widening, METH_VARARGS, "The FP8 page widening that runs for a wanted one (0-2)."},
+    {"vector_level", vector_level, METH_VARARGS, "The vector level (0-2) that runs for a wanted one."},
     {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},
     {NULL, NULL, 0, NULL},
 };

@@ -31,15 +31,20 @@ def _enabled(env_value: str | None) -> bool:
     return _ext is not None and resolve_cpu_isa() != "torch"
 
 
-FP8_WIDENINGS = {"scalar": 0, "avx2": 1}  # the C op's FP8 page widening held to a $KVQ_CPU_ISA; else 2
+VECTOR_LEVELS = {"scalar": 0, "avx2": 1}  # the C ops' vector level held to a $KVQ_CPU_ISA; else 2
 
 
 @cache
-def fp8_widening(env_value: str | None) -> int:
-    """How the C attention widens FP8 pages under this $KVQ_CPU_ISA value: 0 in arithmetic (`scalar`, the
-    reference), at most 1 with F16C (`avx2`), else 2 (AVX-512 BW where the CPU has it). The same bits
-    every way (tested against each other)."""
-    return FP8_WIDENINGS.get(resolve_cpu_isa(), 2)
+def _vector_level(env_value: str | None) -> int:
+    return VECTOR_LEVELS.get(resolve_cpu_isa(), 2)
+
+
+def vector_level() -> int:
+    """The highest vector level the C ops may use under $KVQ_CPU_ISA: 0 the build's baseline (`scalar`:
+    plain arithmetic, FP8 pages widened in arithmetic), 1 AVX2 + F16C (`avx2`), else 2 (AVX-512
+    where the CPU has it); the C side lowers it to what the CPU runs (`_ext.vector_level(wanted)`). Every
+    level gives the same bits (tested against each other), so each can be run on one machine."""
+    return _vector_level(os.environ.get(CPU_ISA_ENV))
 
 
 def native_ops_apply(x: torch.Tensor) -> bool:
@@ -61,11 +66,13 @@ def rms_norm_native(
     hidden, out = x.shape[-1], torch.empty_like(x)
     rows, threads = x.numel() // hidden, torch.get_num_threads()
     if residual is None:
-        _ext.rms_norm(x.data_ptr(), 0, 0, weight.data_ptr(), out.data_ptr(), rows, hidden, eps, threads)
+        _ext.rms_norm(
+            x.data_ptr(), 0, 0, weight.data_ptr(), out.data_ptr(), rows, hidden, eps, threads, vector_level()
+        )
         return out, x
     total = torch.empty_like(x)
     args = (x.data_ptr(), residual.data_ptr(), total.data_ptr(), weight.data_ptr(), out.data_ptr())
-    _ext.rms_norm(*args, rows, hidden, eps, threads)
+    _ext.rms_norm(*args, rows, hidden, eps, threads, vector_level())
     return out, total
 
 
@@ -84,7 +91,8 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     assert _ext is not None
     num_rows, width = gate_up.shape
     out = torch.empty((num_rows, width // 2), dtype=gate_up.dtype)
-    _ext.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    _ext.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, threads, vector_level())
     return out
 
 
@@ -103,7 +111,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     assert _ext is not None
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _ext.argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    threads = torch.get_num_threads()
+    _ext.argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), threads, vector_level())
     return out
 
 
@@ -117,7 +126,7 @@ def rotary_native(
     num_tokens, num_heads, head_dim = x.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
     args = (x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim, rotary_dim)
-    _ext.rotary(*args, cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr())
+    _ext.rotary(*args, cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), vector_level())
     return out
 
 
@@ -182,6 +191,7 @@ def store_kv_native(
         slot_mapping.data_ptr(),
         int(slot_mapping.dtype == torch.int64),
         k_cache.shape[1],
+        vector_level(),
     )
 
 
@@ -246,6 +256,6 @@ def decode_attention_native(
         page_size,
         sm_scale,
         torch.get_num_threads(),
-        fp8_widening(os.environ.get(CPU_ISA_ENV)),
+        vector_level(),
     )
     return out

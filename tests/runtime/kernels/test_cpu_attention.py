@@ -1,6 +1,6 @@
 """kvq's C paged decode attention (`kernels/cpu_ops.py`, `_cpu_ops_attention.h`) against the reference: bf16
-and FP8 pages read in place, on the W4A16 kernel's thread pool, and FP8 bytes widened to the same bits
-on every path (arithmetic, F16C, AVX-512 BW)."""
+and FP8 pages read in place, on the W4A16 kernel's thread pool, and the same bits at every vector level
+(baseline, AVX2 with F16C widening, AVX-512 with AVX-512 BW widening)."""
 
 from __future__ import annotations
 
@@ -115,19 +115,20 @@ def test_decode_attention_reads_every_fp8_byte_as_torch_does(isa: str, monkeypat
         assert torch.equal(head.view(torch.int16)[expected.isnan()] < 0, torch.tensor([False, True] * 2))
 
 
-def test_fp8_pages_give_the_same_bits_on_every_path(monkeypatch) -> None:
-    """The registers' widening equals the arithmetic one to the bit, so attention over FP8 pages does too,
-    at head sizes on and off the 16- and 32-byte steps and with scales that are not powers of two; auto
-    takes the widest this CPU has."""
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_every_vector_level_gives_the_same_bits(cache_dtype: torch.dtype, monkeypatch) -> None:
+    """The attention's baseline, AVX2 and AVX-512 builds (and for FP8 pages the arithmetic, F16C and
+    AVX-512 BW widenings) give the same bits, at head sizes on and off the 16- and 32-byte steps and with
+    scales that are not powers of two; auto takes the widest this CPU has."""
     runs = ["scalar"] + [isa for isa in FP8_PATHS[1:] if isa == "auto" or isa in runnable_isas()]
     monkeypatch.setenv(CPU_ISA_ENV, "auto")
-    widest = cpu_ops._ext.fp8_widening(2)
-    assert widest == cpu_ops.fp8_widening("auto") and cpu_ops._ext.fp8_widening(0) == 0
+    widest = cpu_ops._ext.vector_level(2)
+    assert widest == cpu_ops.vector_level() and cpu_ops._ext.vector_level(0) == 0
     if widest == 0:
-        pytest.skip("this CPU has neither AVX2 + F16C nor AVX-512 BW: only the arithmetic path runs")
+        pytest.skip("this CPU has neither AVX2 + F16C nor AVX-512: only the baseline runs")
     gen = torch.Generator().manual_seed(3)
     for head_dim in (64, 72, 13, 128):
-        kv = random_paged_kv([37, 5, 16], 16, 2, head_dim, torch.float8_e4m3fn, True, gen)
+        kv = random_paged_kv([37, 5, 16], 16, 2, head_dim, cache_dtype, True, gen)
         q = torch.randn(3, 6, head_dim, generator=gen).bfloat16()
         scales = torch.rand(2, 2, generator=gen) * 3 + 0.01
         outs = {}

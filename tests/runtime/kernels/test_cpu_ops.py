@@ -209,3 +209,38 @@ def test_store_quantizes_every_bf16_value_as_torch_does(v_scale: float) -> None:
     for i, x in enumerate((k, v)):
         expected = quantize_kv(x, torch.float8_e4m3fn, scales[i][:, None])
         assert torch.equal(pool[i].view(256, 1, 256).view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_every_vector_level_gives_the_same_bits(monkeypatch) -> None:
+    """RMSNorm (with the residual), SiLU-and-mul, rotary, the FP8 store and the argmax built for the
+    baseline, AVX2 and AVX-512 (KVQ_CPU_ISA=scalar / avx2 / auto hold the level) give the same bits,
+    on widths off the vector steps."""
+    from kvq.runtime.kernels.cpu_ops import rotary_native
+    from kvq.runtime.kernels.w4a16_cpu import runnable_isas
+
+    runs = ["scalar"] + [isa for isa in ("avx2", "auto") if isa == "auto" or isa in runnable_isas()]
+    gen = torch.Generator().manual_seed(11)
+    x, residual = (torch.randn(2, 33, 577, generator=gen) * 3).bfloat16()
+    weight = torch.rand(577, generator=gen).bfloat16()
+    gate_up = (torch.randn(5, 2 * 1539, generator=gen) * 4).bfloat16()
+    heads = torch.randn(3, 13 * 72, generator=gen).bfloat16()[:, : 12 * 72].view(3, 12, 72)
+    cos, sin_signed = torch.randn(2, 3, 1, 72, generator=gen).bfloat16()
+    kv = (torch.randn(4, 6, 72, generator=gen) * 30).bfloat16()
+    slots, scales = torch.tensor([3, 0, 9, 14]), torch.rand(2, 3, generator=gen) + 0.05
+    logits = torch.randn(7, 1000, generator=gen)
+    outs: dict[str, list[torch.Tensor]] = {}
+    for isa in runs:
+        monkeypatch.setenv(CPU_ISA_ENV, isa)
+        pool = torch.zeros(2, 4, 4, 3, 72, dtype=torch.float8_e4m3fn)
+        store_kv_native(kv[:, :3], kv[:, 3:], pool[0], pool[1], scales, slots)
+        outs[isa] = [
+            *rms_norm_native(x, weight, 1e-5, residual),
+            silu_mul_native(gate_up),
+            rotary_native(heads, cos, sin_signed, 64),
+            pool.view(torch.uint8),
+            argmax_rows(logits),
+        ]
+    assert cpu_ops.vector_level() == cpu_ops._ext.vector_level(2)  # auto: the widest this CPU runs
+    for isa in runs[1:]:
+        for got, want in zip(outs[isa], outs["scalar"], strict=True):
+            assert torch.equal(got, want), isa
