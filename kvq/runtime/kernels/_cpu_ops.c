@@ -86,8 +86,8 @@ static int cpu_level(int wanted) {
     return LEVEL_BASE;
 }
 
-/* 16 fp32 lanes as a GCC vector: one AVX-512 register, two AVX2 ones, four SSE2 ones at each level, with
-   the same sums in the same order (no contraction: -ffp-contract=off). */
+/* 16 fp32 lanes as a GCC vector: one AVX-512 register (the AVX-512 level's lanes), with the same sums in
+   the same order as two 8-lane ones (no contraction: -ffp-contract=off). */
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -433,8 +433,9 @@ static PyObject *rotary(PyObject *self, PyObject *args) {
     if (T < 0 || H <= 0 || D <= 0 || R <= 0 || R > D || R % 2 || row_stride < H * D)
         return PyErr_Format(PyExc_ValueError, "bad shape T=%lld H=%lld D=%lld R=%lld stride=%lld", T, H, D, R,
                             row_stride);
-    rotary_rows_at[cpu_level(level)]((const uint16_t *)(uintptr_t)x, row_stride, T, H, D, R, (const uint16_t *)(uintptr_t)cos,
-                (const uint16_t *)(uintptr_t)sin, (uint16_t *)(uintptr_t)out);
+    rotary_rows_at[cpu_level(level)]((const uint16_t *)(uintptr_t)x, row_stride, T, H, D, R,
+                                     (const uint16_t *)(uintptr_t)cos, (const uint16_t *)(uintptr_t)sin,
+                                     (uint16_t *)(uintptr_t)out);
     Py_RETURN_NONE;
 }
 

@@ -1,9 +1,9 @@
 /* The decode attention's lane-typed helpers and its per-(sequence, KV head) body, included twice by
-   _cpu_ops_attention.h: with 16 lanes in one GCC vector (LN(x) = x_z, the AVX-512 level) and as two
-   8-lane ones (x_y, the AVX2 level and the baseline: GCC keeps a 16-lane vector on the stack where the
-   CPU has no 16-lane registers, ~6x slower). VT is the 16-lane type; V_ZERO, V_LOAD, V_ADD, V_MUL and V_SCALE (a
-   scalar times a vector) its operations. Both give the same bits: the same 16 partial sums,
-   combined in the same tree (halves, quarters, pairs, then lanes 0 and 1). */
+   _cpu_ops_attention.h: with 16 lanes in one GCC vector (LN(x) = x_z, LANES_WIDE 1: the AVX-512 level)
+   and as two 8-lane ones (x_y, LANES_WIDE 0: the AVX2 level and the baseline; GCC keeps a 16-lane vector
+   on the stack where the target has no 16-lane registers, ~5x slower). VT is the 16-lane type; V_ZERO,
+   V_LOAD, V_ADD, V_MUL and V_SCALE (a scalar times a vector) its operations. Both give the same bits:
+   the same 16 partial sums, combined in the same tree (halves, quarters, pairs, then lanes 0 and 1). */
 
 /* Slots 0..n-1 of page `page`, head h (K or V), as fp32 into rows [n, D] (FP8: value * 2^-8, unscaled;
    page_factor says what to multiply by): one page lookup per page, not one division per token. */
