@@ -72,18 +72,25 @@ enum { LEVEL_BASE, LEVEL_AVX2, LEVEL_AVX512 };
     static void name##_base params { name##_impl args; }                                                          \
     static void (*const name##_at[3]) params = {name##_base, name##_avx2, name##_avx512};
 
-/* The highest level up to `wanted` that this build and CPU run. */
-static int cpu_level(int wanted) {
+/* The highest level this build and CPU run (set once, at module init). */
+static int cpu_max_level = LEVEL_BASE;
+
+static int detect_cpu_level(void) {
 #ifdef KVQ_X86_LEVELS
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    if (wanted >= LEVEL_AVX512 && avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c"))
+        return LEVEL_BASE;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
         return LEVEL_AVX512;
-    if (wanted >= LEVEL_AVX2 && avx2)
-        return LEVEL_AVX2;
-#endif
-    (void)wanted;
+    return LEVEL_AVX2;
+#else
     return LEVEL_BASE;
+#endif
+}
+
+/* The highest level up to `wanted` that this build and CPU run. */
+static inline int cpu_level(int wanted) {
+    return wanted < LEVEL_BASE ? LEVEL_BASE : wanted < cpu_max_level ? wanted : cpu_max_level;
 }
 
 /* 16 fp32 lanes as a GCC vector: one AVX-512 register (the AVX-512 level's lanes), with the same sums in
@@ -558,5 +565,6 @@ static parallel_for_fn import_parallel_for(void) {
 
 PyMODINIT_FUNC PyInit__cpu_ops(void) {
     kvq_parallel_for = import_parallel_for();
+    cpu_max_level = detect_cpu_level();
     return PyModule_Create(&module);
 }

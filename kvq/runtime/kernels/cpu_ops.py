@@ -47,6 +47,18 @@ def vector_level() -> int:
     return _vector_level(os.environ.get(CPU_ISA_ENV))
 
 
+LEVEL_NAMES = ("baseline", "AVX2", "AVX-512")
+
+
+def describe_level() -> str:
+    """The C ops' level that runs under $KVQ_CPU_ISA on this CPU, for the CPU path's log line: e.g.
+    'AVX2 C ops', or 'torch' where they are off (`KVQ_CPU_ISA=torch`, or the extension is not built)."""
+    if not _enabled(os.environ.get(CPU_ISA_ENV)):
+        return "torch"
+    assert _ext is not None
+    return f"{LEVEL_NAMES[_ext.vector_level(vector_level())]} C ops"
+
+
 def native_ops_apply(x: torch.Tensor) -> bool:
     """True when the C ops run on `x`: bf16, contiguous, on CPU, built, and $KVQ_CPU_ISA is not torch."""
     return (

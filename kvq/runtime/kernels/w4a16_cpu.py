@@ -97,18 +97,13 @@ def cpu_flags() -> str:
     )
 
 
-SMALL_OPS_LEVELS = ("baseline", "AVX2", "AVX-512")  # the C small ops' vector levels (cpu_ops.vector_level)
-
-
 def describe_cpu_path(isa: str) -> str:
     """One line for logs and benchmarks: the CPU's features, the W4A16 path that runs and the vector level
     of the C small ops (attention, norms, rotary, store, argmax) under the same $KVQ_CPU_ISA."""
-    from kvq.runtime.kernels import cpu_ops  # imports this module: here, not at the top
+    from kvq.runtime.kernels.cpu_ops import describe_level  # imports this module: here, not at the top
 
     path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
-    ext, ops = cpu_ops._ext, "torch"
-    if isa != "torch" and ext is not None:
-        ops = SMALL_OPS_LEVELS[ext.vector_level(cpu_ops.vector_level())] + " C ops"
+    ops = describe_level()
     return f"CPU W4A16 path: {path}, small ops: {ops} (CPU: {cpu_flags()})"
 
 

@@ -15,7 +15,7 @@ from kvq.runtime.kernels.cpu_ops import decode_attention_native, native_attentio
 from kvq.runtime.kernels.paged_attention import paged_decode_attention_reference
 from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, runnable_isas
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
-from tests.runtime.kernels.test_cpu_ops import torch_threads
+from tests.runtime.kernels.test_cpu_ops import torch_threads, vector_level_runs
 
 pytestmark = pytest.mark.skipif(cpu_ops._ext is None, reason="kvq's CPU extension is not built")
 
@@ -120,7 +120,7 @@ def test_every_vector_level_gives_the_same_bits(cache_dtype: torch.dtype, monkey
     """The attention's baseline, AVX2 and AVX-512 builds (and for FP8 pages the arithmetic, F16C and
     AVX-512 BW widenings) give the same bits, at head sizes on and off the 16- and 32-byte steps and with
     scales that are not powers of two; auto takes the widest this CPU has."""
-    runs = ["scalar"] + [isa for isa in FP8_PATHS[1:] if isa == "auto" or isa in runnable_isas()]
+    runs = vector_level_runs()
     monkeypatch.setenv(CPU_ISA_ENV, "auto")
     widest = cpu_ops._ext.vector_level(2)
     assert widest == cpu_ops.vector_level() and cpu_ops._ext.vector_level(0) == 0

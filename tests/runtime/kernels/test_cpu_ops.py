@@ -40,6 +40,14 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def vector_level_runs() -> list[str]:
+    """The KVQ_CPU_ISA values that hold the C ops to each vector level this CPU runs: `scalar` (the
+    baseline) first, then `avx2` where it runs, then `auto` (the widest)."""
+    from kvq.runtime.kernels.w4a16_cpu import runnable_isas
+
+    return ["scalar"] + [isa for isa in ("avx2", "auto") if isa == "auto" or isa in runnable_isas()]
+
+
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 steps between two same-sign-ish bf16 tensors (as int16 bit patterns)."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
@@ -216,9 +224,8 @@ def test_every_vector_level_gives_the_same_bits(monkeypatch) -> None:
     baseline, AVX2 and AVX-512 (KVQ_CPU_ISA=scalar / avx2 / auto hold the level) give the same bits,
     on widths off the vector steps."""
     from kvq.runtime.kernels.cpu_ops import rotary_native
-    from kvq.runtime.kernels.w4a16_cpu import runnable_isas
 
-    runs = ["scalar"] + [isa for isa in ("avx2", "auto") if isa == "auto" or isa in runnable_isas()]
+    runs = vector_level_runs()
     gen = torch.Generator().manual_seed(11)
     x, residual = (torch.randn(2, 33, 577, generator=gen) * 3).bfloat16()
     weight = torch.rand(577, generator=gen).bfloat16()
