@@ -533,7 +533,7 @@ static int run_job(Job *job, int threads) {
     int64_t work = job->M * job->N * job->K, useful = work / MIN_WORK_PER_THREAD;
     int nt = useful < threads ? (int)(useful > 1 ? useful : 1) : threads;
     int64_t tiles = (job->N + row_tile(job->isa) - 1) / row_tile(job->isa);
-    int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD;
+    int64_t chunks = nt > 1 ? (int64_t)nt * CHUNKS_PER_THREAD : 1; /* one thread: one pipeline (amx) */
     if (job->M * job->K > 65536)
         run_parallel(convert_task, job, chunks < rows ? chunks : rows, nt);
     else

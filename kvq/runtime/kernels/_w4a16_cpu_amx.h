@@ -10,11 +10,12 @@
    laid out once per call 16 rows at a time, zero past row M: convert_row_amx); C[n][m] is y transposed,
    turned back 16 x 16 in registers when stored. Inputs within a block of 128 go in the order that
    decompresses cheapest (amx_decompress_block), the activations' pairs in the same order.
-   M <= 32 (one pass): two strips at a time (amx_pair, 4 accumulators, each B tile loaded once for both),
+   M <= 32 (one pass): two strips at a time (amx_pairs, 4 accumulators, each B tile loaded once for both),
    decompressed a chunk of 4 tiles at a time into a two-slot ring that stays in L1, interleaved with the
-   previous chunk's tdpbf16ps. M > 32: per strip, the first pass decompresses into the whole strip, which
-   the other passes (32 activation rows each) read back. The weight rows 32 ahead are prefetched into L2.
-   Threads split the strips. */
+   previous chunk's tdpbf16ps, in one pipeline over all of a thread's pairs (a pair's results go into y a
+   chunk after its tiles are stored). M > 32: per strip, the first pass decompresses into the whole strip,
+   which the other passes (32 activation rows each) read back. The weight rows 32 ahead are prefetched into
+   L2. Threads split the strips. */
 
 #define AMX_ROWS 16      /* weight rows per strip (A tile rows) and activation rows per B / C tile */
 #define AMX_KC 32        /* inputs per tile (K is a multiple of the group size, so of 32) */
@@ -278,8 +279,54 @@ TARGET_AMX static void convert_row_amx(const Job *job, int64_t m) {
     }
 }
 
+/* amx_store for bf16 y with half the shuffle-port work of the fp32 transpose and store_y16's rounding
+   (the y stores were ~10% of the kernel at 32 rows): rows 2k and 2k + 1 of c rounded together by
+   vcvtne2ps2bf16 (to nearest even, NaN made quiet: f32_to_bf16's bits; it would flush a denormal, which
+   tdpbf16ps's sums never are), one vpermw makes dword m of d[k] (c[2k][m], c[2k + 1][m]), and the 8 x 16
+   dwords are transposed in three steps: d[k] dword m -> y row m, dword k. */
+TARGET_AMX static void amx_store_bf16(const Job *job, const float *c, int64_t n0, int64_t m0) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i d[8], e[8];
+    for (int k = 0; k < 8; k++) {
+        const float *row = c + 2 * k * AMX_ROWS;
+        __m512bh h = _mm512_cvtne2ps_pbh(_mm512_load_ps(row + AMX_ROWS), _mm512_load_ps(row));
+        __m512i words;
+        memcpy(&words, &h, sizeof words);
+        d[k] = _mm512_permutexvar_epi16(pairs, words);
+    }
+    for (int k = 0; k < 8; k += 2) { /* 128-bit lane l: e[k] d[k], d[k + 1] at 4l, 4l + 1; e[k + 1] at 4l + 2, 3 */
+        e[k] = _mm512_unpacklo_epi32(d[k], d[k + 1]);
+        e[k + 1] = _mm512_unpackhi_epi32(d[k], d[k + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) { /* lane l of d[h + j]: the old d[h..h+3] at m = 4l + j */
+        d[h] = _mm512_unpacklo_epi64(e[h], e[h + 2]);
+        d[h + 1] = _mm512_unpackhi_epi64(e[h], e[h + 2]);
+        d[h + 2] = _mm512_unpacklo_epi64(e[h + 1], e[h + 3]);
+        d[h + 3] = _mm512_unpackhi_epi64(e[h + 1], e[h + 3]);
+    }
+    const int count = job->N - n0 < AMX_ROWS ? (int)(job->N - n0) : AMX_ROWS;
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    uint16_t *y = (uint16_t *)job->y + m0 * job->N + n0;
+    for (int j = 0; j < 4; j++) /* rows m = 4l + j: lane l of d[j] (n 0..7), then of d[4 + j] (n 8..15) */
+        for (int l = 0; l < 4; l += 2) {
+            const __m512i idx = _mm512_set_epi64(8 + 2 * l + 3, 8 + 2 * l + 2, 2 * l + 3, 2 * l + 2, 8 + 2 * l + 1,
+                                                 8 + 2 * l, 2 * l + 1, 2 * l);
+            const __m512i rows = _mm512_permutex2var_epi64(d[j], idx, d[4 + j]); /* m = 4l + j, 4(l + 1) + j */
+            const int64_t m = 4 * l + j;
+            if (m0 + m < job->M)
+                _mm256_mask_storeu_epi16(y + m * job->N, mask, _mm512_castsi512_si256(rows));
+            if (m0 + m + 4 < job->M)
+                _mm256_mask_storeu_epi16(y + (m + 4) * job->N, mask, _mm512_extracti64x4_epi64(rows, 1));
+        }
+}
+
 /* The 16 x 16 accumulator block c (C[n][m], weight rows n0.., activation rows m0..) into y. */
 TARGET_AMX static void amx_store(const Job *job, const float *c, int64_t n0, int64_t m0) {
+    if (job->y_dtype == DTYPE_BF16) {
+        amx_store_bf16(job, c, n0, m0);
+        return;
+    }
     __m512 rows[AMX_ROWS];
     amx_transpose(c, rows);
     const int count = job->N - n0 < AMX_ROWS ? (int)(job->N - n0) : AMX_ROWS;
@@ -298,17 +345,6 @@ TARGET_AMX static void amx_flush(const Job *job, int64_t n0, int64_t mt, int two
     }
 }
 
-/* Accumulators C2 (and, if two, C3) into y: the second strip of a pair (amx_pair). */
-TARGET_AMX static void amx_flush_23(const Job *job, int64_t n0, int two) {
-    float c[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
-    _tile_stored(2, c, 64);
-    amx_store(job, c, n0, 0);
-    if (two) {
-        _tile_stored(3, c, 64);
-        amx_store(job, c, n0, AMX_ROWS);
-    }
-}
-
 /* C0 (and, if two, C1) += tiles c0..c1 of a (A tile c at a + (c - c0) * AMX_TILE_ELEMS) . B. */
 TARGET_AMX static void amx_dot(const Job *job, const uint16_t *a, int64_t mt, int two, int64_t c0, int64_t c1) {
     const int64_t next = job->K / AMX_KC * AMX_TILE_PAIRS; /* one activation tile's pairs */
@@ -320,49 +356,88 @@ TARGET_AMX static void amx_dot(const Job *job, const uint16_t *a, int64_t mt, in
 }
 
 /* C0, C2 (and, if two, C1, C3) += A tiles a0, a1 (one input tile of two strips) . B tiles b (and b + next):
-   2 A and 1 or 2 B loads for 2 or 4 tdpbf16ps. */
+   2 A and 1 or 2 B loads for 2 or 4 tdpbf16ps. Every tile is loaded again for the next input tile, and
+   that load waits for the last tdpbf16ps reading it, so the order frees first the tiles that load slowest:
+   B0 (from L2: a call's activation tiles do not stay in L1 beside the ring) is last read by the second,
+   A0 by the third, and B1's load has two tdpbf16ps to hide behind. (A0 B0, A0 B1, A1 B0, A1 B1: ~5% slower
+   at 32 rows; B tiles from an L1-hot buffer instead: ~20% faster, so the B loads still cost.) */
 TARGET_AMX static inline void amx_dot_pair(const uint16_t *a0, const uint16_t *a1, const uint32_t *b, int64_t next,
                                            int two) {
-    _tile_loadd(4, a0, 64);
     _tile_loadd(6, b, 64);
+    _tile_loadd(4, a0, 64);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a1, 64);
+    _tile_dpbf16ps(2, 5, 6);
     if (two) {
         _tile_loadd(7, b + next, 64);
         _tile_dpbf16ps(1, 4, 7);
-    }
-    _tile_loadd(5, a1, 64);
-    _tile_dpbf16ps(2, 5, 6);
-    if (two)
         _tile_dpbf16ps(3, 5, 7);
+    }
 }
 
-/* Two strips, weight rows n0..n0+32, when M <= 32 (one pass): C0..C3 are strip x activation tile, so a
-   B tile is loaded once for both strips. Chunk c of both strips is decompressed into one slot of a
-   two-slot ring while chunk c - 1 goes through the tiles from the other, interleaved a quarter of the
-   rows per input tile: run one after the other, the two did not overlap (the chunk's decompression
-   outgrows the reorder window); chunk-at-a-time pipelining alone gave half the gain. */
-TARGET_AMX static void amx_pair(const Job *job, int64_t n0, uint16_t *ring) {
+/* A finished pair's accumulators, C0 (C1), C2 (C3), tile-stored into acc, into y: strips n and n + 16. */
+TARGET_AMX static void amx_pair_store(const Job *job, float (*acc)[AMX_ROWS * AMX_ROWS], int64_t n, int two) {
+    amx_store(job, acc[0], n, 0);
+    if (two)
+        amx_store(job, acc[1], n, AMX_ROWS);
+    amx_store(job, acc[2], n + AMX_ROWS, 0);
+    if (two)
+        amx_store(job, acc[3], n + AMX_ROWS, AMX_ROWS);
+}
+
+/* num_pairs pairs of strips from weight row n0 (32 rows a pair) when M <= 32 (one pass): C0..C3 are strip
+   x activation tile, so a B tile is loaded once for both strips. One pipeline runs over all the pairs'
+   chunks: chunk g (of its pair's strips) is decompressed into one slot of a two-slot ring while chunk
+   g - 1 goes through the tiles from the other, interleaved a quarter of the rows per input tile (run one
+   after the other, the two did not overlap; chunk-at-a-time pipelining alone gave half the gain). When a
+   pair's last chunk is through, its accumulators are tile-stored and zeroed for the next pair, and they
+   go into y a chunk later: with the pipeline restarted per pair and the tile stores read back at once,
+   [3072, 576] at 32 rows took ~12% longer. */
+TARGET_AMX static void amx_pairs(const Job *job, int64_t n0, int64_t num_pairs, uint16_t *ring) {
     const int64_t num_kc = job->K / AMX_KC, next = num_kc * AMX_TILE_PAIRS;
+    const int64_t per_pair = (num_kc + AMX_CHUNK - 1) / AMX_CHUNK, num_chunks = num_pairs * per_pair;
     const int two = job->M > AMX_ROWS;
+    float acc[2][4][AMX_ROWS * AMX_ROWS] __attribute__((aligned(64))); /* pair p's in acc[p % 2] */
+    int64_t waiting = -1; /* the pair whose accumulators wait in acc for their store into y */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t c0 = 0; c0 < num_kc + AMX_CHUNK; c0 += AMX_CHUNK) {
-        uint16_t *a = ring + (c0 / AMX_CHUNK) % 2 * 2 * AMX_RING_SLOT;
-        const uint16_t *prev = ring + (c0 / AMX_CHUNK + 1) % 2 * 2 * AMX_RING_SLOT;
-        int64_t c1 = c0 + AMX_CHUNK < num_kc ? c0 + AMX_CHUNK : num_kc, d0 = c0 - AMX_CHUNK;
-        for (int q = 0; q < 4; q++) { /* a quarter of the chunk's rows per input tile of the previous one */
-            if (d0 >= 0 && d0 + q < num_kc)
+    for (int64_t g = 0; g <= num_chunks; g++) {
+        uint16_t *a = ring + g % 2 * 2 * AMX_RING_SLOT;
+        const uint16_t *prev = ring + (g + 1) % 2 * 2 * AMX_RING_SLOT;
+        const int64_t n = n0 + g / per_pair * 2 * AMX_ROWS, c0 = g % per_pair * AMX_CHUNK;
+        const int64_t c1 = c0 + AMX_CHUNK < num_kc ? c0 + AMX_CHUNK : num_kc;
+        const int64_t d0 = g > 0 ? (g - 1) % per_pair * AMX_CHUNK : num_kc; /* chunk g - 1's first tile */
+        for (int q = 0; q < 4; q++) { /* a quarter of chunk g's rows per input tile of chunk g - 1 */
+            if (d0 + q < num_kc)
                 amx_dot_pair(prev + q * AMX_TILE_ELEMS, prev + AMX_RING_SLOT + q * AMX_TILE_ELEMS,
                              (const uint32_t *)job->xp + (d0 + q) * AMX_TILE_PAIRS, next, two);
-            if (c0 < num_kc)
-                amx_decompress_rows(job, n0 + q / 2 * AMX_ROWS, q % 2 * 8, q % 2 * 8 + 8, c0, c1,
+            if (g < num_chunks)
+                amx_decompress_rows(job, n + q / 2 * AMX_ROWS, q % 2 * 8, q % 2 * 8 + 8, c0, c1,
                                     a + q / 2 * AMX_RING_SLOT);
         }
+        if (waiting >= 0) {
+            amx_pair_store(job, acc[waiting % 2], n0 + waiting * 2 * AMX_ROWS, two);
+            waiting = -1;
+        }
+        if (g > 0 && g % per_pair == 0) { /* chunk g - 1 was its pair's last */
+            waiting = (g - 1) / per_pair;
+            float(*c)[AMX_ROWS * AMX_ROWS] = acc[waiting % 2];
+            _tile_stored(0, c[0], 64); /* in the order of their last tdpbf16ps (amx_dot_pair) */
+            _tile_zero(0);
+            _tile_stored(2, c[2], 64);
+            _tile_zero(2);
+            if (two) {
+                _tile_stored(1, c[1], 64);
+                _tile_zero(1);
+                _tile_stored(3, c[3], 64);
+                _tile_zero(3);
+            }
+        }
     }
-    amx_flush(job, n0, 0, two);
-    amx_flush_23(job, n0 + AMX_ROWS, two);
+    if (waiting >= 0)
+        amx_pair_store(job, acc[waiting % 2], n0 + waiting * 2 * AMX_ROWS, two);
 }
 
 /* Weight rows n0..n0+16 (a strip) through all activation rows. The first pass (activation tiles 0 and 1)
@@ -422,9 +497,11 @@ TARGET_AMX static void gemm_amx(Job *job, int64_t n0, int64_t n1) {
     }
     amx_load_config();
     int64_t n = n0;
-    if (job->M <= 2 * AMX_ROWS)
-        for (; n + AMX_ROWS < n1; n += 2 * AMX_ROWS)
-            amx_pair(job, n, strip);
+    if (job->M <= 2 * AMX_ROWS) { /* pairs while a second strip starts before n1, then a strip if one is left */
+        const int64_t num_pairs = (n1 - n0 + AMX_ROWS - 1) / (2 * AMX_ROWS);
+        amx_pairs(job, n0, num_pairs, strip);
+        n += num_pairs * 2 * AMX_ROWS;
+    }
     for (; n < n1; n += AMX_ROWS)
         amx_strip(job, n, strip);
     _tile_release(); /* the thread's tiles back to their init state (oneDNN runs AMX on it too) */

@@ -23,9 +23,11 @@ from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random
 pytestmark = needs_amx
 
 # (N, K, group_size): N not a multiple of the 16-row strip, K an odd number of 32-input tiles (352, 1056)
-# or not a multiple of 64 / 128 inputs, K long enough for several L1s of strip (4160)
+# or not a multiple of 64 / 128 inputs, K long enough for several L1s of strip (4160), one chunk of 128
+# inputs or less per pair (96: a pair's results wait for their store while the next pair's tiles run)
 SHAPES = [
     (1, 32, 32),
+    (70, 96, 32),
     (37, 352, 32),
     (13, 576, 64),
     (33, 1056, 32),
@@ -105,6 +107,33 @@ def test_amx_runs_tiles_for_bf16_batches_only() -> None:
         assert_close_rel(y, torch.full((num_rows, 20), expected), REL_TOL[torch.float32])
         assert torch.equal(y.bfloat16(), torch.full((num_rows, 20), expected).bfloat16())  # 224 vs 225
         assert torch.equal(linear(x), y.to(dtype)), (num_rows, dtype)
+
+
+def _bf16_bits(y: torch.Tensor) -> torch.Tensor:
+    """fp32 y rounded to bf16 as the kernel's f32_to_bf16 rounds: to nearest even, a NaN made quiet with its
+    sign and payload kept (torch's .bfloat16() makes every NaN 0x7FC0), as int64 bit patterns."""
+    u = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(torch.isnan(y), (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@pytest.mark.usefixtures("amx_from_two_rows")
+@pytest.mark.parametrize("num_rows", [5, 32, 40])
+def test_amx_bf16_output_rounds_every_sum_as_f32_to_bf16(num_rows: int) -> None:
+    """The bf16 output of the AMX GEMM (vcvtne2ps2bf16 on its fp32 sums, which flushes a denormal) has the
+    bits of its fp32 output rounded as f32_to_bf16 rounds, on sums that underflow (tdpbf16ps flushes them:
+    never a denormal to round), overflow, and come from NaN and infinite activations."""
+    gen = torch.Generator().manual_seed(num_rows)
+    packed, scale = random_w4a16(70, 128, 64, gen)
+    magnitudes = ((1.0, 1.0), (2.0**-66, 2.0**-64), (2.0**-60, 2.0**-64), (2.0**100, 2.0**100))
+    for weight_scale, x_scale in magnitudes:
+        x = (torch.randn(num_rows, 128, generator=gen) * x_scale).bfloat16()
+        x[num_rows // 2, 5], x[-1, 9] = float("nan"), float("inf")
+        x[0, 1], x[0, 2] = float("inf"), -float("inf")
+        tiny = native_scale((scale * weight_scale).bfloat16())
+        y = w4a16_native(x, packed, tiny, 64, "amx", out_dtype=torch.float32)
+        assert not ((y != 0) & (y.abs() < 2.0**-126)).any()  # no denormal sum
+        got = w4a16_native(x, packed, tiny, 64, "amx").view(torch.int16).to(torch.int64) & 0xFFFF
+        assert torch.equal(got, _bf16_bits(y)), weight_scale
 
 
 @pytest.mark.parametrize("chunk_elements", [DENSE_CHUNK_ELEMENTS, 1000])  # 1000: several chunks of rows
