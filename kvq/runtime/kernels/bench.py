@@ -4,7 +4,8 @@
 (bytes = 2 x size, read + write), W4A16 GEMV vs BF16 matmul at GLM-5 expert shapes (bytes = packed
 N*K/2 + scales N*K/G*2 + activations M*K*2 + M*N*2), the fused MoE, and FP8 vs BF16 paged decode
 attention at 1K/8K/32K context. Exit 1 on any mismatch or error, 3 on a missed H100/H200 target.
-`--cpu --threads 2`: copy bandwidth and the CPU W4A16 path (KVQ_CPU_ISA) vs a BF16 matmul only. Nothing
+`--cpu --threads 2`: copy bandwidth and the CPU W4A16 path (KVQ_CPU_ISA) vs a BF16 matmul only; with
+`--smollm2`, at the Linears of `kvq bench decode`'s model (SmolLM2-135M, group 64) and 1-64 rows. Nothing
 runs at import.
 """
 
@@ -18,7 +19,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -69,6 +70,13 @@ class BenchConfig:
     target_gemv_fraction: float = 0.60
     target_gemv_speedup: float = 2.5
     target_attention_speedup: float = 1.6
+
+
+def smollm2_config(cfg: BenchConfig) -> BenchConfig:
+    """cfg at SmolLM2-135M's Linears (hidden 576, intermediate 1536, 9 + 2 x 3 heads of 64; group 64) and
+    the batch sizes the CPU paths switch at (1: the GEMV; 4: AMX from AMX_FROM_ROWS; 32: one AMX pass)."""
+    shapes = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
+    return replace(cfg, gemv_shapes=shapes, target_shapes=(), group_size=64, batches=(1, 4, 16, 32, 64))
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, cpu_repeats: int = 15) -> float:
@@ -311,10 +319,17 @@ def print_tables(result: dict) -> None:
         print(f"MISMATCH/ERROR: {line}")
 
 
+def cpu_device() -> str:
+    """The device name for CPU runs: cpu, the W4A16 path and the CPU's features (`describe_cpu_path`)."""
+    from kvq.runtime.kernels.w4a16_cpu import describe_cpu_path, resolve_cpu_isa
+
+    return f"cpu; {describe_cpu_path(resolve_cpu_isa())}"
+
+
 def run(cfg: BenchConfig, device: torch.device) -> dict:
     """Every section (each one guarded: an error is recorded and the others still run)."""
     result: dict = dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_device(),
         torch=torch.__version__,
         config=asdict(cfg),
         mismatches=[],
@@ -350,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     parser.add_argument("--cpu", action="store_true", help="CPU W4A16 path vs bf16 matmul only")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (pin for CPU numbers)")
+    parser.add_argument("--smollm2", action="store_true", help="--cpu at SmolLM2-135M's Linears, 1-64 rows")
     parser.add_argument("--no-enforce-targets", action="store_true", help="report H100/H200 targets only")
     args = parser.parse_args(argv)
     if args.threads:
@@ -360,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig()
     if args.cpu:  # the two single-expert shapes; MoE and attention at these sizes are GPU work
         cfg = BenchConfig(gemv_shapes=cfg.gemv_shapes[:2], num_experts=0, contexts=(), copy_bytes=1 << 28)
+        cfg = smollm2_config(cfg) if args.smollm2 else cfg
+    elif args.smollm2:
+        parser.error("--smollm2 is a CPU bench: pass --cpu")
     result = run(cfg, device)
     print_tables(result)
     if args.out:

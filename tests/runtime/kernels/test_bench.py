@@ -6,12 +6,13 @@ Times are not asserted: speed is measured by `scripts/gpu_check.sh` / `kvq bench
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvq.runtime.kernels import KVQ_KERNELS_ENV
-from kvq.runtime.kernels.bench import BenchConfig, evaluate_targets, run
+from kvq.runtime.kernels.bench import BenchConfig, evaluate_targets, run, smollm2_config
 
 TINY = BenchConfig(
     gemv_shapes=(("tiny", 48, 256),), target_shapes=("tiny",), batches=(1, 3), group_size=64,
@@ -41,3 +42,16 @@ def test_targets_compare_against_thresholds() -> None:
     }
     passed = [t["passed"] for t in evaluate_targets(TINY, result)]
     assert passed == [True, False, True]
+
+
+def test_cpu_smollm2_config_times_the_decode_models_linears() -> None:
+    """`--cpu --smollm2`: SmolLM2-135M's four Linears (group 64) through the CPU W4A16 path, each batch
+    checked against the fp32 reference, and the path named next to the device."""
+    cfg = replace(smollm2_config(replace(TINY, num_experts=0, contexts=())), batches=(1, 5))
+    result = run(cfg, torch.device("cpu"))
+    assert result["errors"] == [] and result["mismatches"] == []
+    rows = [(row["shape"], row["N"], row["K"], row["batch"]) for row in result["w4a16_gemv"]]
+    shapes = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
+    assert rows == [(*shape, batch) for shape in shapes for batch in (1, 5)]
+    assert all(row["group_size"] == 64 and row["max_rel_err"] < 2e-2 for row in result["w4a16_gemv"])
+    assert result["device"].startswith("cpu; CPU W4A16 path: ")
