@@ -1,10 +1,11 @@
 """Paged prefill attention: each sequence's new tokens attend causally over its whole context, read back
 from its pages (a cached prefix and a fresh prefill see the same K/V).
 
-Torch on every device, no Triton kernel: one `scaled_dot_product_attention` per sequence over its
-gathered pages (a `PagedKVCache`), in fp32 on CPU and in q's dtype elsewhere (CUDA: the fused SDPA
-kernels; a prompt with no cached prefix takes the causal fast path). The spec is dense causal attention
-over the same K/V. Imports torch only.
+Torch on every device, no Triton kernel: one `scaled_dot_product_attention` per group of sequences with
+the same query and context lengths (one per sequence when all differ; one for a batch of the same
+prompt, or a prompt sampled n times) over their gathered pages (a `PagedKVCache`), in fp32 on CPU and
+in q's dtype elsewhere (CUDA: the fused SDPA kernels; prompts with no cached prefix take the causal fast
+path). The spec is dense causal attention over the same K/V. Imports torch only.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ if TYPE_CHECKING:
 
 
 def read_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, factor: torch.Tensor) -> torch.Tensor:
-    """A sequence's first `seq_len` K or V `[seq_len, Hkv, D]` as fp32 values from its `pages` `[n]`;
+    """Sequences' first `seq_len` K or V `[G, seq_len, Hkv, D]` as fp32 values from their `pages` `[G, n]`;
     `factor` fp32 `[Hkv, 1, 1]` (FP8 pages: scale * 2^120, see `fp8_bits_to`)."""
-    stored = cache.index_select(0, pages).flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+    stored = cache.index_select(0, pages.flatten()).unflatten(0, pages.shape)  # [G, n, page, Hkv, D]
+    stored = stored.flatten(1, 2)[:, :seq_len]  # [G, L, Hkv, D]
     if not is_fp8(cache):
         return stored.float()
     return fp8_bits_to(stored, torch.float32) * factor[:, 0]  # exactly fp8 * scale
@@ -63,26 +65,31 @@ def paged_prefill_attention(
     dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     k_factor, v_factor = kv.fp8_read_factors
     out = torch.empty_like(q)
-    start = 0
-    for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        pages = block_tables[b, : -(-seq_len // page_size)].long()
-        k, v = (  # [1, Hkv, L, D]
-            read_pages(cache, pages, seq_len, factor).to(dtype).transpose(0, 1)[None]
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    groups: dict[tuple[int, int], list[int]] = {}  # (query_len, seq_len) -> its sequences
+    for b, lengths in enumerate(zip(query_lens, seq_lens, strict=True)):
+        groups.setdefault(lengths, []).append(b)
+    for (query_len, seq_len), members in groups.items():
+        pages = block_tables[members, : -(-seq_len // page_size)].long()  # [G, n]
+        k, v = (  # [G, Hkv, L, D]
+            read_pages(cache, pages, seq_len, factor).to(dtype).transpose(1, 2)
             for cache, factor in ((kv.k_cache, k_factor), (kv.v_cache, v_factor))
         )
+        rows = torch.cat([torch.arange(starts[b], starts[b] + query_len, device=q.device) for b in members])
         mask = None
         if query_len < seq_len:  # a cached prefix: query i sits at position seq_len - query_len + i
-            rows = torch.arange(query_len, device=q.device)[:, None] + (seq_len - query_len)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [L_q, L]
+            positions = torch.arange(query_len, device=q.device)[:, None] + (seq_len - query_len)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= positions  # [L_q, L]
         o = F.scaled_dot_product_attention(
-            q[start : start + query_len].to(dtype).transpose(0, 1)[None],  # [1, Hq, L_q, D]
+            q.index_select(0, rows).to(dtype).view(len(members), query_len, *q.shape[1:]).transpose(1, 2),
             k,
             v,
             attn_mask=mask,
             is_causal=mask is None,
             scale=sm_scale,
             enable_gqa=True,
-        )
-        out[start : start + query_len] = o[0].transpose(0, 1)
-        start += query_len
+        )  # [G, Hq, L_q, D]
+        out.index_copy_(0, rows, o.transpose(1, 2).reshape(len(rows), *q.shape[1:]).to(out.dtype))
     return out

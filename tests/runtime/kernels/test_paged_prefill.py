@@ -17,6 +17,9 @@ FP8 = torch.float8_e4m3fn
 HQ, HKV, D, PAGE = 6, 2, 64, 16
 SEQ_LENS = [40, 16, 23, 1]
 QUERY_LENS = [13, 16, 2, 1]  # 27 cached tokens + 13 new; a fresh prompt; 21 cached + 2; one token
+# the same, with sequences of equal lengths that go through one batched call: two fresh prompts of 16
+# (a prompt sampled twice), three of 40 with 27 cached, and the single tokens
+GROUPED = ([40, 16, 40, 23, 1, 16, 40, 1], [13, 16, 13, 2, 1, 16, 13, 1])
 
 
 def held_kv(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, scale: torch.Tensor) -> torch.Tensor:
@@ -24,22 +27,27 @@ def held_kv(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, scale: torch
     return dequantize_kv(cache[pages].flatten(0, 1)[:seq_len], scale)
 
 
+@pytest.mark.parametrize(("seq_lens", "query_lens"), [(SEQ_LENS, QUERY_LENS), GROUPED])
 @pytest.mark.parametrize(
     ("cache_dtype", "is_per_head", "q_dtype"),
     [(FP8, True, torch.bfloat16), (FP8, False, torch.float32), (torch.bfloat16, False, torch.float32)],
 )
 def test_prefill_is_causal_attention_over_each_sequence_context(
-    cache_dtype: torch.dtype, is_per_head: bool, q_dtype: torch.dtype
+    cache_dtype: torch.dtype,
+    is_per_head: bool,
+    q_dtype: torch.dtype,
+    seq_lens: list[int],
+    query_lens: list[int],
 ) -> None:
     gen = torch.Generator().manual_seed(2)
-    kv = random_paged_kv(SEQ_LENS, PAGE, HKV, D, cache_dtype, is_per_head, gen)
-    q = torch.randn(sum(QUERY_LENS), HQ, D, generator=gen).to(q_dtype)
+    kv = random_paged_kv(seq_lens, PAGE, HKV, D, cache_dtype, is_per_head, gen)
+    q = torch.randn(sum(query_lens), HQ, D, generator=gen).to(q_dtype)
     cache = PagedKVCache.of(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale)
-    out = paged_prefill_attention(q, cache, kv.block_tables, QUERY_LENS, SEQ_LENS, 0.2)
+    out = paged_prefill_attention(q, cache, kv.block_tables, query_lens, seq_lens, 0.2)
     assert out.dtype == q_dtype and torch.isfinite(out).all()  # the NaN in unowned slots never leaks in
     k_scale, v_scale = (per_head_scale(s, HKV, q.device, "scale") for s in (kv.k_scale, kv.v_scale))
     start = 0
-    for b, (query_len, seq_len) in enumerate(zip(QUERY_LENS, SEQ_LENS, strict=True)):
+    for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         pages = kv.block_tables[b, : -(-seq_len // PAGE)].long()
         k, v = (
             held_kv(cache, pages, seq_len, scale).repeat_interleave(HQ // HKV, 1).transpose(0, 1)
