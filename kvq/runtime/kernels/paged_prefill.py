@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
 
 
+GROUP_CONTEXT_TOKENS = 1 << 16  # context tokens one call gathers for a group (64 seqs x 1K, 8 x 8K)
+
+
 def read_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, factor: torch.Tensor) -> torch.Tensor:
     """Sequences' first `seq_len` K or V `[G, seq_len, Hkv, D]` as fp32 values from their `pages` `[G, n]`;
     `factor` fp32 `[Hkv, 1, 1]` (FP8 pages: scale * 2^120, see `fp8_bits_to`)."""
@@ -71,7 +74,12 @@ def paged_prefill_attention(
     groups: dict[tuple[int, int], list[int]] = {}  # (query_len, seq_len) -> its sequences
     for b, lengths in enumerate(zip(query_lens, seq_lens, strict=True)):
         groups.setdefault(lengths, []).append(b)
-    for (query_len, seq_len), members in groups.items():
+    batches = [  # at most GROUP_CONTEXT_TOKENS of context gathered per call (fp32 K and V on CPU)
+        (lengths, members[i : i + max(1, GROUP_CONTEXT_TOKENS // lengths[1])])
+        for lengths, members in groups.items()
+        for i in range(0, len(members), max(1, GROUP_CONTEXT_TOKENS // lengths[1]))
+    ]
+    for (query_len, seq_len), members in batches:
         pages = block_tables[members, : -(-seq_len // page_size)].long()  # [G, n]
         k, v = (  # [G, Hkv, L, D]
             read_pages(cache, pages, seq_len, factor).to(dtype).transpose(1, 2)

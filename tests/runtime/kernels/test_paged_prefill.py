@@ -60,6 +60,20 @@ def test_prefill_is_causal_attention_over_each_sequence_context(
         start += query_len
 
 
+def test_a_group_larger_than_one_call_gathers_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal-length sequences past GROUP_CONTEXT_TOKENS of context go through several calls: the same
+    values as one call."""
+    gen = torch.Generator().manual_seed(4)
+    seq_lens, query_lens = GROUPED
+    kv = random_paged_kv(seq_lens, PAGE, HKV, D, torch.bfloat16, False, gen)
+    q = torch.randn(sum(query_lens), HQ, D, generator=gen)
+    cache = PagedKVCache.of(kv.k_cache, kv.v_cache)
+    whole = paged_prefill_attention(q, cache, kv.block_tables, query_lens, seq_lens, 0.2)
+    monkeypatch.setattr("kvq.runtime.kernels.paged_prefill.GROUP_CONTEXT_TOKENS", 50)  # 40s: one a call
+    split = paged_prefill_attention(q, cache, kv.block_tables, query_lens, seq_lens, 0.2)
+    assert_close_rel(split, whole, 1e-6)
+
+
 def test_rejects_more_queries_than_context() -> None:
     kv = random_paged_kv([5], 8, 1, 64, torch.bfloat16, False, torch.Generator().manual_seed(3))
     cache = PagedKVCache.of(kv.k_cache, kv.v_cache)
