@@ -10,6 +10,7 @@ path). The spec is dense causal attention over the same K/V. Imports torch only.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,21 @@ def read_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int, factor: t
     if not is_fp8(cache):
         return stored.float()
     return fp8_bits_to(stored, torch.float32) * factor[:, 0]  # exactly fp8 * scale
+
+
+def equal_length_batches(
+    query_lens: Sequence[int], seq_lens: Sequence[int]
+) -> list[tuple[tuple[int, int], list[int]]]:
+    """The sequences grouped by (query_len, seq_len), in first-seen order, each group cut into calls of at
+    most GROUP_CONTEXT_TOKENS context tokens (the fp32 K and V one call gathers on CPU)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, lengths in enumerate(zip(query_lens, seq_lens, strict=True)):
+        groups.setdefault(lengths, []).append(b)
+    batches = []
+    for lengths, members in groups.items():
+        per_call = max(1, GROUP_CONTEXT_TOKENS // lengths[1])
+        batches += [(lengths, members[i : i + per_call]) for i in range(0, len(members), per_call)]
+    return batches
 
 
 def paged_prefill_attention(
@@ -68,18 +84,8 @@ def paged_prefill_attention(
     dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     k_factor, v_factor = kv.fp8_read_factors
     out = torch.empty_like(q)
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
-    groups: dict[tuple[int, int], list[int]] = {}  # (query_len, seq_len) -> its sequences
-    for b, lengths in enumerate(zip(query_lens, seq_lens, strict=True)):
-        groups.setdefault(lengths, []).append(b)
-    batches = [  # at most GROUP_CONTEXT_TOKENS of context gathered per call (fp32 K and V on CPU)
-        (lengths, members[i : i + max(1, GROUP_CONTEXT_TOKENS // lengths[1])])
-        for lengths, members in groups.items()
-        for i in range(0, len(members), max(1, GROUP_CONTEXT_TOKENS // lengths[1]))
-    ]
-    for (query_len, seq_len), members in batches:
+    starts = [0, *itertools.accumulate(query_lens)]  # sequence b's queries: rows starts[b]..starts[b + 1]
+    for (query_len, seq_len), members in equal_length_batches(query_lens, seq_lens):
         pages = block_tables[members, : -(-seq_len // page_size)].long()  # [G, n]
         k, v = (  # [G, Hkv, L, D]
             read_pages(cache, pages, seq_len, factor).to(dtype).transpose(1, 2)
