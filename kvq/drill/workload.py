@@ -126,7 +126,7 @@ class DrillRun:
 
 
 def logits_digest(row: torch.Tensor) -> str:
-    """A digest of one fp32 logits row's exact bytes."""
+    """A digest of one logits row's exact values (as fp32)."""
     return hashlib.blake2b(row.float().contiguous().numpy().tobytes(), digest_size=16).hexdigest()
 
 

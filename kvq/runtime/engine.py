@@ -44,8 +44,9 @@ from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.sequence import Sequence, Status
 
 Prompt = str | list[int]
-# Called after each step's sampling with (the step's sequences, their fp32 logits [B, V], the sampled
-# token ids): a hook may read the logits and replace token ids (teacher forcing, `kvq.runtime.scoring`).
+# Called after each step's sampling with (the step's sequences, their logits [B, V] (bf16 or fp32), the
+# sampled token ids): a hook may read the logits and replace token ids (teacher forcing,
+# `kvq.runtime.scoring`).
 TokenHook = Callable[[list[Sequence], torch.Tensor, list[int]], None]
 logger = logging.getLogger("kvq")
 

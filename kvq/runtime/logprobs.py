@@ -1,7 +1,7 @@
 """Log-probabilities of sampled tokens, from the distribution the engine samples from.
 
 `LogprobRecorder` is an engine token hook: for the requests that asked (`SamplingParams.logprobs`), it
-takes log_softmax of the step's fp32 logits (the model's own distribution, before temperature, top-k and
+takes log_softmax of the step's logits in fp32 (the model's own distribution, before temperature, top-k and
 top-p, as vLLM's default `raw_logprobs`) and keeps the sampled token's log-probability and the most likely
 tokens', each with its text. Requests that did not ask cost one dict lookup per step.
 Imports torch and kvq.runtime.sequence.

@@ -1,5 +1,6 @@
 """Host-side batch preparation and the model call: sequences -> `StepInputs` (plain lists, what
-tensor-parallel rank 0 broadcasts) -> `ForwardBatch` -> fp32 logits.
+tensor-parallel rank 0 broadcasts) -> `ForwardBatch` -> logits (in the lm_head's dtype: bf16, or fp32 in
+reference mode).
 
 Imports torch and kvq.runtime.
 """
@@ -107,11 +108,11 @@ class ModelRunner:
         )
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """fp32 logits `[B, V]` of each sequence's next token."""
+        """Logits `[B, V]` of each sequence's next token (the lm_head's dtype)."""
         return self.forward(self.prepare(seqs, is_prefill))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits `[B, V]` of a prepared batch. With --kv-integrity on, `Engine` checks this very batch
+        """Logits `[B, V]` of a prepared batch. With --kv-integrity on, `Engine` checks this very batch
         (its block tables, lengths, positions and slot mapping, as the kernels will use them) between
         `prepare` and here, and its write guard, applied here on the device before the first layer
         stores, skips any write whose page moved on since (a batch run late). Under tensor parallelism

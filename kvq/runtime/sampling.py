@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvq.errors import KvqError
-from kvq.runtime.kernels.cpu_ops import argmax_rows
+from kvq.runtime.kernels.cpu_ops import argmax_finite
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
@@ -71,13 +71,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[bool]]:
-    """fp32 logits `[B, V]` -> (token id per row, whether the row's logits were all finite)."""
-    logits = logits.float().cpu()
-    is_finite = logits.sum(dim=-1).isfinite().tolist()  # a NaN or inf (or overflow) shows in the sum
-    tokens = argmax_rows(logits).tolist()
+    """Logits `[B, V]` (fp32 or bf16) -> (token id per row, whether the row's logits were all finite). The
+    greedy tokens come from the logits as they are (bf16 -> fp32 is exact); a sampled row is made fp32."""
+    logits = logits.cpu()
+    greedy, finite = argmax_finite(logits)
+    tokens, is_finite = greedy.tolist(), finite.tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.is_greedy or not is_finite[row]:
             continue
-        filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
+        filtered = filter_logits(logits[row].float() / p.temperature, p.top_k, p.top_p)
         tokens[row] = int(torch.multinomial(filtered.softmax(-1), 1, generator=gen))
     return tokens, is_finite

@@ -26,7 +26,7 @@ def test_int4_lm_head_is_the_quantized_dense_one(tiny_checkpoint) -> None:
     assert w.group_size == LM_HEAD_GROUP_SIZE and (w.out_features, w.in_features) == (vocab, hidden)
     x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     logits = quantized.model.compute_logits(x)
-    assert logits.dtype == torch.float32
+    assert logits.dtype == torch.bfloat16  # the lm_head's dtype: the sampler reads bf16 logits as they are
     expected = w4a16_reference(x, weight_packed, weight_scale, LM_HEAD_GROUP_SIZE)
     assert_close_rel(logits, expected, REL_TOL[torch.bfloat16])
     # the copy replaces the dense lm_head: a quarter of its bytes plus the group scales
@@ -49,13 +49,13 @@ def test_int8_lm_head_is_the_quantized_dense_one(tiny_checkpoint) -> None:
     assert torch.equal(w.weight, weight) and torch.equal(w.weight_scale, weight_scale)
     x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     logits = quantized.model.compute_logits(x)
-    assert logits.dtype == torch.float32
+    assert logits.dtype == torch.bfloat16  # the lm_head's dtype: the sampler reads bf16 logits as they are
     assert_close_rel(logits, w8a16_reference(x, weight, weight_scale), REL_TOL[torch.bfloat16])
     # closer to the dense lm_head than the INT4 copy is
-    dense_logits = stored.model.compute_logits(x)
+    dense_logits = stored.model.compute_logits(x).float()
     int4 = Engine(EngineConfig(model=str(path), kv_memory="4MiB", lm_head_weights="int4"))
-    err8 = (logits - dense_logits).abs().max()
-    assert err8 < (int4.model.compute_logits(x) - dense_logits).abs().max()
+    err8 = (logits.float() - dense_logits).abs().max()
+    assert err8 < (int4.model.compute_logits(x).float() - dense_logits).abs().max()
     # the copy replaces the dense lm_head: half its bytes plus a fp32 scale per row
     assert loaded_bytes[0] - loaded_bytes[1] == dense.numel() * 2 - (dense.numel() + vocab * 4)
     # the batch of 5 above made the dense lm_head's oneDNN copy, which is resident and counted (where

@@ -13,8 +13,10 @@ def logits_rows(num_rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tens
     return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed))
 
 
-def test_greedy_is_argmax() -> None:
-    logits = logits_rows()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    """On fp32 logits and on bf16 ones as the fast path's lm_head gives them (no fp32 copy)."""
+    logits = logits_rows().to(dtype)
     params = [SamplingParams()] * 3
     tokens, ok = sample(logits, params, [None] * 3)
     assert tokens == logits.argmax(-1).tolist() and ok == [True] * 3
@@ -54,11 +56,16 @@ def test_temperature_samples_follow_the_distribution() -> None:
     assert torch.allclose(counts / 3000, logits.softmax(-1)[0], atol=0.03)
 
 
-def test_non_finite_rows_are_flagged() -> None:
-    logits = logits_rows()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_rows_are_flagged(dtype: torch.dtype) -> None:
+    """A NaN or +-inf stops a row; huge finite logits (their sum overflows) are sampled."""
+    logits = logits_rows(num_rows=4)
     logits[1, 4] = float("nan")
-    _, ok = sample(logits, [SamplingParams(temperature=1.0, seed=0)] * 3, [None] * 3)
-    assert ok == [True, False, True]
+    logits[2, 0] = float("-inf")
+    logits[3] = 3e38
+    logits[3, 7] = 3.3e38
+    tokens, ok = sample(logits.to(dtype), [SamplingParams(temperature=1.0, seed=0)] * 4, [None] * 4)
+    assert ok == [True, False, False, True] and tokens[3] == 7
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,9 @@
      scales fp32 [2, Hkv] (K then V). The (sequence, KV
      head) pairs go over `threads` threads of _w4a16_cpu's pool (its `_parallel_for` capsule), without
      the GIL; each pair's sums are in one order whatever the thread count.
-   argmax(x, M, V, out, threads, level): out int64 [M] = torch.argmax(x, dim=-1) for fp32 x [M, V]: the first
-     index of each row's maximum, or of its first NaN.
+   argmax(x, M, V, is_bf16, out, is_finite, threads, level): out int64 [M] = torch.argmax(x, dim=-1) for fp32
+     or bf16 x [M, V] (the first index of each row's maximum, or of its first NaN) and is_finite bool [M]
+     (no NaN or +-inf in the row), in one pass over x.
    decode_attention runs without the GIL, and so do rms_norm, silu_mul and argmax from 8,192 elements,
    where their rows go over `threads` threads of that pool.
    `level` is the highest vector level to run (0 the build's baseline, 1 AVX2 + F16C, 2 AVX-512;
@@ -104,6 +105,7 @@ typedef uint16_t v16h __attribute__((vector_size(32))); /* 16 bf16 bit patterns 
    16-lane registers (~6x slower loops), so code for the AVX2 level and the baseline works on 8-lane ones. */
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16))); /* 8 bf16 bit patterns */
 #if defined(__clang__)
 #define SHUFFLE8(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 #define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
@@ -318,67 +320,97 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The first index of row x[0..V)'s maximum, or of its first NaN (torch.argmax's answer): the maximum in
-   16 running lanes (NaN never wins a compare-and-select; it is flagged in the same pass), then the first
-   block of 8 holding it, then the index in that block. */
-ALWAYS_INLINE int64_t row_argmax(const float *restrict x, int64_t V) {
+/* Eight elements of a row of fp32 or bf16 (exactly as fp32) from element i. */
+ALWAYS_INLINE v8 row_load8(const void *x, int64_t i, int is_bf16) {
+    v8 v;
+    if (is_bf16) {
+        v8h h;
+        memcpy(&h, (const uint16_t *)x + i, sizeof h);
+        v8i u = __builtin_convertvector(h, v8i) << 16;
+        memcpy(&v, &u, sizeof v);
+    } else {
+        memcpy(&v, (const float *)x + i, sizeof v);
+    }
+    return v;
+}
+
+ALWAYS_INLINE float row_load1(const void *x, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* The first index of row x[0..V)'s maximum, or of its first NaN (torch.argmax's answer), and whether every
+   element is finite: the maximum in 16 running lanes (NaN never wins a compare-and-select; x - x, NaN for
+   NaN and +-inf, flags both in the same pass), then the first block of 8 holding it, then the index in
+   that block. */
+ALWAYS_INLINE int64_t row_argmax(const void *restrict x, int64_t V, int is_bf16, uint8_t *is_finite) {
     v8 top_lo = (v8){0} - INFINITY, top_hi = top_lo; /* lanes 0-7 and 8-15, as two 8-lane vectors */
-    v8i nan_lo = {0}, nan_hi = {0};
+    v8i nan_lo = {0}, nan_hi = {0}, bad_lo = {0}, bad_hi = {0};
     int64_t i = 0;
     for (; i + LANES16 <= V; i += LANES16) {
-        v8 lo, hi;
-        memcpy(&lo, x + i, sizeof lo);
-        memcpy(&hi, x + i + 8, sizeof hi);
+        v8 lo = row_load8(x, i, is_bf16), hi = row_load8(x, i + 8, is_bf16);
         v8i win_lo = lo > top_lo, win_hi = hi > top_hi;
         top_lo = (v8)((win_lo & (v8i)lo) | (~win_lo & (v8i)top_lo));
         top_hi = (v8)((win_hi & (v8i)hi) | (~win_hi & (v8i)top_hi));
         nan_lo |= lo != lo;
         nan_hi |= hi != hi;
+        bad_lo |= (lo - lo) != 0;
+        bad_hi |= (hi - hi) != 0;
     }
     float top16[LANES16];
-    int32_t nan16[LANES16];
+    int32_t nan16[LANES16], bad16[LANES16];
     memcpy(top16, &top_lo, sizeof top_lo);
     memcpy(top16 + 8, &top_hi, sizeof top_hi);
     memcpy(nan16, &nan_lo, sizeof nan_lo);
     memcpy(nan16 + 8, &nan_hi, sizeof nan_hi);
-    int any_nan = 0;
+    memcpy(bad16, &bad_lo, sizeof bad_lo);
+    memcpy(bad16 + 8, &bad_hi, sizeof bad_hi);
+    int any_nan = 0, any_bad = 0;
     float top = -INFINITY;
     for (int j = 0; j < LANES16; j++) {
         top = top16[j] > top ? top16[j] : top;
         any_nan |= nan16[j] != 0;
+        any_bad |= bad16[j] != 0;
     }
     for (; i < V; i++) {
-        top = x[i] > top ? x[i] : top;
-        any_nan |= x[i] != x[i];
+        float v = row_load1(x, i, is_bf16);
+        top = v > top ? v : top;
+        any_nan |= v != v;
+        any_bad |= (v - v) != 0;
     }
+    *is_finite = !any_bad;
     int64_t b = 0;
     if (!any_nan)
         for (; b + 8 <= V; b += 8) { /* "is it in these 8" in lanes before the scalar scan */
-            v8 v;
-            memcpy(&v, x + b, sizeof v);
-            v8i hit = v == top;
+            v8i hit = row_load8(x, b, is_bf16) == top;
             int any = 0;
             for (int j = 0; j < 8; j++)
                 any |= hit[j];
             if (any)
                 break;
         }
-    for (; b < V; b++)
-        if (any_nan ? x[b] != x[b] : x[b] == top)
+    for (; b < V; b++) {
+        float v = row_load1(x, b, is_bf16);
+        if (any_nan ? v != v : v == top)
             return b;
+    }
     return 0; /* V == 0: not reached (the caller checks) */
 }
 
 typedef struct {
-    const float *x;
+    const void *x;
     int64_t *out;
+    uint8_t *is_finite;
     int64_t M, V;
-    int level;
+    int is_bf16, level;
 } Argmax;
 
 ALWAYS_INLINE void argmax_rows_impl(const Argmax *a, int64_t first, int64_t last) {
-    for (int64_t m = first; m < last; m++)
-        a->out[m] = row_argmax(a->x + m * a->V, a->V);
+    const int64_t row_bytes = a->V * (a->is_bf16 ? 2 : 4);
+    for (int64_t m = first; m < last; m++) {
+        const char *row = (const char *)a->x + m * row_bytes;
+        uint8_t *is_finite = a->is_finite + m;
+        a->out[m] = a->is_bf16 ? row_argmax(row, a->V, 1, is_finite) : row_argmax(row, a->V, 0, is_finite);
+    }
 }
 KVQ_LEVELS(argmax_rows, (const Argmax *a, int64_t first, int64_t last), (a, first, last))
 
@@ -389,14 +421,15 @@ static void argmax_task(void *ctx, int64_t chunk, int64_t num_chunks) {
 
 static PyObject *argmax(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long x, out;
+    unsigned long long x, out, is_finite;
     long long M, V;
-    int threads, level;
-    if (!PyArg_ParseTuple(args, "KLLKii", &x, &M, &V, &out, &threads, &level))
+    int is_bf16, threads, level;
+    if (!PyArg_ParseTuple(args, "KLLpKKii", &x, &M, &V, &is_bf16, &out, &is_finite, &threads, &level))
         return NULL;
     if (M < 0 || V <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld V=%lld", M, V);
-    Argmax a = {(const float *)(uintptr_t)x, (int64_t *)(uintptr_t)out, M, V, cpu_level(level)};
+    Argmax a = {(const void *)(uintptr_t)x, (int64_t *)(uintptr_t)out, (uint8_t *)(uintptr_t)is_finite, M, V,
+                is_bf16, cpu_level(level)};
     run_row_chunks(argmax_task, &a, M, M * V, threads);
     Py_RETURN_NONE;
 }
@@ -535,7 +568,7 @@ static PyMethodDef methods[] = {
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
-    {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 rows (see the module source)."},
+    {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 or bf16 rows and their finiteness (see the module source)."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {"vector_level", vector_level, METH_VARARGS, "The vector level (0-2) that runs for a wanted one."},
     {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},

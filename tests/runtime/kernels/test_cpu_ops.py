@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvq.runtime.kernels import cpu_ops
 from kvq.runtime.kernels.cpu_ops import (
-    argmax_rows,
+    argmax_finite,
     native_ops_apply,
     rms_norm_native,
     silu_mul_applies,
@@ -124,12 +124,13 @@ def test_which_tensors_take_the_c_ops(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 151_937])
-def test_argmax_equals_torch(vocab: int) -> None:
-    """The sampler's argmax in C gives torch.argmax's index on rows with ties (the first maximum wins), with
-    +-inf, with NaN (the first NaN), all -inf, and on widths off the 16 lanes; non-contiguous or
-    non-fp32 rows go to torch itself."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_equals_torch(vocab: int, dtype: torch.dtype) -> None:
+    """The sampler's argmax in C gives torch.argmax's index on fp32 and bf16 rows with ties (the first maximum
+    wins), with +-inf, with NaN (the first NaN), all -inf, and on widths off the 16 lanes, and flags the
+    rows holding a NaN or +-inf; non-contiguous rows go to torch itself."""
     gen = torch.Generator().manual_seed(vocab)
-    x = torch.randn(9, vocab, generator=gen)
+    x = torch.randn(10, vocab, generator=gen)
     x[1] = x[1].round()  # many ties
     x[1, -1] = x[1].max() + 1 if vocab > 1 else x[1, -1]
     x[2, vocab // 2] = float("inf")
@@ -140,12 +141,16 @@ def test_argmax_equals_torch(vocab: int) -> None:
     x[6, vocab - 1] = 1e30  # the maximum in the tail past the 16-lane blocks
     x[7, 0] = float("-inf")
     x[8] = x[8].abs().neg()  # all negative
-    expected = x.argmax(dim=-1)
-    assert torch.equal(argmax_rows(x), expected)
+    x[9] = 3e38  # finite, though their sum is not
+    x = x.to(dtype)
+    expected = (x.argmax(dim=-1), x.isfinite().all(dim=-1))
+    assert expected[1].tolist() == [True, True, False, False, False, True, True, False, True, True]
+    for got in (argmax_finite(x), argmax_finite(x.t().contiguous().t())):  # the second: torch's own
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     with torch_threads(3):
-        assert torch.equal(argmax_rows(x), expected)
-    assert torch.equal(argmax_rows(x.t().contiguous().t()), expected)  # strided: torch's own
-    assert argmax_rows(x[:0]).shape == (0,)
+        got = argmax_finite(x)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert argmax_finite(x[:0])[0].shape == (0,)
 
 
 @pytest.mark.parametrize(("num_tokens", "rotary_dim"), [(1, 64), (5, 64), (3, 32)])  # 32: partial (GLM)
@@ -245,7 +250,8 @@ def test_every_vector_level_gives_the_same_bits(monkeypatch) -> None:
             silu_mul_native(gate_up),
             rotary_native(heads, cos, sin_signed, 64),
             pool.view(torch.uint8),
-            argmax_rows(logits),
+            *argmax_finite(logits),
+            *argmax_finite(logits.bfloat16()),
         ]
     assert cpu_ops.vector_level() == cpu_ops._ext.vector_level(2)  # auto: the widest this CPU runs
     for isa in runs[1:]:
