@@ -32,7 +32,7 @@
      (no NaN or +-inf in the row), in one pass over x.
    decode_attention runs without the GIL, and so do rms_norm, silu_mul and argmax from 8,192 elements,
    where their rows go over `threads` threads of that pool.
-   `level` is the highest vector level to run (0 the build's baseline, 1 AVX2 + F16C, 2 AVX-512;
+   `level` is the highest vector level to run (0 the build's baseline, 1 AVX2 + F16C + FMA, 2 AVX-512;
    lowered to what the CPU has; vector_level(wanted) says which runs): every level gives the same bits.
    Arguments are addresses (torch data_ptr) of bf16 tensors (contiguous unless strides are given); the
    caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu_ops.py). */
@@ -49,20 +49,21 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* The attention's and the row ops' loops built three times: for AVX-512 (LEVEL_AVX512: F, BW, DQ, VL),
-   AVX2 + F16C (LEVEL_AVX2) and the build's baseline (LEVEL_BASE), from one body each (`*_impl`, always
+   AVX2 + F16C + FMA (LEVEL_AVX2) and the build's baseline (LEVEL_BASE), from one body each (`*_impl`, always
    inlined, so each copy takes its level's instructions; KVQ_LEVELS defines the copies and their table).
    The caller names the highest level to use (`kvq.runtime.kernels.cpu_ops.vector_level`: $KVQ_CPU_ISA=
    scalar -> base, avx2 -> AVX2, else AVX-512) and `cpu_level` lowers it to what the CPU runs, so every
    level runs, and is compared, on one machine (until stop 32 the attention picked its copy by the CPU
    alone, so "held to AVX2" ran AVX-512 code, and the AVX2 copy, never run here, was ~5x slower: see
-   _cpu_ops_lanes.h). Their fp32 sums keep one order (explicit lanes, no contraction), so every level
-   gives the same bits. */
+   _cpu_ops_lanes.h). Their fp32 sums keep one order (explicit lanes, no contraction; the attention's
+   multiply-adds fused where the code says so: vfmadd at AVX2 and AVX-512, fmaf at the baseline), so every
+   level gives the same bits. */
 enum { LEVEL_BASE, LEVEL_AVX2, LEVEL_AVX512 };
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define KVQ_X86_LEVELS 1
-#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c")))
-#define TARGET_AVX2 __attribute__((target("avx2,f16c")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c,fma")))
+#define TARGET_AVX2 __attribute__((target("avx2,f16c,fma")))
 #else
 #define TARGET_AVX512
 #define TARGET_AVX2
@@ -78,7 +79,7 @@ static int cpu_max_level = LEVEL_BASE;
 
 static int detect_cpu_level(void) {
 #ifdef KVQ_X86_LEVELS
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c"))
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma"))
         return LEVEL_BASE;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
@@ -568,7 +569,7 @@ static PyMethodDef methods[] = {
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
-    {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 or bf16 rows and their finiteness (see the module source)."},
+    {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 or bf16 rows, and their finiteness."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {"vector_level", vector_level, METH_VARARGS, "The vector level (0-2) that runs for a wanted one."},
     {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},

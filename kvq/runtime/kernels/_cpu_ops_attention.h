@@ -107,12 +107,27 @@ static inline int64_t seq_len(const Attention *a, int64_t b) {
     return a->sl_int64 ? ((const int64_t *)a->lens)[b] : ((const int32_t *)a->lens)[b];
 }
 
+/* a * b + c per lane, rounded once: vfmadd where the level has FMA (AVX2 and AVX-512 levels: GCC turns
+   these lane loops into one instruction), fmaf elsewhere; the same bits either way. */
+ALWAYS_INLINE v16 fma16(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int i = 0; i < 16; i++)
+        r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+}
+ALWAYS_INLINE v8 fma8(v8 a, v8 b, v8 c) {
+    v8 r;
+    for (int i = 0; i < 8; i++)
+        r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+}
+
 #define LN(name) name##_z /* 16 lanes in one GCC vector: one AVX-512 register */
 #define VT v16
 #define V_LOAD load16
 #define V_ADD(a, b) ((a) + (b))
-#define V_MUL(a, b) ((a) * (b))
-#define V_SCALE(s, v) ((s) * (v))
+#define V_FMA fma16
+#define V_SPLAT(s) ((v16){0} + (s))
 #define V_ZERO ((v16){0})
 #define LANES_WIDE 1
 #include "_cpu_ops_lanes.h"
@@ -122,8 +137,8 @@ static inline int64_t seq_len(const Attention *a, int64_t b) {
 #undef V_ZERO
 #undef V_LOAD
 #undef V_ADD
-#undef V_MUL
-#undef V_SCALE
+#undef V_FMA
+#undef V_SPLAT
 
 typedef struct {
     v8 lo, hi; /* lanes 0-7, 8-15 */
@@ -137,19 +152,19 @@ ALWAYS_INLINE v16p p_load(const float *p) {
 ALWAYS_INLINE v16p p_add(v16p a, v16p b) {
     return (v16p){a.lo + b.lo, a.hi + b.hi};
 }
-ALWAYS_INLINE v16p p_mul(v16p a, v16p b) {
-    return (v16p){a.lo * b.lo, a.hi * b.hi};
+ALWAYS_INLINE v16p p_fma(v16p a, v16p b, v16p c) {
+    return (v16p){fma8(a.lo, b.lo, c.lo), fma8(a.hi, b.hi, c.hi)};
 }
-ALWAYS_INLINE v16p p_scale(float s, v16p v) {
-    return (v16p){s * v.lo, s * v.hi};
+ALWAYS_INLINE v16p p_splat(float s) {
+    return (v16p){(v8){0} + s, (v8){0} + s};
 }
 
 #define LN(name) name##_y /* 16 lanes as two 8-lane GCC vectors: AVX2 registers (GCC spills 16-lane ones) */
 #define VT v16p
 #define V_LOAD p_load
 #define V_ADD p_add
-#define V_MUL p_mul
-#define V_SCALE p_scale
+#define V_FMA p_fma
+#define V_SPLAT p_splat
 #define V_ZERO ((v16p){{0}, {0}})
 #define LANES_WIDE 0
 #include "_cpu_ops_lanes.h"

@@ -2,8 +2,9 @@
    _cpu_ops_attention.h: with 16 lanes in one GCC vector (LN(x) = x_z, LANES_WIDE 1: the AVX-512 level)
    and as two 8-lane ones (x_y, LANES_WIDE 0: the AVX2 level and the baseline; GCC keeps a 16-lane vector
    on the stack where the target has no 16-lane registers, ~5x slower). VT is the 16-lane type; V_ZERO,
-   V_LOAD, V_ADD, V_MUL and V_SCALE (a scalar times a vector) its operations. Both give the same bits:
-   the same 16 partial sums, combined in the same tree (halves, quarters, pairs, then lanes 0 and 1). */
+   V_LOAD, V_SPLAT (a scalar in every lane), V_ADD and V_FMA (a * b + c, fused: one rounding) its
+   operations. Both give the same bits: the same 16 partial sums of fused multiply-adds, combined in the
+   same tree (halves, quarters, pairs, then lanes 0 and 1); the tails fuse theirs too (fmaf). */
 
 /* Slots 0..n-1 of page `page`, head h (K or V), as fp32 into rows [n, D] (FP8: value * 2^-8, unscaled;
    page_factor says what to multiply by): one page lookup per page, not one division per token. */
@@ -62,10 +63,10 @@ ALWAYS_INLINE float LN(dot)(const float *restrict a, const float *restrict b, in
     VT part = V_ZERO;
     int64_t d = 0;
     for (; d + LANES16 <= D; d += LANES16)
-        part = V_ADD(part, V_MUL(V_LOAD(a + d), V_LOAD(b + d)));
+        part = V_FMA(V_LOAD(a + d), V_LOAD(b + d), part);
     float tail = 0.0f;
     for (; d < D; d++)
-        tail += a[d] * b[d];
+        tail = __builtin_fmaf(a[d], b[d], tail);
     return LN(tree)(part) + tail;
 }
 
@@ -77,15 +78,15 @@ ALWAYS_INLINE void LN(dot4)(const float *restrict a, const float *restrict rows,
     int64_t d = 0;
     for (; d + LANES16 <= D; d += LANES16) {
         VT x = V_LOAD(a + d);
-        p0 = V_ADD(p0, V_MUL(x, V_LOAD(rows + d)));
-        p1 = V_ADD(p1, V_MUL(x, V_LOAD(rows + D + d)));
-        p2 = V_ADD(p2, V_MUL(x, V_LOAD(rows + 2 * D + d)));
-        p3 = V_ADD(p3, V_MUL(x, V_LOAD(rows + 3 * D + d)));
+        p0 = V_FMA(x, V_LOAD(rows + d), p0);
+        p1 = V_FMA(x, V_LOAD(rows + D + d), p1);
+        p2 = V_FMA(x, V_LOAD(rows + 2 * D + d), p2);
+        p3 = V_FMA(x, V_LOAD(rows + 3 * D + d), p3);
     }
     float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (; d < D; d++)
         for (int r = 0; r < 4; r++)
-            tail[r] += a[d] * rows[r * D + d];
+            tail[r] = __builtin_fmaf(a[d], rows[r * D + d], tail[r]);
 #if LANES_WIDE /* the four trees at once, transposing (halves, quarters, pairs): 8 shuffles where 4 take 12 */
     v16 t01 = SHUFFLE32(p0, p1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
               SHUFFLE32(p0, p1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -150,10 +151,10 @@ ALWAYS_INLINE void LN(weighted_rows)(float *restrict acc, const float *restrict 
         VT v0 = V_LOAD(acc + d), v1 = V_LOAD(acc + d + 16), v2 = V_LOAD(acc + d + 32), v3 = V_LOAD(acc + d + 48);
         for (int64_t j = 0; j < n; j++) {
             const float *r = rows + j * D + d;
-            v0 = V_ADD(v0, V_SCALE(p[j], V_LOAD(r)));
-            v1 = V_ADD(v1, V_SCALE(p[j], V_LOAD(r + 16)));
-            v2 = V_ADD(v2, V_SCALE(p[j], V_LOAD(r + 32)));
-            v3 = V_ADD(v3, V_SCALE(p[j], V_LOAD(r + 48)));
+            v0 = V_FMA(V_SPLAT(p[j]), V_LOAD(r), v0);
+            v1 = V_FMA(V_SPLAT(p[j]), V_LOAD(r + 16), v1);
+            v2 = V_FMA(V_SPLAT(p[j]), V_LOAD(r + 32), v2);
+            v3 = V_FMA(V_SPLAT(p[j]), V_LOAD(r + 48), v3);
         }
         memcpy(acc + d, &v0, sizeof v0);
         memcpy(acc + d + 16, &v1, sizeof v1);
@@ -163,12 +164,12 @@ ALWAYS_INLINE void LN(weighted_rows)(float *restrict acc, const float *restrict 
     for (; d + LANES16 <= D; d += LANES16) {
         VT v = V_LOAD(acc + d);
         for (int64_t j = 0; j < n; j++)
-            v = V_ADD(v, V_SCALE(p[j], V_LOAD(rows + j * D + d)));
+            v = V_FMA(V_SPLAT(p[j]), V_LOAD(rows + j * D + d), v);
         memcpy(acc + d, &v, sizeof v);
     }
     for (; d < D; d++)
         for (int64_t j = 0; j < n; j++)
-            acc[d] += p[j] * rows[j * D + d];
+            acc[d] = __builtin_fmaf(p[j], rows[j * D + d], acc[d]);
 }
 
 /* Sequence b, KV head h: its G query heads over the sequence's pages into out. `work` holds
