@@ -56,6 +56,7 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX
 
 typedef struct {
     int isa, group, group_shift, x_dtype, scale_dtype, y_dtype, scale_size;
+    int is_w8; /* packed is W8A16's int8 [N, K] with one scale per row (the amx path only: gemm_w8_amx) */
     int64_t M, K, N, num_groups, xp_stride;
     const void *x;
     const int32_t *packed;

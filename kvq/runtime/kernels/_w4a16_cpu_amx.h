@@ -110,12 +110,27 @@ TARGET_AMX static inline void amx_decompress_tail(const Job *job, const uint8_t 
     }
 }
 
+/* Tiles c0..c1 of an int8 row (W8A16, inputs in natural order) as bf16(q), exact (|q| <= 127 needs 7
+   bits): 32 bytes per tile widened to int32, converted to fp32 and packed by vcvtne2ps2bf16. The row's
+   scale goes on the fp32 sums as they are stored (amx_store). */
+TARGET_AMX static inline void amx_decompress_w8(const int8_t *w, int64_t c0, int64_t c1, uint16_t *out) {
+    for (int64_t c = c0; c < c1; c++, out += AMX_TILE_ELEMS) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + AMX_KC * c));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+        const __m512bh pairs = _mm512_cvtne2ps_pbh(hi, lo);
+        memcpy(out, &pairs, sizeof pairs);
+    }
+}
+
 /* Weight rows n0..n0+16, input tiles c0..c1 (a whole block: c0 = 4b, c1 = c0 + 4; or the tiles past the
-   last block) as bf16(q * scale) into out [c1 - c0][16][32]; rows past N zero. */
+   last block; any tiles of an int8 weight) as bf16(q * scale) (int8: bf16(q)) into out [c1 - c0][16][32];
+   rows past N zero. */
 TARGET_AMX static void amx_decompress_rows(const Job *job, int64_t n0, int r0, int r1, int64_t c0, int64_t c1,
                                            uint16_t *out) {
     /* job's fields in locals: the tile stores may alias them, which would reload them every row */
-    const int64_t row_bytes = job->K / 2, scale_bytes = job->num_groups * job->scale_size, N = job->N;
+    const int64_t row_bytes = job->is_w8 ? job->K : job->K / 2, tile_bytes = row_bytes / (job->K / AMX_KC);
+    const int64_t scale_bytes = job->num_groups * job->scale_size, N = job->N;
     const int64_t groups = 128 / job->group, is_block = c0 + 4 <= job->K / 128 * 4; /* groups in a block: 1, 2, 4 */
     const int scale_dtype = job->scale_dtype;
     const __m512i group_bits = amx_group_bits(groups);
@@ -129,8 +144,10 @@ TARGET_AMX static void amx_decompress_rows(const Job *job, int64_t n0, int r0, i
             continue;
         }
         if (n0 + r + 2 * AMX_ROWS < N) /* 32 rows ahead into L2: cold weights ran ~1.7x slower without */
-            _mm_prefetch((const char *)(w + 2 * AMX_ROWS * row_bytes + c0 * 16), _MM_HINT_T1);
-        if (is_block)
+            _mm_prefetch((const char *)(w + 2 * AMX_ROWS * row_bytes + c0 * tile_bytes), _MM_HINT_T1);
+        if (job->is_w8)
+            amx_decompress_w8((const int8_t *)w, c0, c1, out);
+        else if (is_block)
             amx_decompress_block(w, srow, scale_dtype, c0 / 4, groups, group_bits, out);
         else
             amx_decompress_tail(job, w, srow, c0, c1, out);
@@ -243,7 +260,7 @@ TARGET_AMX static void amx_transpose(const float *c, __m512 rows[AMX_ROWS]) {
 TARGET_AMX static void convert_row_amx(const Job *job, int64_t m) {
     if (m % AMX_ROWS)
         return;
-    const int64_t num_kc = job->K / AMX_KC, block_tiles = job->K / 128 * 4;
+    const int64_t num_kc = job->K / AMX_KC, block_tiles = job->is_w8 ? 0 : job->K / 128 * 4; /* int8: natural */
     const int num_rows = job->M - m < AMX_ROWS ? (int)(job->M - m) : AMX_ROWS;
     uint32_t *out = (uint32_t *)job->xp + (m / AMX_ROWS) * num_kc * AMX_TILE_PAIRS;
     const uint16_t *x = (const uint16_t *)job->x + m * job->K;
@@ -321,8 +338,21 @@ TARGET_AMX static void amx_store_bf16(const Job *job, const float *c, int64_t n0
         }
 }
 
+/* c [n][m] times row n0 + n's scale into scaled (W8A16's int8 weight: one scale per output row). */
+TARGET_AMX static const float *amx_scale_rows(const Job *job, const float *c, int64_t n0, float *scaled) {
+    for (int64_t n = 0; n < AMX_ROWS; n++) {
+        const float s = n0 + n < job->N ? row_scale(job->scale + (n0 + n) * job->scale_size, job->scale_dtype, 0)
+                                        : 0.0f;
+        _mm512_store_ps(scaled + n * AMX_ROWS, _mm512_mul_ps(_mm512_load_ps(c + n * AMX_ROWS), _mm512_set1_ps(s)));
+    }
+    return scaled;
+}
+
 /* The 16 x 16 accumulator block c (C[n][m], weight rows n0.., activation rows m0..) into y. */
 TARGET_AMX static void amx_store(const Job *job, const float *c, int64_t n0, int64_t m0) {
+    float scaled[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
+    if (job->is_w8)
+        c = amx_scale_rows(job, c, n0, scaled);
     if (job->y_dtype == DTYPE_BF16) {
         amx_store_bf16(job, c, n0, m0);
         return;

@@ -4,7 +4,10 @@
    per row, fp32 or bf16), activations x [M, K] and output y [M, N] in fp32, bf16 or fp16, all contiguous:
    the lm_head's INT8 runtime copy. Same paths (scalar reference, AVX2 + FMA, AVX-512F), thread pool and
    fp32 activation scratch as the W4A16 kernel; avx512bf16 runs M >= 2 rows of bf16 activations through
-   vdpbf16ps (w8_gemm_bf16 in _w4a16_cpu_bf16.h, no scratch), the rest as avx512.
+   vdpbf16ps (w8_gemm_bf16 in _w4a16_cpu_bf16.h, no scratch), the rest as avx512; amx runs M >=
+   AMX_W8_FROM_ROWS rows of bf16 activations with K a multiple of 32 through the AMX W4A16 kernel's tiles
+   (gemm_w8_amx: the int8 rows widened to bf16 exactly, each row's scale on its fp32 sums at the store;
+   ~6x avx512bf16's loops on the SmolLM2 lm_head at 32 rows), fewer rows as avx512bf16.
 
    gemm_w8(isa, threads, x, x_dtype, M, K, w, scale, scale_dtype, N, y, y_dtype) takes addresses and dtype
    codes; the caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/w8a16.py). */
@@ -51,6 +54,54 @@ static void w8_convert_task(void *ctx, int64_t chunk, int64_t num_chunks) {
         job->xp[i] = load_f32(job->x, job->x_dtype, i);
 }
 
+/* The job on its (non-AMX) path: activations to fp32 first (avx512bf16 reads bf16 as it is), then the
+   rows over the pool. -1: out of memory. */
+static int w8_run(int threads, W8Job *job) {
+    const int64_t useful = job->M * job->N * job->K / MIN_WORK_PER_THREAD, tiles = (job->N + 3) / 4;
+    int nt = threads < 1 ? 1 : threads;
+    nt = useful < nt ? (int)(useful > 1 ? useful : 1) : nt;
+    const int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD, size = job->M * job->K;
+    if (job->isa != ISA_AVX512BF16) {
+        job->xp = scratch_of((size_t)size);
+        if (job->xp == NULL)
+            return -1;
+        if (size > 65536)
+            run_parallel(w8_convert_task, job, chunks, nt);
+        else
+            w8_convert_task(job, 0, 1);
+    }
+    run_parallel(w8_rows_task, job, chunks < tiles ? chunks : tiles, nt);
+    return 0;
+}
+
+#ifdef KVQ_AMX
+#define AMX_W8_FROM_ROWS 4 /* fewer rows: avx512bf16's loops (as the W4A16 amx path's AMX_FROM_ROWS) */
+
+/* W8A16 on the AMX W4A16 kernel: its Job over the int8 weight (is_w8; one "group" per row). */
+static int gemm_w8_amx(int threads, const W8Job *w8) {
+    Job job = {
+        .isa = ISA_AMX,
+        .group = 128, /* unused by the int8 rows' decompression; keeps the int4 fields in range */
+        .group_shift = 7,
+        .x_dtype = w8->x_dtype,
+        .scale_dtype = w8->scale_dtype,
+        .y_dtype = w8->y_dtype,
+        .scale_size = w8->scale_dtype == DTYPE_F32 ? 4 : 2,
+        .is_w8 = 1,
+        .M = w8->M,
+        .K = w8->K,
+        .N = w8->N,
+        .num_groups = 1,
+        .xp_stride = xp_stride_of(ISA_AMX, w8->K),
+        .x = w8->x,
+        .packed = (const int32_t *)w8->w,
+        .scale = (const uint8_t *)w8->scale,
+        .y = w8->y,
+    };
+    return run_job(&job, threads < 1 ? 1 : threads);
+}
+#endif
+
 static PyObject *gemm_w8(PyObject *self, PyObject *args) {
     (void)self;
     int isa, threads, x_dtype, scale_dtype, y_dtype;
@@ -61,8 +112,11 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
         return NULL;
     if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+#ifdef KVQ_AMX
+    const int use_amx = isa == ISA_AMX && M >= AMX_W8_FROM_ROWS && x_dtype == DTYPE_BF16 && K % AMX_KC == 0;
+#endif
     if (isa == ISA_AMX)
-        isa = ISA_AVX512BF16; /* no AMX loops for int8 weights: avx512bf16's */
+        isa = ISA_AVX512BF16; /* fewer rows, other activations or K: avx512bf16's loops */
     if (isa == ISA_AVX512BF16 && (M < 2 || x_dtype != DTYPE_BF16))
         isa = ISA_AVX512; /* its GEMV, and other activations, are the AVX-512 path's */
     if (M < 0 || N < 0 || K <= 0)
@@ -86,24 +140,14 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
         .scale = (const void *)(uintptr_t)scale,
         .y = (void *)(uintptr_t)y,
     };
-    int64_t useful = M * N * K / MIN_WORK_PER_THREAD, tiles = (N + 3) / 4;
-    int nt = threads < 1 ? 1 : threads;
-    nt = useful < nt ? (int)(useful > 1 ? useful : 1) : nt;
-    int64_t chunks = (int64_t)nt * CHUNKS_PER_THREAD;
-    int status = 0;
+    int status;
     Py_BEGIN_ALLOW_THREADS;
     pthread_mutex_lock(&call_lock);
-    if (isa != ISA_AVX512BF16) { /* activations to fp32 first (avx512bf16 reads bf16 as it is) */
-        job.xp = scratch_of((size_t)(M * K));
-        if (job.xp == NULL)
-            status = -1;
-        else if (M * K > 65536)
-            run_parallel(w8_convert_task, &job, chunks, nt);
-        else
-            w8_convert_task(&job, 0, 1);
-    }
-    if (status == 0)
-        run_parallel(w8_rows_task, &job, chunks < tiles ? chunks : tiles, nt);
+#ifdef KVQ_AMX
+    status = use_amx ? gemm_w8_amx(threads, &job) : w8_run(threads, &job);
+#else
+    status = w8_run(threads, &job);
+#endif
     pthread_mutex_unlock(&call_lock);
     Py_END_ALLOW_THREADS;
     if (status < 0)

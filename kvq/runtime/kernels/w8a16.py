@@ -37,9 +37,9 @@ def w8a16_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 @dataclass(frozen=True)
 class W8A16Weight:
-    """An int8 weight ready for its path: `cpu_isa` "amx" (which runs avx512bf16's loops here) /
-    "avx512bf16" / "avx512" / "avx2" / "scalar" (the native kernel), "torch" (`aten._weight_int8pack_mm`),
-    or None off CPU (the reference)."""
+    """An int8 weight ready for its path: `cpu_isa` "amx" (AMX tiles for 4+ bf16 rows with K a multiple of
+    32, else avx512bf16's loops) / "avx512bf16" / "avx512" / "avx2" / "scalar" (the native kernel), "torch"
+    (`aten._weight_int8pack_mm`), or None off CPU (the reference)."""
 
     weight: torch.Tensor  # int8 [N, K], contiguous
     weight_scale: torch.Tensor  # fp32 [N]
