@@ -7,7 +7,7 @@
    vdpbf16ps (w8_gemm_bf16 in _w4a16_cpu_bf16.h, no scratch), the rest as avx512; amx runs M >=
    AMX_W8_FROM_ROWS rows of bf16 activations with K a multiple of 32 through the AMX W4A16 kernel's tiles
    (gemm_w8_amx: the int8 rows widened to bf16 exactly, each row's scale on its fp32 sums at the store;
-   ~6x avx512bf16's loops on the SmolLM2 lm_head at 32 rows), fewer rows as avx512bf16.
+   ~9x avx512bf16's loops on the SmolLM2 lm_head at 32 rows), fewer rows as avx512bf16.
 
    gemm_w8(isa, threads, x, x_dtype, M, K, w, scale, scale_dtype, N, y, y_dtype) takes addresses and dtype
    codes; the caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/w8a16.py). */

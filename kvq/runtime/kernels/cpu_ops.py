@@ -121,6 +121,7 @@ def argmax_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         or not x.is_contiguous()
         or not _enabled(os.environ.get(CPU_ISA_ENV))
     ):
+        x = x.float()  # torch's CPU argmax of [32, 49152] bf16: 5.2 ms, the copy and fp32's: 0.4 + 2.1
         return x.argmax(dim=-1), x.isfinite().all(dim=-1)
     assert _ext is not None
     out, is_finite = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0], dtype=torch.bool)
