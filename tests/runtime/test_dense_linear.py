@@ -1,6 +1,8 @@
-"""DenseLinear on CPU bf16: one row goes through torch's own GEMV (`linear_one_row_cpu`), more rows through
-oneDNN on a blocked copy of the weight made at the first batch (`prepack_cpu_bf16`); both equal the fp32
-product within bf16 rounding, batches equal F.linear bit for bit, and the oneDNN switch is left as it was."""
+"""DenseLinear on CPU bf16 off the amx path (there decode batches take kvq's AMX GEMM:
+tests/runtime/kernels/test_dense_amx.py): one row goes through torch's own GEMV (`linear_one_row_cpu`),
+more rows through oneDNN on a blocked copy of the weight made at the first batch (`prepack_cpu_bf16`); both
+equal the fp32 product within bf16 rounding, batches equal F.linear bit for bit, and the oneDNN switch is
+left as it was."""
 
 import subprocess
 import sys
@@ -9,7 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV
 from kvq.runtime.layers.linear import DenseLinear, linear_one_row_cpu, prepack_cpu_bf16
+
+
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVQ_CPU_ISA=torch: the torch GEMMs whatever this CPU has."""
+    monkeypatch.setenv(CPU_ISA_ENV, "torch")
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -24,7 +33,7 @@ def test_dense_bf16_rows_equal_the_fp32_product(num_rows: int, out_features: int
     bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
     x = torch.randn(num_rows, in_features, generator=g).to(torch.bfloat16)
     layer = DenseLinear(weight, bias)
-    assert layer.is_cpu_bf16
+    assert layer.is_cpu_bf16 and not layer.is_amx
     y = layer(x)
     assert y.dtype == torch.bfloat16 and y.shape == (num_rows, out_features)
     expected = _reference(x, weight) + bias.float()
@@ -64,6 +73,17 @@ def test_fp32_weights_take_f_linear_unchanged() -> None:
 @pytest.mark.skipif(prepack_cpu_bf16(torch.ones(4, 4, dtype=torch.bfloat16)) is None, reason="no oneDNN here")
 @pytest.mark.parametrize(("out_features", "in_features"), [(7, 96), (130, 576), (1000, 33)])
 def test_batches_run_a_weight_blocked_once_and_equal_f_linear(out_features: int, in_features: int) -> None:
+    # one thread: with two, oneDNN splits 65 rows differently over the blocked and the plain weight (a
+    # bf16 ulp apart at [65, 576] x [130, 576]^T), whatever thread count the suite runs with
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_blocked_once(out_features, in_features)
+    finally:
+        torch.set_num_threads(was)
+
+
+def _check_blocked_once(out_features: int, in_features: int) -> None:
     g = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     layer = DenseLinear(weight, None)

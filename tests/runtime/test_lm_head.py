@@ -59,9 +59,12 @@ def test_int8_lm_head_is_the_quantized_dense_one(tiny_checkpoint) -> None:
     # the copy replaces the dense lm_head: half its bytes plus a fp32 scale per row
     assert loaded_bytes[0] - loaded_bytes[1] == dense.numel() * 2 - (dense.numel() + vocab * 4)
     # the batch of 5 above made the dense lm_head's oneDNN copy, which is resident and counted (where
-    # oneDNN has a bf16 path: not on AVX2-only CPUs, where batches take F.linear and nothing is added)
+    # oneDNN has a bf16 path: not on AVX2-only CPUs, where batches take F.linear and nothing is added; nor
+    # where the CPU path is amx: decode batches read the weight itself, `dense_amx_matmul`)
     packed = stored.model.lm_head.packed
-    if onednn_prepack_available():
+    if stored.model.lm_head.is_amx:
+        assert packed is None and stored.weight_bytes == loaded_bytes[0]
+    elif onednn_prepack_available():
         assert packed is not None
         assert stored.weight_bytes == loaded_bytes[0] + packed.numel() * packed.element_size()
     else:

@@ -15,7 +15,10 @@
    previous chunk's tdpbf16ps, in one pipeline over all of a thread's pairs (a pair's results go into y a
    chunk after its tiles are stored). M > 32: per strip, the first pass decompresses into the whole strip,
    which the other passes (32 activation rows each) read back. The weight rows 32 ahead are prefetched into
-   L2. Threads split the strips. */
+   L2. Threads split the strips. The same tiles run W8A16's int8 weight (weight_bits 8: rows widened to
+   bf16(q) exactly, the row scale at the store) and a dense bf16 weight (weight_bits 16: up to 32 rows the A
+   tiles load straight from its rows, amx_pairs_dense; more rows copy it strip by strip), both in natural
+   input order. */
 
 #define AMX_ROWS 16      /* weight rows per strip (A tile rows) and activation rows per B / C tile */
 #define AMX_KC 32        /* inputs per tile (K is a multiple of the group size, so of 32) */
@@ -124,12 +127,13 @@ TARGET_AMX static inline void amx_decompress_w8(const int8_t *w, int64_t c0, int
 }
 
 /* Weight rows n0..n0+16, input tiles c0..c1 (a whole block: c0 = 4b, c1 = c0 + 4; or the tiles past the
-   last block; any tiles of an int8 weight) as bf16(q * scale) (int8: bf16(q)) into out [c1 - c0][16][32];
-   rows past N zero. */
+   last block; any tiles of an int8 or bf16 weight) as bf16(q * scale) (int8: bf16(q); bf16: copied) into
+   out [c1 - c0][16][32]; rows past N zero. */
 TARGET_AMX static void amx_decompress_rows(const Job *job, int64_t n0, int r0, int r1, int64_t c0, int64_t c1,
                                            uint16_t *out) {
     /* job's fields in locals: the tile stores may alias them, which would reload them every row */
-    const int64_t row_bytes = job->is_w8 ? job->K : job->K / 2, tile_bytes = row_bytes / (job->K / AMX_KC);
+    const int bits = job->weight_bits;
+    const int64_t row_bytes = job->K * bits / 8, tile_bytes = AMX_KC * bits / 8;
     const int64_t scale_bytes = job->num_groups * job->scale_size, N = job->N;
     const int64_t groups = 128 / job->group, is_block = c0 + 4 <= job->K / 128 * 4; /* groups in a block: 1, 2, 4 */
     const int scale_dtype = job->scale_dtype;
@@ -145,7 +149,10 @@ TARGET_AMX static void amx_decompress_rows(const Job *job, int64_t n0, int r0, i
         }
         if (n0 + r + 2 * AMX_ROWS < N) /* 32 rows ahead into L2: cold weights ran ~1.7x slower without */
             _mm_prefetch((const char *)(w + 2 * AMX_ROWS * row_bytes + c0 * tile_bytes), _MM_HINT_T1);
-        if (job->is_w8)
+        if (bits == 16)
+            for (int64_t c = c0; c < c1; c++)
+                memcpy(out + (c - c0) * AMX_TILE_ELEMS, w + c * tile_bytes, tile_bytes);
+        else if (bits == 8)
             amx_decompress_w8((const int8_t *)w, c0, c1, out);
         else if (is_block)
             amx_decompress_block(w, srow, scale_dtype, c0 / 4, groups, group_bits, out);
@@ -254,13 +261,14 @@ TARGET_AMX static void amx_transpose(const float *c, __m512 rows[AMX_ROWS]) {
 /* Activation rows m..m+16 (m a multiple of 16; other m: nothing, that tile's first row did it) as B
    tiles: layout [m tile][input tile c][pair kk 0..15][row 0..15] of 32-bit pairs, in the weight tiles'
    input order (amx_decompress): tile c = 4b + p of a whole block b of 128 inputs holds
-   (x[m, 128b + 8kk + p], x[m, 128b + 8kk + 4 + p]); a tile past the last whole block (K % 128) holds
-   (x[m, 32c + 2kk], x[m, 32c + 2kk + 1]). Rows M..(M rounded up to 16) zero. Per row one vpermt2w per 64
-   inputs and tile gives its 16 pairs, a 16 x 16 transpose (amx_transpose) the tile's whole lines. */
+   (x[m, 128b + 8kk + p], x[m, 128b + 8kk + 4 + p]); a tile past the last whole block (K % 128), and every
+   tile of an int8 or bf16 weight, holds (x[m, 32c + 2kk], x[m, 32c + 2kk + 1]). Rows M..(M rounded up to
+   16) zero. Per row one vpermt2w per 64 inputs and tile gives its 16 pairs, a 16 x 16 transpose
+   (amx_transpose) the tile's whole lines. */
 TARGET_AMX static void convert_row_amx(const Job *job, int64_t m) {
     if (m % AMX_ROWS)
         return;
-    const int64_t num_kc = job->K / AMX_KC, block_tiles = job->is_w8 ? 0 : job->K / 128 * 4; /* int8: natural */
+    const int64_t num_kc = job->K / AMX_KC, block_tiles = job->weight_bits == 4 ? job->K / 128 * 4 : 0;
     const int num_rows = job->M - m < AMX_ROWS ? (int)(job->M - m) : AMX_ROWS;
     uint32_t *out = (uint32_t *)job->xp + (m / AMX_ROWS) * num_kc * AMX_TILE_PAIRS;
     const uint16_t *x = (const uint16_t *)job->x + m * job->K;
@@ -351,7 +359,7 @@ TARGET_AMX static const float *amx_scale_rows(const Job *job, const float *c, in
 /* The 16 x 16 accumulator block c (C[n][m], weight rows n0.., activation rows m0..) into y. */
 TARGET_AMX static void amx_store(const Job *job, const float *c, int64_t n0, int64_t m0) {
     float scaled[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
-    if (job->is_w8)
+    if (job->weight_bits == 8)
         c = amx_scale_rows(job, c, n0, scaled);
     if (job->y_dtype == DTYPE_BF16) {
         amx_store_bf16(job, c, n0, m0);
@@ -391,12 +399,12 @@ TARGET_AMX static void amx_dot(const Job *job, const uint16_t *a, int64_t mt, in
    B0 (from L2: a call's activation tiles do not stay in L1 beside the ring) is last read by the second,
    A0 by the third, and B1's load has two tdpbf16ps to hide behind. (A0 B0, A0 B1, A1 B0, A1 B1: ~5% slower
    at 32 rows; B tiles from an L1-hot buffer instead: ~20% faster, so the B loads still cost.) */
-TARGET_AMX static inline void amx_dot_pair(const uint16_t *a0, const uint16_t *a1, const uint32_t *b, int64_t next,
-                                           int two) {
+TARGET_AMX static inline void amx_dot_pair(const uint16_t *a0, const uint16_t *a1, int64_t a_stride,
+                                           const uint32_t *b, int64_t next, int two) {
     _tile_loadd(6, b, 64);
-    _tile_loadd(4, a0, 64);
+    _tile_loadd(4, a0, a_stride);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(5, a1, 64);
+    _tile_loadd(5, a1, a_stride);
     _tile_dpbf16ps(2, 5, 6);
     if (two) {
         _tile_loadd(7, b + next, 64);
@@ -405,8 +413,62 @@ TARGET_AMX static inline void amx_dot_pair(const uint16_t *a0, const uint16_t *a
     }
 }
 
-/* A finished pair's accumulators, C0 (C1), C2 (C3), tile-stored into acc, into y: strips n and n + 16. */
+/* v rounded to bf16 (to nearest even; NaN kept), as fp32. */
+TARGET_AMX static inline __m512 amx_round_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+
+/* e^x per lane: exp_f32's range reduction and polynomial (_cpu_ops.c), 0 below -87.3, inf above 88.3. */
+TARGET_AMX static inline __m512 amx_exp(__m512 x) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), magic);
+    const __m512 n = _mm512_sub_ps(t, magic);
+    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-6f)));
+    static const float coefficients[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    for (int i = 0; i < 7; i++)
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(coefficients[i]));
+    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(t),
+                                                                              _mm512_set1_epi32(0x4B400000)),
+                                                             _mm512_set1_epi32(127)),
+                                            23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3f), _CMP_GT_OQ),
+                              _mm512_set1_ps(INFINITY));
+}
+
+/* silu_mul's epilogue: out = silu(gate) * up per element of two 16 x 16 blocks as torch computes
+   F.silu(gate) * up on the bf16 gate_up: gate and up rounded to bf16, silu in fp32 rounded to bf16, their
+   product (exact in fp32) left for the store to round. */
+TARGET_AMX static void amx_silu_mul(const float *gate, const float *up, float *out) {
+    for (int i = 0; i < AMX_ROWS * AMX_ROWS; i += 16) {
+        const __m512 g = amx_round_bf16(_mm512_load_ps(gate + i)), u = amx_round_bf16(_mm512_load_ps(up + i));
+        const __m512 e = amx_exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = amx_round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        _mm512_store_ps(out + i, _mm512_mul_ps(silu, u));
+    }
+}
+
+/* A finished pair's accumulators, C0 (C1), C2 (C3), tile-stored into acc, into y: strips n and n + 16, or
+   under silu_mul one strip n of y from the gate strip n (C0, C1) and the up strip n + N / 2 (C2, C3). */
 TARGET_AMX static void amx_pair_store(const Job *job, float (*acc)[AMX_ROWS * AMX_ROWS], int64_t n, int two) {
+    if (job->silu_mul) {
+        Job half = *job; /* y's rows: N / 2 */
+        half.N = job->N / 2;
+        float out[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
+        for (int t = 0; t < 1 + two; t++) {
+            amx_silu_mul(acc[t], acc[2 + t], out);
+            amx_store(&half, out, n, t * AMX_ROWS);
+        }
+        return;
+    }
     amx_store(job, acc[0], n, 0);
     if (two)
         amx_store(job, acc[1], n, AMX_ROWS);
@@ -425,6 +487,8 @@ TARGET_AMX static void amx_pair_store(const Job *job, float (*acc)[AMX_ROWS * AM
    [3072, 576] at 32 rows took ~12% longer. */
 TARGET_AMX static void amx_pairs(const Job *job, int64_t n0, int64_t num_pairs, uint16_t *ring) {
     const int64_t num_kc = job->K / AMX_KC, next = num_kc * AMX_TILE_PAIRS;
+    /* a pair's first strip n and its second, n + second; silu_mul: gate strip n, up strip n + N / 2 */
+    const int64_t step = job->silu_mul ? AMX_ROWS : 2 * AMX_ROWS, second = job->silu_mul ? job->N / 2 : AMX_ROWS;
     const int64_t per_pair = (num_kc + AMX_CHUNK - 1) / AMX_CHUNK, num_chunks = num_pairs * per_pair;
     const int two = job->M > AMX_ROWS;
     float acc[2][4][AMX_ROWS * AMX_ROWS] __attribute__((aligned(64))); /* pair p's in acc[p % 2] */
@@ -436,19 +500,19 @@ TARGET_AMX static void amx_pairs(const Job *job, int64_t n0, int64_t num_pairs, 
     for (int64_t g = 0; g <= num_chunks; g++) {
         uint16_t *a = ring + g % 2 * 2 * AMX_RING_SLOT;
         const uint16_t *prev = ring + (g + 1) % 2 * 2 * AMX_RING_SLOT;
-        const int64_t n = n0 + g / per_pair * 2 * AMX_ROWS, c0 = g % per_pair * AMX_CHUNK;
+        const int64_t n = n0 + g / per_pair * step, c0 = g % per_pair * AMX_CHUNK;
         const int64_t c1 = c0 + AMX_CHUNK < num_kc ? c0 + AMX_CHUNK : num_kc;
         const int64_t d0 = g > 0 ? (g - 1) % per_pair * AMX_CHUNK : num_kc; /* chunk g - 1's first tile */
         for (int q = 0; q < 4; q++) { /* a quarter of chunk g's rows per input tile of chunk g - 1 */
             if (d0 + q < num_kc)
-                amx_dot_pair(prev + q * AMX_TILE_ELEMS, prev + AMX_RING_SLOT + q * AMX_TILE_ELEMS,
+                amx_dot_pair(prev + q * AMX_TILE_ELEMS, prev + AMX_RING_SLOT + q * AMX_TILE_ELEMS, 64,
                              (const uint32_t *)job->xp + (d0 + q) * AMX_TILE_PAIRS, next, two);
             if (g < num_chunks)
-                amx_decompress_rows(job, n + q / 2 * AMX_ROWS, q % 2 * 8, q % 2 * 8 + 8, c0, c1,
+                amx_decompress_rows(job, n + q / 2 * second, q % 2 * 8, q % 2 * 8 + 8, c0, c1,
                                     a + q / 2 * AMX_RING_SLOT);
         }
         if (waiting >= 0) {
-            amx_pair_store(job, acc[waiting % 2], n0 + waiting * 2 * AMX_ROWS, two);
+            amx_pair_store(job, acc[waiting % 2], n0 + waiting * step, two);
             waiting = -1;
         }
         if (g > 0 && g % per_pair == 0) { /* chunk g - 1 was its pair's last */
@@ -467,7 +531,39 @@ TARGET_AMX static void amx_pairs(const Job *job, int64_t n0, int64_t num_pairs, 
         }
     }
     if (waiting >= 0)
-        amx_pair_store(job, acc[waiting % 2], n0 + waiting * 2 * AMX_ROWS, two);
+        amx_pair_store(job, acc[waiting % 2], n0 + waiting * step, two);
+}
+
+/* A dense bf16 weight (weight_bits 16), M <= 32: num_pairs pairs of strips from weight row n0, all rows
+   below N, with the A tiles loaded straight from the weight's rows (stride 2K bytes): nothing to
+   decompress, so no ring and no pipeline. The next pair's rows are prefetched into L2 a tile at a time. */
+TARGET_AMX static void amx_pairs_dense(const Job *job, int64_t n0, int64_t num_pairs) {
+    const int64_t K = job->K, num_kc = K / AMX_KC, next = num_kc * AMX_TILE_PAIRS;
+    const int two = job->M > AMX_ROWS;
+    const uint32_t *b = (const uint32_t *)job->xp;
+    float acc[4][AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
+    for (int64_t p = 0; p < num_pairs; p++) {
+        const int64_t n = n0 + p * 2 * AMX_ROWS;
+        const uint16_t *a = (const uint16_t *)job->packed + n * K;
+        const int prefetch = p + 1 < num_pairs;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < num_kc; c++) {
+            if (prefetch)
+                for (int r = 0; r < 2 * AMX_ROWS; r++)
+                    _mm_prefetch((const char *)(a + (2 * AMX_ROWS + r) * K + c * AMX_KC), _MM_HINT_T1);
+            amx_dot_pair(a + c * AMX_KC, a + AMX_ROWS * K + c * AMX_KC, 2 * K, b + c * AMX_TILE_PAIRS, next, two);
+        }
+        _tile_stored(0, acc[0], 64);
+        _tile_stored(2, acc[2], 64);
+        if (two) {
+            _tile_stored(1, acc[1], 64);
+            _tile_stored(3, acc[3], 64);
+        }
+        amx_pair_store(job, acc, n, two);
+    }
 }
 
 /* Weight rows n0..n0+16 (a strip) through all activation rows. The first pass (activation tiles 0 and 1)
@@ -527,7 +623,14 @@ TARGET_AMX static void gemm_amx(Job *job, int64_t n0, int64_t n1) {
     }
     amx_load_config();
     int64_t n = n0;
-    if (job->M <= 2 * AMX_ROWS) { /* pairs while a second strip starts before n1, then a strip if one is left */
+    if (job->M <= 2 * AMX_ROWS && job->weight_bits == 16) { /* whole pairs straight from the weight */
+        const int64_t num_pairs = (n1 - n0) / (2 * AMX_ROWS);
+        amx_pairs_dense(job, n0, num_pairs);
+        n += num_pairs * 2 * AMX_ROWS;
+    } else if (job->silu_mul) { /* a pair per strip of y */
+        amx_pairs(job, n0, (n1 - n0) / AMX_ROWS, strip);
+        n = n1;
+    } else if (job->M <= 2 * AMX_ROWS) { /* pairs while a second strip starts before n1, then a strip if one is left */
         const int64_t num_pairs = (n1 - n0 + AMX_ROWS - 1) / (2 * AMX_ROWS);
         amx_pairs(job, n0, num_pairs, strip);
         n += num_pairs * 2 * AMX_ROWS;

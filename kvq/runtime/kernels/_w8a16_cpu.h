@@ -77,7 +77,7 @@ static int w8_run(int threads, W8Job *job) {
 #ifdef KVQ_AMX
 #define AMX_W8_FROM_ROWS 4 /* fewer rows: avx512bf16's loops (as the W4A16 amx path's AMX_FROM_ROWS) */
 
-/* W8A16 on the AMX W4A16 kernel: its Job over the int8 weight (is_w8; one "group" per row). */
+/* W8A16 on the AMX W4A16 kernel: its Job over the int8 weight (weight_bits 8; one "group" per row). */
 static int gemm_w8_amx(int threads, const W8Job *w8) {
     Job job = {
         .isa = ISA_AMX,
@@ -87,7 +87,7 @@ static int gemm_w8_amx(int threads, const W8Job *w8) {
         .scale_dtype = w8->scale_dtype,
         .y_dtype = w8->y_dtype,
         .scale_size = w8->scale_dtype == DTYPE_F32 ? 4 : 2,
-        .is_w8 = 1,
+        .weight_bits = 8,
         .M = w8->M,
         .K = w8->K,
         .N = w8->N,

@@ -1,5 +1,5 @@
 """The native CPU W4A16 kernel: which path runs (`KVQ_CPU_ISA`) and the launchers over the C extension
-(the W8A16 entry's too, `gemm_w8`).
+(the W8A16 and dense BF16 entries' too, `gemm_w8`, `gemm_dense`).
 
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
 `w4a16.py`) with AMX (avx512bf16, but batches of at least `AMX_FROM_ROWS` bf16 rows through AMX tiles
@@ -33,6 +33,8 @@ _REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_til
 # amx, bf16 activations: from this many rows the AMX GEMM outruns avx512bf16's vdpbf16ps one (Emerald
 # Rapids, SmolLM2 shapes, one thread: ~1.0x at 3 rows, 1.3x at 4, 3x at 8, 7x at 32); below, avx512bf16
 AMX_FROM_ROWS = 4
+# amx: up to this many rows a gate_up weight's activation runs on its AMX sums (`NativeW4A16.silu_mul`)
+SILU_MUL_MAX_ROWS = 32
 # amx: from this many rows dense_matmul (oneDNN's AMX GEMM) outruns it again (0.6x its time at 64 rows,
 # 0.8x at 128, ~1x at 192, 1.1-1.4x at 256-512: the W4A16 kernel re-reads its activations per 16 weight rows)
 AMX_DENSE_FROM_ROWS = 256
@@ -141,6 +143,23 @@ class NativeW4A16:
         y = torch.empty((num_rows, self.weight_packed.shape[0]), dtype=x.dtype)
         return _gemm(code, x, *self._ptrs, self._scale_code, self.group_size, y)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up `[M, N / 2]` of a gate_up weight (gate rows first) in one call, the activation
+        applied to the AMX sums as they are stored (`silu_mul` in _w4a16_cpu_amx.h; the values of
+        F.silu(gate) * up on the bf16 product): amx, contiguous bf16 x of `AMX_FROM_ROWS` to
+        `SILU_MUL_MAX_ROWS` rows, N a multiple of 32. None where it does not apply."""
+        num_rows, out_features = x.shape[0], self.weight_packed.shape[0]
+        if (
+            self.isa != "amx"
+            or not AMX_FROM_ROWS <= num_rows <= SILU_MUL_MAX_ROWS
+            or x.dtype != torch.bfloat16
+            or not x.is_contiguous()
+            or out_features % 32
+        ):
+            return None
+        y = torch.empty((num_rows, out_features // 2), dtype=x.dtype)
+        return _gemm(self._isa_code, x, *self._ptrs, self._scale_code, self.group_size, y, silu_mul=True)
+
 
 def _few_rows_isa(isa: str) -> str:
     """The path that runs batches of fewer than `AMX_FROM_ROWS` rows on `isa`: avx512bf16's for amx."""
@@ -216,14 +235,22 @@ def dense_matmul(
 
 
 def _gemm(
-    isa_code: int, x: torch.Tensor, packed: int, scale: int, scale_code: int, group_size: int, y: torch.Tensor
+    isa_code: int,
+    x: torch.Tensor,
+    packed: int,
+    scale: int,
+    scale_code: int,
+    group_size: int,
+    y: torch.Tensor,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
-    """The C call on contiguous x `[M, K]` into y `[M, N]` (dtypes checked by the caller)."""
+    """The C call on contiguous x `[M, K]` into y `[M, N]` (`silu_mul`: y `[M, N / 2]`; dtypes checked by
+    the caller)."""
     assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
-    (num_rows, in_features), out_features = x.shape, y.shape[1]
+    (num_rows, in_features), out_features = x.shape, y.shape[1] * (2 if silu_mul else 1)
     x_code, y_code, threads = _DTYPE_CODES[x.dtype], _DTYPE_CODES[y.dtype], torch.get_num_threads()
     args = (x.data_ptr(), x_code, num_rows, in_features, packed, scale, scale_code, out_features)
-    _ext.gemm(isa_code, threads, *args, group_size, y.data_ptr(), y_code)
+    _ext.gemm(isa_code, threads, *args, group_size, y.data_ptr(), y_code, silu_mul)
     return y
 
 
@@ -237,5 +264,16 @@ def gemm_w8(
     _ext.gemm_w8(
         _ISA_CODES[isa], torch.get_num_threads(), x.data_ptr(), _DTYPE_CODES[x.dtype], num_rows, in_features,
         weight.data_ptr(), weight_scale.data_ptr(), _DTYPE_CODES[weight_scale.dtype], out_features,
+        y.data_ptr(), _DTYPE_CODES[y.dtype],
+    )  # fmt: skip
+
+
+def gemm_dense(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
+    """The dense BF16 C call on AMX tiles (`_dense_cpu_amx.h`): contiguous bf16 x `[M, K]` into y `[M, N]`
+    for a contiguous bf16 weight `[N, K]`, K a multiple of 32 (checked by the caller; amx runnable)."""
+    assert _ext is not None, "the caller checks that the amx path is runnable"
+    (num_rows, in_features), out_features = x.shape, weight.shape[0]
+    _ext.gemm_dense(
+        torch.get_num_threads(), x.data_ptr(), num_rows, in_features, weight.data_ptr(), out_features,
         y.data_ptr(), _DTYPE_CODES[y.dtype],
     )  # fmt: skip

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
 from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
+from kvq.runtime.kernels.dense_cpu import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
 from kvq.runtime.kernels.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
 
 DENSE, FP8, INT4 = "dense", "fp8", "int4"
@@ -62,23 +63,33 @@ class Linear:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up `[T, N / 2]` of a gate_up projection (gate rows first) in one fused call, or
+        None where this layer has none for x (the caller runs matmul and the activation)."""
+        return None
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps resident (for memory accounting)."""
         raise NotImplementedError
 
 
 class DenseLinear(Linear):
-    """A dense weight. On CPU in bf16: one row (batch-1 decode) through torch's own GEMV
-    (`linear_one_row_cpu`); batches through oneDNN on a copy of the weight blocked for it once, at the first
-    batch (`prepack_cpu_bf16`), not at every call; resident from then on (`tensors` counts it)."""
+    """A dense weight. On CPU in bf16: where the CPU path is amx, up to `DENSE_AMX_MAX_ROWS` bf16 rows
+    (decode) through kvq's AMX GEMM straight from the weight (`dense_amx_matmul`); elsewhere one row
+    through torch's own GEMV (`linear_one_row_cpu`); other batches through oneDNN on a copy of the weight
+    blocked for it once, at the first such batch (`prepack_cpu_bf16`), not at every call; resident from
+    then on (`tensors` counts it)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias  # [N, K]
         self.is_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.packable = self.is_cpu_bf16 and onednn_prepack_available()
         self.packed: torch.Tensor | None = None  # oneDNN's blocked copy, made at the first batch
+        self.is_amx = self.is_cpu_bf16 and dense_amx_applies(weight)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_amx and x.dtype == torch.bfloat16 and x.shape[0] <= DENSE_AMX_MAX_ROWS:
+            return dense_amx_matmul(x, self.weight)
         if self.is_cpu_bf16 and x.shape[0] == 1:
             return linear_one_row_cpu(x, self.weight)
         if not self.packable:
@@ -151,6 +162,10 @@ class Int4Linear(Linear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return w4a16_linear(x, self.weight)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        native = self.weight.native
+        return native.silu_mul(x) if native is not None and self.bias is None else None
 
     def tensors(self) -> list[torch.Tensor]:
         w = self.weight
