@@ -100,11 +100,14 @@ def cpu_flags() -> str:
 
 
 def describe_cpu_path(isa: str) -> str:
-    """One line for logs and benchmarks: the CPU's features, the W4A16 path that runs and the vector level
-    of the C small ops (attention, norms, rotary, store, argmax) under the same $KVQ_CPU_ISA."""
+    """One line for logs and benchmarks: the CPU's features, the W4A16 path that runs (amx: dense BF16
+    Linears' decode batches too, `dense_cpu`) and the vector level of the C small ops (attention, norms,
+    rotary, store, argmax) under the same $KVQ_CPU_ISA."""
     from kvq.runtime.kernels.cpu_ops import describe_level  # imports this module: here, not at the top
 
     path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
+    if isa == "amx":
+        path += " (dense BF16 decode batches on AMX tiles too)"
     ops = describe_level()
     return f"CPU W4A16 path: {path}, small ops: {ops} (CPU: {cpu_flags()})"
 
