@@ -88,7 +88,7 @@ class DenseLinear(Linear):
         self.is_amx = self.is_cpu_bf16 and dense_amx_applies(weight)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_amx and x.dtype == torch.bfloat16 and x.shape[0] <= DENSE_AMX_MAX_ROWS:
+        if self.is_amx and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DENSE_AMX_MAX_ROWS:
             return dense_amx_matmul(x, self.weight)
         if self.is_cpu_bf16 and x.shape[0] == 1:
             return linear_one_row_cpu(x, self.weight)

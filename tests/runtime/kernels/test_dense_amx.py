@@ -79,6 +79,8 @@ def test_dense_linear_takes_it_for_decode_batches(monkeypatch: pytest.MonkeyPatc
         y, expected = layer(x), F.linear(x.float(), weight.float(), bias.float())
         assert_close_rel(y, expected, REL_TOL[torch.bfloat16])
     assert layer.packed is None and layer.tensors() == [weight, bias]  # no blocked copy for decode batches
+    x3 = _random((2, 3, 576), gen)  # leading dims other than one: F.linear's path
+    assert torch.equal(layer.matmul(x3), F.linear(x3, weight))
     x = _random((DENSE_AMX_MAX_ROWS + 1, 576), gen)
     assert torch.equal(layer.matmul(x), F.linear(x, weight))  # more rows: oneDNN (prefill)
     monkeypatch.setenv(CPU_ISA_ENV, "avx512bf16")
