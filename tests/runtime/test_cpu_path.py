@@ -36,3 +36,15 @@ def test_a_bad_choice_is_one_line(tiny_checkpoint, monkeypatch) -> None:
     assert_one_line_error(
         result, "KVQ_CPU_ISA is 'avx9'", "expected one of auto, amx, avx512bf16, avx512, avx2, scalar, torch"
     )
+
+
+def test_the_isa_is_read_as_the_environment_says_now(monkeypatch) -> None:
+    """`cpu_isa_env` (read at every C op) follows os.environ's sets and deletes, as os.environ.get does."""
+    from kvq.runtime.kernels.w4a16_cpu import cpu_isa_env
+
+    monkeypatch.setenv(CPU_ISA_ENV, "avx2")
+    assert cpu_isa_env() == "avx2"
+    monkeypatch.setenv(CPU_ISA_ENV, "Torch ")
+    assert cpu_isa_env() == "Torch "
+    monkeypatch.delenv(CPU_ISA_ENV)
+    assert cpu_isa_env() is None

@@ -10,13 +10,12 @@ KVQ_CPU_ISA not `torch` (which keeps every CPU op in torch). Imports torch and k
 from __future__ import annotations
 
 import importlib
-import os
 from functools import cache
 from types import ModuleType
 
 import torch
 
-from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, resolve_cpu_isa
+from kvq.runtime.kernels.w4a16_cpu import cpu_isa_env, resolve_cpu_isa
 
 _ext: ModuleType | None
 try:
@@ -44,7 +43,7 @@ def vector_level() -> int:
     plain arithmetic, FP8 pages widened in arithmetic), 1 AVX2 + F16C (`avx2`), else 2 (AVX-512
     where the CPU has it); the C side lowers it to what the CPU runs (`_ext.vector_level(wanted)`). Every
     level gives the same bits (tested against each other), so each can be run on one machine."""
-    return _vector_level(os.environ.get(CPU_ISA_ENV))
+    return _vector_level(cpu_isa_env())
 
 
 LEVEL_NAMES = ("baseline", "AVX2", "AVX-512")
@@ -53,7 +52,7 @@ LEVEL_NAMES = ("baseline", "AVX2", "AVX-512")
 def describe_level() -> str:
     """The C ops' level that runs under $KVQ_CPU_ISA on this CPU, for the CPU path's log line: e.g.
     'AVX2 C ops', or 'torch' where they are off (`KVQ_CPU_ISA=torch`, or the extension is not built)."""
-    if not _enabled(os.environ.get(CPU_ISA_ENV)):
+    if not _enabled(cpu_isa_env()):
         return "torch"
     assert _ext is not None
     return f"{LEVEL_NAMES[_ext.vector_level(vector_level())]} C ops"
@@ -65,7 +64,7 @@ def native_ops_apply(x: torch.Tensor) -> bool:
         x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and x.is_contiguous()
-        and _enabled(os.environ.get(CPU_ISA_ENV))
+        and _enabled(cpu_isa_env())
     )
 
 
@@ -119,7 +118,7 @@ def argmax_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         or x.shape[-1] == 0
         or x.device.type != "cpu"
         or not x.is_contiguous()
-        or not _enabled(os.environ.get(CPU_ISA_ENV))
+        or not _enabled(cpu_isa_env())
     ):
         x = x.float()  # torch's CPU argmax of [32, 49152] bf16: 5.2 ms, the copy and fp32's: 0.4 + 2.1
         return x.argmax(dim=-1), x.isfinite().all(dim=-1)
@@ -156,7 +155,7 @@ def rotary_applies(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor)
         and cos.dtype == sin_signed.dtype == torch.bfloat16
         and cos.is_contiguous()
         and sin_signed.is_contiguous()
-        and _enabled(os.environ.get(CPU_ISA_ENV))
+        and _enabled(cpu_isa_env())
     )
 
 
@@ -173,7 +172,7 @@ def store_applies(
         and k_cache.dtype in _KV_DTYPES
         and slot_mapping.dtype in _INDEX_DTYPES
         and slot_mapping.is_contiguous()
-        and _enabled(os.environ.get(CPU_ISA_ENV))
+        and _enabled(cpu_isa_env())
     )
 
 
