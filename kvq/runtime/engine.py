@@ -28,6 +28,7 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.worker import serve_steps
+from kvq.runtime.frozen_heap import frozen_heap
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.integrity.ranks import RankLeader, RankReset
@@ -299,10 +300,11 @@ class Engine:
         for seq in seqs:
             self._queue(seq)
         final: dict[int, RequestOutput] = {}
-        while len(final) < len(seqs):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        with frozen_heap():
+            while len(final) < len(seqs):
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
         return [final[s.seq_id] for s in seqs]
 
     def perplexity(self, windows: Seq[Seq[int]]) -> float:

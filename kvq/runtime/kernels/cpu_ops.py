@@ -61,10 +61,7 @@ def describe_level() -> str:
 def native_ops_apply(x: torch.Tensor) -> bool:
     """True when the C ops run on `x`: bf16, contiguous, on CPU, built, and $KVQ_CPU_ISA is not torch."""
     return (
-        x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and x.is_contiguous()
-        and _enabled(cpu_isa_env())
+        x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous() and _enabled(cpu_isa_env())
     )
 
 
