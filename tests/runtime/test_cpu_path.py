@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+import torch
+
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import CPU_ISA_ENV, describe_cpu_path
 from kvq.runtime.layers.linear import Int4Linear
 from kvq.runtime.sampling import SamplingParams
+from tests.runtime.cpu_isa import needs_amx
 from tests.test_cli_errors import assert_one_line_error, run_kvq
 
 PROMPT = [5, 17, 3, 99, 42, 7, 7, 256]
@@ -48,3 +52,52 @@ def test_the_isa_is_read_as_the_environment_says_now(monkeypatch) -> None:
     assert cpu_isa_env() == "Torch "
     monkeypatch.delenv(CPU_ISA_ENV)
     assert cpu_isa_env() is None
+
+
+def _batch_logits(engine: Engine, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
+    """fp32 logits `[steps, B, V]`: the prompts' prefill, then decode steps of the whole batch with the
+    forced tokens appended (teacher forcing; `reference.teacher_forced_logits` for a batch)."""
+    seqs = [engine.make_sequence(p, SamplingParams(max_tokens=len(forced[0]) + 1)) for p in prompts]
+    for seq in seqs:
+        engine.block_manager.allocate(seq)
+    steps = [torch.stack([engine.runner.run([seq], is_prefill=True)[0] for seq in seqs])]
+    for t in range(len(forced[0])):
+        for seq, tokens in zip(seqs, forced, strict=True):
+            seq.token_ids.append(tokens[t])
+            engine.block_manager.may_append(seq)
+        steps.append(engine.runner.run(seqs, is_prefill=False))
+    for seq in seqs:
+        engine.block_manager.deallocate(seq)
+    return torch.stack(steps).float().cpu()
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_amx_decode_batches_agree_with_the_reference(
+    int4_checkpoint, tiny_checkpoint, fmt: str, monkeypatch
+) -> None:
+    """Six sequences decoded together on amx (the INT4 gate_up's SiLU on the AMX sums; the dense BF16
+    Linears, the lm_head and a BF16 checkpoint's layers, on AMX tiles; 6 rows a step), teacher-forced along
+    fp32 reference mode's greedy tokens: logits within bf16 tolerances of the reference's, its picks
+    agreed with but for near-ties; and with the SiLU fused or not, the same logits bit for bit."""
+    monkeypatch.setenv(CPU_ISA_ENV, "amx")
+    path = str(int4_checkpoint("llama") if fmt == "int4" else tiny_checkpoint("llama", "bf16"))
+    prompts = [[5 + i, 17, 3 * i + 1, 99, 42, 7] for i in range(6)]
+    reference = Engine(EngineConfig(model=path, kv_memory="4MiB", dtype="float32"))
+    forced = [
+        out.token_ids for out in reference.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    ]
+    expected = _batch_logits(reference, prompts, forced)
+    engine = Engine(EngineConfig(model=path, kv_memory="4MiB"))
+    assert engine.model.lm_head.is_amx
+    found = _batch_logits(engine, prompts, forced)
+    scale = expected.abs().amax(-1, keepdim=True)
+    assert ((found - expected).abs() <= 0.05 * scale).all()
+    picks, best = found.argmax(-1), expected.argmax(-1)
+    gaps = expected.amax(-1) - expected.gather(-1, picks[..., None])[..., 0]
+    assert (picks == best).float().mean() >= 0.9 and (gaps < 0.02 * scale[..., 0]).all()
+    if fmt == "int4":
+        gate_up = engine.model.layers[0].mlp.gate_up_proj
+        assert gate_up.silu_mul(torch.zeros(6, gate_up.weight.in_features, dtype=torch.bfloat16)) is not None
+        monkeypatch.setattr(type(gate_up), "silu_mul", lambda self, x: None)  # the GEMM, then torch's SiLU
+        assert torch.equal(_batch_logits(engine, prompts, forced), found)
