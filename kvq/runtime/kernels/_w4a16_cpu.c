@@ -13,10 +13,8 @@
    gemm(isa, threads, x, x_dtype, M, K, weight_packed, weight_scale, scale_dtype, N, group, y, y_dtype)
    takes addresses (torch data_ptr) and dtype codes 0 fp32, 1 bf16, 2 fp16; the caller checks shapes,
    dtypes and contiguity (kvq/runtime/kernels/w4a16_cpu.py). The GIL is released while it runs; calls
-   from several threads take turns. An optional last argument, silu_mul, makes y silu(gate) * up of a
-   gate_up weight on the amx path (Job.silu_mul). `gemm_w8` is the same for int8 weights with a scale per
-   row (_w8a16_cpu.h, _w8a16_cpu_simd.h), `gemm_dense` for dense bf16 weights on AMX tiles
-   (_dense_cpu_amx.h). */
+   from several threads take turns. `gemm_w8` is the same for int8 weights with a scale per row
+   (_w8a16_cpu.h, _w8a16_cpu_simd.h), `gemm_dense` for dense bf16 weights on AMX tiles (_dense_cpu_amx.h). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -60,8 +58,6 @@ typedef struct {
     int isa, group, group_shift, x_dtype, scale_dtype, y_dtype, scale_size;
     int weight_bits; /* 4: packed int4 (above); on the amx path also 8: W8A16's int8 [N, K] with one scale per
                         row (gemm_w8_amx), 16: a dense bf16 [N, K] (gemm_dense) */
-    int silu_mul; /* amx, M <= 32: y [M, N / 2] = silu(x @ W[:N/2]^T) * (x @ W[N/2:]^T), a gate_up weight's
-                     activation on its sums (amx_pairs over strips n and n + N / 2; N / 2 a multiple of 16) */
     int64_t M, K, N, num_groups, xp_stride;
     const void *x;
     const int32_t *packed;
@@ -480,13 +476,10 @@ static int chunk_rows(int64_t N, int64_t tile, int64_t chunk, int64_t num_chunks
 /* Output rows per chunk unit: AMX's 16-row strips, else the 4-row tiles of the other paths. */
 static int64_t row_tile(int isa) { return isa == ISA_AMX ? 16 : 4; }
 
-/* Rows of y: N, or N / 2 when the job ends in silu_mul. */
-static int64_t out_rows(const Job *job) { return job->silu_mul ? job->N / 2 : job->N; }
-
 static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     Job *job = (Job *)ctx;
     int64_t n0, n1;
-    if (!chunk_rows(out_rows(job), row_tile(job->isa), chunk, num_chunks, &n0, &n1))
+    if (!chunk_rows(job->N, row_tile(job->isa), chunk, num_chunks, &n0, &n1))
         return;
 #ifdef KVQ_AMX
     if (job->isa == ISA_AMX) {
@@ -541,7 +534,7 @@ static int run_job(Job *job, int threads) {
         return -1;
     int64_t work = job->M * job->N * job->K, useful = work / MIN_WORK_PER_THREAD;
     int nt = useful < threads ? (int)(useful > 1 ? useful : 1) : threads;
-    int64_t tiles = (out_rows(job) + row_tile(job->isa) - 1) / row_tile(job->isa);
+    int64_t tiles = (job->N + row_tile(job->isa) - 1) / row_tile(job->isa);
     int64_t chunks = nt > 1 ? (int64_t)nt * CHUNKS_PER_THREAD : 1; /* one thread: one pipeline (amx) */
     if (job->M * job->K > 65536)
         run_parallel(convert_task, job, chunks < rows ? chunks : rows, nt);
@@ -553,17 +546,12 @@ static int run_job(Job *job, int threads) {
 
 static PyObject *gemm(PyObject *self, PyObject *args) {
     (void)self;
-    int isa, threads, x_dtype, scale_dtype, group, y_dtype, silu_mul = 0;
+    int isa, threads, x_dtype, scale_dtype, group, y_dtype;
     unsigned long long x, packed, scale, y;
     long long M, K, N;
-    if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKi|p", &isa, &threads, &x, &x_dtype, &M, &K, &packed, &scale,
-                          &scale_dtype, &N, &group, &y, &y_dtype, &silu_mul))
+    if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKi", &isa, &threads, &x, &x_dtype, &M, &K, &packed, &scale,
+                          &scale_dtype, &N, &group, &y, &y_dtype))
         return NULL;
-    if (silu_mul && (isa != ISA_AMX || M < 2 || M > 32 || x_dtype != DTYPE_BF16 || y_dtype != DTYPE_BF16 ||
-                     N % 32))
-        return PyErr_Format(PyExc_ValueError,
-                            "silu_mul needs the amx path, 2..32 bf16 rows and N a multiple of 32 (M=%lld N=%lld)",
-                            M, N);
     if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
     if (isa == ISA_AMX && (M < 2 || x_dtype != DTYPE_BF16))
@@ -581,7 +569,6 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
     Job job = {
         .isa = isa,
         .weight_bits = 4,
-        .silu_mul = silu_mul,
         .group = group,
         .group_shift = group == 32 ? 5 : group == 64 ? 6 : 7,
         .x_dtype = x_dtype,

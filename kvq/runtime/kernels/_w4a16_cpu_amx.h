@@ -413,62 +413,8 @@ TARGET_AMX static inline void amx_dot_pair(const uint16_t *a0, const uint16_t *a
     }
 }
 
-/* v rounded to bf16 (to nearest even; NaN kept), as fp32. */
-TARGET_AMX static inline __m512 amx_round_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
-    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
-}
-
-/* e^x per lane: exp_f32's range reduction and polynomial (_cpu_ops.c), 0 below -87.3, inf above 88.3. */
-TARGET_AMX static inline __m512 amx_exp(__m512 x) {
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), magic);
-    const __m512 n = _mm512_sub_ps(t, magic);
-    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-6f)));
-    static const float coefficients[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    for (int i = 0; i < 7; i++)
-        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(coefficients[i]));
-    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(t),
-                                                                              _mm512_set1_epi32(0x4B400000)),
-                                                             _mm512_set1_epi32(127)),
-                                            23);
-    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
-    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ), _mm512_setzero_ps());
-    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3f), _CMP_GT_OQ),
-                              _mm512_set1_ps(INFINITY));
-}
-
-/* silu_mul's epilogue: out = silu(gate) * up per element of two 16 x 16 blocks as torch computes
-   F.silu(gate) * up on the bf16 gate_up: gate and up rounded to bf16, silu in fp32 rounded to bf16, their
-   product (exact in fp32) left for the store to round. */
-TARGET_AMX static void amx_silu_mul(const float *gate, const float *up, float *out) {
-    for (int i = 0; i < AMX_ROWS * AMX_ROWS; i += 16) {
-        const __m512 g = amx_round_bf16(_mm512_load_ps(gate + i)), u = amx_round_bf16(_mm512_load_ps(up + i));
-        const __m512 e = amx_exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = amx_round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        _mm512_store_ps(out + i, _mm512_mul_ps(silu, u));
-    }
-}
-
-/* A finished pair's accumulators, C0 (C1), C2 (C3), tile-stored into acc, into y: strips n and n + 16, or
-   under silu_mul one strip n of y from the gate strip n (C0, C1) and the up strip n + N / 2 (C2, C3). */
+/* A finished pair's accumulators, C0 (C1), C2 (C3), tile-stored into acc, into y: strips n and n + 16. */
 TARGET_AMX static void amx_pair_store(const Job *job, float (*acc)[AMX_ROWS * AMX_ROWS], int64_t n, int two) {
-    if (job->silu_mul) {
-        Job half = *job; /* y's rows: N / 2 */
-        half.N = job->N / 2;
-        float out[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
-        for (int t = 0; t < 1 + two; t++) {
-            amx_silu_mul(acc[t], acc[2 + t], out);
-            amx_store(&half, out, n, t * AMX_ROWS);
-        }
-        return;
-    }
     amx_store(job, acc[0], n, 0);
     if (two)
         amx_store(job, acc[1], n, AMX_ROWS);
@@ -487,8 +433,6 @@ TARGET_AMX static void amx_pair_store(const Job *job, float (*acc)[AMX_ROWS * AM
    [3072, 576] at 32 rows took ~12% longer. */
 TARGET_AMX static void amx_pairs(const Job *job, int64_t n0, int64_t num_pairs, uint16_t *ring) {
     const int64_t num_kc = job->K / AMX_KC, next = num_kc * AMX_TILE_PAIRS;
-    /* a pair's first strip n and its second, n + second; silu_mul: gate strip n, up strip n + N / 2 */
-    const int64_t step = job->silu_mul ? AMX_ROWS : 2 * AMX_ROWS, second = job->silu_mul ? job->N / 2 : AMX_ROWS;
     const int64_t per_pair = (num_kc + AMX_CHUNK - 1) / AMX_CHUNK, num_chunks = num_pairs * per_pair;
     const int two = job->M > AMX_ROWS;
     float acc[2][4][AMX_ROWS * AMX_ROWS] __attribute__((aligned(64))); /* pair p's in acc[p % 2] */
@@ -500,7 +444,7 @@ TARGET_AMX static void amx_pairs(const Job *job, int64_t n0, int64_t num_pairs, 
     for (int64_t g = 0; g <= num_chunks; g++) {
         uint16_t *a = ring + g % 2 * 2 * AMX_RING_SLOT;
         const uint16_t *prev = ring + (g + 1) % 2 * 2 * AMX_RING_SLOT;
-        const int64_t n = n0 + g / per_pair * step, c0 = g % per_pair * AMX_CHUNK;
+        const int64_t n = n0 + g / per_pair * 2 * AMX_ROWS, c0 = g % per_pair * AMX_CHUNK;
         const int64_t c1 = c0 + AMX_CHUNK < num_kc ? c0 + AMX_CHUNK : num_kc;
         const int64_t d0 = g > 0 ? (g - 1) % per_pair * AMX_CHUNK : num_kc; /* chunk g - 1's first tile */
         for (int q = 0; q < 4; q++) { /* a quarter of chunk g's rows per input tile of chunk g - 1 */
@@ -508,11 +452,11 @@ TARGET_AMX static void amx_pairs(const Job *job, int64_t n0, int64_t num_pairs, 
                 amx_dot_pair(prev + q * AMX_TILE_ELEMS, prev + AMX_RING_SLOT + q * AMX_TILE_ELEMS, 64,
                              (const uint32_t *)job->xp + (d0 + q) * AMX_TILE_PAIRS, next, two);
             if (g < num_chunks)
-                amx_decompress_rows(job, n + q / 2 * second, q % 2 * 8, q % 2 * 8 + 8, c0, c1,
+                amx_decompress_rows(job, n + q / 2 * AMX_ROWS, q % 2 * 8, q % 2 * 8 + 8, c0, c1,
                                     a + q / 2 * AMX_RING_SLOT);
         }
         if (waiting >= 0) {
-            amx_pair_store(job, acc[waiting % 2], n0 + waiting * step, two);
+            amx_pair_store(job, acc[waiting % 2], n0 + waiting * 2 * AMX_ROWS, two);
             waiting = -1;
         }
         if (g > 0 && g % per_pair == 0) { /* chunk g - 1 was its pair's last */
@@ -531,7 +475,7 @@ TARGET_AMX static void amx_pairs(const Job *job, int64_t n0, int64_t num_pairs, 
         }
     }
     if (waiting >= 0)
-        amx_pair_store(job, acc[waiting % 2], n0 + waiting * step, two);
+        amx_pair_store(job, acc[waiting % 2], n0 + waiting * 2 * AMX_ROWS, two);
 }
 
 /* A dense bf16 weight (weight_bits 16), M <= 32: num_pairs pairs of strips from weight row n0, all rows
@@ -627,9 +571,6 @@ TARGET_AMX static void gemm_amx(Job *job, int64_t n0, int64_t n1) {
         const int64_t num_pairs = (n1 - n0) / (2 * AMX_ROWS);
         amx_pairs_dense(job, n0, num_pairs);
         n += num_pairs * 2 * AMX_ROWS;
-    } else if (job->silu_mul) { /* a pair per strip of y */
-        amx_pairs(job, n0, (n1 - n0) / AMX_ROWS, strip);
-        n = n1;
     } else if (job->M <= 2 * AMX_ROWS) { /* pairs while a second strip starts before n1, then a strip if one is left */
         const int64_t num_pairs = (n1 - n0 + AMX_ROWS - 1) / (2 * AMX_ROWS);
         amx_pairs(job, n0, num_pairs, strip);

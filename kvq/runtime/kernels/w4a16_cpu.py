@@ -33,8 +33,6 @@ _REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_til
 # amx, bf16 activations: from this many rows the AMX GEMM outruns avx512bf16's vdpbf16ps one (Emerald
 # Rapids, SmolLM2 shapes, one thread: ~1.0x at 3 rows, 1.3x at 4, 3x at 8, 7x at 32); below, avx512bf16
 AMX_FROM_ROWS = 4
-# amx: up to this many rows a gate_up weight's activation runs on its AMX sums (`NativeW4A16.silu_mul`)
-SILU_MUL_MAX_ROWS = 32
 # amx: from this many rows dense_matmul (oneDNN's AMX GEMM) outruns it again (0.6x its time at 64 rows,
 # 0.8x at 128, ~1x at 192, 1.1-1.4x at 256-512: the W4A16 kernel re-reads its activations per 16 weight rows)
 AMX_DENSE_FROM_ROWS = 256
@@ -159,23 +157,6 @@ class NativeW4A16:
         y = torch.empty((num_rows, self.weight_packed.shape[0]), dtype=x.dtype)
         return _gemm(code, x, *self._ptrs, self._scale_code, self.group_size, y)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up `[M, N / 2]` of a gate_up weight (gate rows first) in one call, the activation
-        applied to the AMX sums as they are stored (`silu_mul` in _w4a16_cpu_amx.h; the values of
-        F.silu(gate) * up on the bf16 product): amx, contiguous bf16 x of `AMX_FROM_ROWS` to
-        `SILU_MUL_MAX_ROWS` rows, N a multiple of 32. None where it does not apply."""
-        num_rows, out_features = x.shape[0], self.weight_packed.shape[0]
-        if (
-            self.isa != "amx"
-            or not AMX_FROM_ROWS <= num_rows <= SILU_MUL_MAX_ROWS
-            or x.dtype != torch.bfloat16
-            or not x.is_contiguous()
-            or out_features % 32
-        ):
-            return None
-        y = torch.empty((num_rows, out_features // 2), dtype=x.dtype)
-        return _gemm(self._isa_code, x, *self._ptrs, self._scale_code, self.group_size, y, silu_mul=True)
-
 
 def _few_rows_isa(isa: str) -> str:
     """The path that runs batches of fewer than `AMX_FROM_ROWS` rows on `isa`: avx512bf16's for amx."""
@@ -251,22 +232,14 @@ def dense_matmul(
 
 
 def _gemm(
-    isa_code: int,
-    x: torch.Tensor,
-    packed: int,
-    scale: int,
-    scale_code: int,
-    group_size: int,
-    y: torch.Tensor,
-    silu_mul: bool = False,
+    isa_code: int, x: torch.Tensor, packed: int, scale: int, scale_code: int, group_size: int, y: torch.Tensor
 ) -> torch.Tensor:
-    """The C call on contiguous x `[M, K]` into y `[M, N]` (`silu_mul`: y `[M, N / 2]`; dtypes checked by
-    the caller)."""
+    """The C call on contiguous x `[M, K]` into y `[M, N]` (dtypes checked by the caller)."""
     assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
-    (num_rows, in_features), out_features = x.shape, y.shape[1] * (2 if silu_mul else 1)
+    (num_rows, in_features), out_features = x.shape, y.shape[1]
     x_code, y_code, threads = _DTYPE_CODES[x.dtype], _DTYPE_CODES[y.dtype], torch.get_num_threads()
     args = (x.data_ptr(), x_code, num_rows, in_features, packed, scale, scale_code, out_features)
-    _ext.gemm(isa_code, threads, *args, group_size, y.data_ptr(), y_code, silu_mul)
+    _ext.gemm(isa_code, threads, *args, group_size, y.data_ptr(), y_code)
     return y
 
 

@@ -63,11 +63,6 @@ class Linear:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up `[T, N / 2]` of a gate_up projection (gate rows first) in one fused call, or
-        None where this layer has none for x (the caller runs matmul and the activation)."""
-        return None
-
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps resident (for memory accounting)."""
         raise NotImplementedError
@@ -162,10 +157,6 @@ class Int4Linear(Linear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return w4a16_linear(x, self.weight)
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        native = self.weight.native
-        return native.silu_mul(x) if native is not None and self.bias is None else None
 
     def tensors(self) -> list[torch.Tensor]:
         w = self.weight

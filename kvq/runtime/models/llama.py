@@ -143,15 +143,12 @@ class MLP:
         self.tp, self.is_partial = loader.tp, is_partial
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj.silu_mul(x)  # INT4 on amx, decode batches: on the GEMM's sums as stored
-        if h is None:
-            gate_up = self.gate_up_proj(x)
-            if silu_mul_applies(gate_up):  # CPU bf16 decode sizes: one C call, the same rounding
-                h = silu_mul_native(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                h = F.silu(gate) * up
-        y = self.down_proj(h)
+        gate_up = self.gate_up_proj(x)
+        if silu_mul_applies(gate_up):  # CPU bf16 decode sizes: one C call, the same rounding
+            y = self.down_proj(silu_mul_native(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = self.down_proj(F.silu(gate) * up)
         return y if self.is_partial else self.tp.all_reduce(y)
 
     def tensors(self) -> list[torch.Tensor]:

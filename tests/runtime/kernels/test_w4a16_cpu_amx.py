@@ -1,21 +1,18 @@
 """The amx path of kvq's native CPU W4A16 kernel (_w4a16_cpu_amx.h): bf16 batches are x @ bf16(q * scale)^T
 with fp32 sums (compressed-tensors' decompressed weight) on irregular shapes, every group size, bf16 and
 fp32 scales, every output dtype and thread count; batch 1, small batches and other activations run
-avx512bf16's code; a gate_up weight's silu(gate) * up on the sums as stored (`silu_mul`) is F.silu(gate) *
-up of the unfused product, bit for bit. Skipped where the CPU or the OS cannot run AMX-BF16."""
+avx512bf16's code. Skipped where the CPU or the OS cannot run AMX-BF16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvq.runtime.kernels.w4a16 import w4a16_reference
 from kvq.runtime.kernels.w4a16_cpu import (
     AMX_DENSE_FROM_ROWS,
     AMX_FROM_ROWS,
     DENSE_CHUNK_ELEMENTS,
-    SILU_MUL_MAX_ROWS,
     NativeW4A16,
     native_scale,
     w4a16_native,
@@ -158,43 +155,3 @@ def test_amx_prefill_batches(monkeypatch: pytest.MonkeyPatch, chunk_elements: in
             assert torch.equal(y, torch.nn.functional.linear(x, weight))
         else:
             assert torch.equal(y, w4a16_native(x, packed, native_scale(scale), 128, "amx"))
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(
-    ("out_features", "in_features", "group_size"), [(64, 96, 32), (3072, 576, 64), (288, 1056, 32)]
-)
-def test_silu_mul_is_the_unfused_activation(
-    out_features: int, in_features: int, group_size: int, threads: int
-) -> None:
-    """gate rows first, up rows after: strips n and n + N / 2 make a pair; each gate and up sum rounded to
-    bf16 as the unfused product is, silu rounded, the product rounded once: torch's values exactly, NaN
-    and infinities included."""
-    gen = torch.Generator().manual_seed(out_features + threads)
-    packed, scale = random_w4a16(out_features, in_features, group_size, gen)
-    linear = NativeW4A16(packed, native_scale(scale), group_size, "amx")
-    was = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        for num_rows in (AMX_FROM_ROWS, 16, 17, SILU_MUL_MAX_ROWS):
-            x = (torch.randn(num_rows, in_features, generator=gen) * 8).bfloat16()  # silu's both tails
-            x[1, 3] = float("nan") if num_rows > 16 else x[1, 3]
-            gate, up = linear(x).chunk(2, dim=-1)
-            y = linear.silu_mul(x)
-            assert y is not None and y.shape == (num_rows, out_features // 2)
-            assert torch.equal(y.isnan(), (F.silu(gate) * up).isnan())
-            assert torch.equal(y.nan_to_num(), (F.silu(gate) * up).nan_to_num())
-    finally:
-        torch.set_num_threads(was)
-
-
-def test_silu_mul_applies_to_decode_batches_only() -> None:
-    gen = torch.Generator().manual_seed(3)
-    packed, scale = random_w4a16(64, 96, 32, gen)
-    linear = NativeW4A16(packed, native_scale(scale), 32, "amx")
-    x = torch.randn(SILU_MUL_MAX_ROWS + 1, 96, generator=gen).bfloat16()
-    assert linear.silu_mul(x) is None  # prefill: the GEMM, then the activation
-    assert linear.silu_mul(x[: AMX_FROM_ROWS - 1]) is None  # avx512bf16's few rows
-    assert linear.silu_mul(x[:8].float()) is None
-    odd = NativeW4A16(*random_w4a16(48, 96, 32, gen), 32, "amx")
-    assert odd.silu_mul(x[:8]) is None  # N / 2 not a whole 16-row strip
