@@ -41,14 +41,8 @@ static PyObject *gemm_dense(PyObject *self, PyObject *args) {
         .packed = (const int32_t *)(uintptr_t)w,
         .y = (void *)(uintptr_t)y,
     };
-    int status;
-    Py_BEGIN_ALLOW_THREADS;
-    pthread_mutex_lock(&call_lock);
-    status = run_job(&job, threads < 1 ? 1 : threads);
-    pthread_mutex_unlock(&call_lock);
-    Py_END_ALLOW_THREADS;
-    if (status < 0)
-        return PyErr_NoMemory();
+    return run_job_released(&job, threads);
+#else
+    Py_RETURN_NONE; /* not reached: isa_supported(ISA_AMX) is 0 without KVQ_AMX */
 #endif
-    Py_RETURN_NONE;
 }

@@ -544,6 +544,19 @@ static int run_job(Job *job, int threads) {
     return atomic_load(&job->failed) ? -1 : 0;
 }
 
+/* run_job without the GIL, under call_lock (calls from several threads take turns): None, or MemoryError. */
+static PyObject *run_job_released(Job *job, int threads) {
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&call_lock);
+    status = run_job(job, threads < 1 ? 1 : threads);
+    pthread_mutex_unlock(&call_lock);
+    Py_END_ALLOW_THREADS;
+    if (status < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *gemm(PyObject *self, PyObject *args) {
     (void)self;
     int isa, threads, x_dtype, scale_dtype, group, y_dtype;
@@ -585,15 +598,7 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
         .scale = (const uint8_t *)(uintptr_t)scale,
         .y = (void *)(uintptr_t)y,
     };
-    int status;
-    Py_BEGIN_ALLOW_THREADS;
-    pthread_mutex_lock(&call_lock);
-    status = run_job(&job, threads < 1 ? 1 : threads);
-    pthread_mutex_unlock(&call_lock);
-    Py_END_ALLOW_THREADS;
-    if (status < 0)
-        return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return run_job_released(&job, threads);
 }
 
 #include "_w8a16_cpu.h"
