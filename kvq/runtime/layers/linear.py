@@ -80,7 +80,7 @@ class DenseLinear(Linear):
         self.is_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.packable = self.is_cpu_bf16 and onednn_prepack_available()
         self.packed: torch.Tensor | None = None  # oneDNN's blocked copy, made at the first batch
-        self.is_amx = self.is_cpu_bf16 and dense_amx_applies(weight)
+        self.is_amx = dense_amx_applies(weight)  # a contiguous bf16 CPU weight where the path is amx
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_amx and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DENSE_AMX_MAX_ROWS:
