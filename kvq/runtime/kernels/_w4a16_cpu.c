@@ -20,6 +20,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -34,12 +35,14 @@
 #define TARGET_AVX2
 #define TARGET_AVX512
 #define TARGET_AVX512BF16
+#define TARGET_AVX512VNNI
 #elif defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVQ_X86 1
 #include <immintrin.h>
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+#define TARGET_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
 /* AMX: not in the SIMDe check build (SIMDe has no AMX), and only from compilers that know its targets and
    intrinsics (GCC 11, clang 12); older ones build every other path */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
@@ -201,10 +204,19 @@ static inline void w8_store(const W8Job *job, int64_t m, int64_t n, float dot) {
 
 static inline int isa_lanes(int isa) { return isa >= ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 0; }
 
+#ifdef KVQ_X86
+static int64_t vnni_xp_stride(int64_t K);              /* _w4a16_cpu_vnni.h */
+static void convert_row_vnni(const Job *job, int64_t m); /* _w4a16_cpu_vnni.h */
+#endif
+
 /* Activations per row, in 4-byte units: K fp32 (scalar), per block of `lanes` words 8 * lanes fp32
-   planes + lanes fp32 sums (SIMD), per block of 16 words 4 * 16 bf16 pairs (avx512bf16), or K / 2 bf16
-   pairs (amx). */
-static int64_t xp_stride_of(int isa, int64_t K) {
+   planes + lanes fp32 sums (SIMD), per block of 16 words 4 * 16 bf16 pairs (avx512bf16 at M >= 2; at
+   M = 1 the VNNI GEMV's byte planes), or K / 2 bf16 pairs (amx). */
+static int64_t xp_stride_of(int isa, int64_t K, int64_t M) {
+#ifdef KVQ_X86
+    if (isa == ISA_AVX512BF16 && M == 1)
+        return vnni_xp_stride(K);
+#endif
     if (isa == ISA_AMX)
         return K / 2;
     int lanes = isa_lanes(isa);
@@ -247,6 +259,12 @@ static void convert_row(const Job *job, int64_t m) {
 #ifdef KVQ_AMX
     if (job->isa == ISA_AMX) {
         convert_row_amx(job, m);
+        return;
+    }
+#endif
+#ifdef KVQ_X86
+    if (job->isa == ISA_AVX512BF16 && job->M == 1) {
+        convert_row_vnni(job, m);
         return;
     }
 #endif
@@ -415,6 +433,7 @@ TARGET static inline __m256 half_sum_avx512(__m512 v) { /* the two 256-bit halve
 #include "_w4a16_cpu_simd.h"
 #include "_w8a16_cpu_simd.h"
 #include "_w4a16_cpu_bf16.h"
+#include "_w4a16_cpu_vnni.h"
 #endif
 #ifdef KVQ_AMX
 #include "_w4a16_cpu_amx.h"
@@ -452,7 +471,8 @@ static int isa_supported(int isa) {
     int avx512 = avx2 && __builtin_cpu_supports("avx512f");
     if (isa == ISA_AVX512)
         return avx512;
-    int avx512bf16 = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+    int avx512bf16 = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16") &&
+                     __builtin_cpu_supports("avx512vnni"); /* its GEMV's (every AVX512_BF16 CPU has VNNI) */
     if (isa == ISA_AVX512BF16)
         return avx512bf16;
 #ifdef KVQ_AMX
@@ -498,7 +518,7 @@ static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     }
     if (job->isa == ISA_AVX512BF16) {
         if (job->M == 1)
-            gemv_bf16(job, n0, n1);
+            gemv_vnni(job, n0, n1);
         else
             gemm_bf16(job, n0, n1);
         return;
@@ -592,7 +612,7 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
         .K = K,
         .N = N,
         .num_groups = K / group,
-        .xp_stride = xp_stride_of(isa, K),
+        .xp_stride = xp_stride_of(isa, K, M),
         .x = (const void *)(uintptr_t)x,
         .packed = (const int32_t *)(uintptr_t)packed,
         .scale = (const uint8_t *)(uintptr_t)scale,

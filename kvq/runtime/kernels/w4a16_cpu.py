@@ -4,7 +4,8 @@
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
 `w4a16.py`) with AMX (avx512bf16, but batches of at least `AMX_FROM_ROWS` bf16 rows through AMX tiles
 over compressed-tensors' bf16(q * scale)), AVX-512 BF16 (AVX-512, but bf16 activations through
-vdpbf16ps), AVX-512, AVX2 + FMA or scalar C loops chosen at run time. On avx512bf16, batches of at least
+vdpbf16ps, or at batch 1 as fixed point through VNNI's vpdpbusd), AVX-512, AVX2 + FMA or scalar C loops
+chosen at run time. On avx512bf16, batches of at least
 `DENSE_FROM_ROWS` bf16 rows (prefill; amx: `AMX_DENSE_FROM_ROWS`) instead decompress the weight to bf16
 (`dequantize`, in chunks of rows) and run torch's BF16 GEMM (oneDNN). Without the extension, or with
 KVQ_CPU_ISA=torch, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
@@ -29,7 +30,7 @@ AUTO_ISAS = NATIVE_ISAS[:4]  # auto's order of preference ("scalar" is the refer
 _ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NATIVE_DTYPES = tuple(_DTYPE_CODES)  # activation / output dtypes the native kernels take
-_REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+_REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 # amx, bf16 activations: from this many rows the AMX GEMM outruns avx512bf16's vdpbf16ps one (Emerald
 # Rapids, SmolLM2 shapes, one thread: ~1.0x at 3 rows, 1.3x at 4, 3x at 8, 7x at 32); below, avx512bf16
 AMX_FROM_ROWS = 4

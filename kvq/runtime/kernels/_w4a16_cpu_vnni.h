@@ -1,0 +1,164 @@
+/* The avx512bf16 (and amx) path's W4A16 GEMV, batch 1 of bf16 activations, on integer dot products:
+   AVX-512 VNNI's vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each lane's four
+   products to its int32, exactly. Included by _w4a16_cpu.c after _w4a16_cpu_bf16.h (its scale vectors and
+   block loads are the AVX-512 path's); every CPU with AVX512_BF16 has AVX512_VNNI.
+
+   Why: on Sapphire / Emerald Rapids vdpbf16ps issues once per two cycles (eight independent chains: 2.1
+   cycles each; vpdpbusd ~0.7, vfmadd ~0.5), so the GEMV on bf16 pairs spent ~17-20 cycles per block of
+   128 weights. Here ~13: 1.3x at [1024, 4096] and [3072, 576] with the weights in L2.
+
+   The activations: X = rint(x * 2^(22 - e)), one power of two per row with 2^e above the row's largest
+   |x|, so |X| < 2^22, written as X = 65536 h + 256 m + l with h, m, l in -128..127 (signed bytes). A bf16
+   has 8 significant bits, so every element within 2^-15 of the row's largest is exact; smaller ones are
+   rounded to a multiple of 2^(e - 22), i.e. within 2^-23 of the largest, where fp32 sums round anyway.
+   The weights: a block's 64 bytes as they are, low nibbles (w & 15) and high nibbles (w >> 4 & 15) as
+   unsigned bytes u = q + 8. Lane i of a block is word i (inputs 8i..8i+7), so byte 4i + j of the low
+   (high) nibble vector is input 8i + 2j (8i + 2j + 1); the activations' planes hold the same inputs at
+   the same bytes. Six vpdpbusd per block (h, m, l times both nibble vectors) give each lane's sum of
+   u * X as 65536 H + 256 M + L in int32 (|sum| < 2^29), the L sum seeded with -8 * (the lane's sum of
+   X), so the result is the lane's sum of q * X, exact. It goes to fp32 (exact below 2^24, else rounded
+   once), times the lane's group scale, into the fp32 accumulator; the row's total times 2^(e - 22), in
+   two exact halves (a factor below 2^-126 would flush). So each product and each lane's block sum are
+   exact where the vdpbf16ps path rounded every other addition, and denormal activations are kept (it
+   flushed them). A row holding inf or NaN gives NaN outputs. */
+
+#define VNNI_HEADER_BYTES 64 /* the row's two scale halves (fp32), padded to a cache line */
+#define VNNI_BLOCK_BYTES 512 /* h, m, l x (low, high nibble inputs) x 64 bytes, 16 int32 seeds, padding */
+#define VNNI_SEEDS 384       /* offset of the seeds in a block */
+
+/* Row xp's stride in 4-byte units for K inputs. */
+static int64_t vnni_xp_stride(int64_t K) {
+    return (VNNI_HEADER_BYTES + (K / 8 + 15) / 16 * VNNI_BLOCK_BYTES) / 4;
+}
+
+/* Pieces h, m, l of X (16 int32 lanes) as signed bytes into planes + 0, 128, 256 (the plane's offset
+   already added): l = X - 256 X1 and m = X1 - 256 h, each in -128..127. */
+TARGET_AVX512VNNI static inline void vnni_store_pieces(__m512i X, uint8_t *planes) {
+    const __m512i bias = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
+    __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, bias), byte), bias);
+    __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, l), 8);
+    __m512i m = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X1, bias), byte), bias);
+    __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(X1, m), 8);
+    _mm_storeu_si128((__m128i *)planes, _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128((__m128i *)(planes + 128), _mm512_cvtepi32_epi8(m));
+    _mm_storeu_si128((__m128i *)(planes + 256), _mm512_cvtepi32_epi8(l));
+}
+
+/* 16 bf16 (as 16-bit lanes of a 256-bit vector) as fp32. */
+TARGET_AVX512VNNI static inline __m512 vnni_widen(__m256i bf16) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+}
+
+/* Row m of bf16 activations as gemv_vnni reads them: the header (the two halves of 2^(e - 22), or NaN
+   for a row holding inf or NaN), then per block of 16 words the planes and the lanes' seeds -8 * sum(X);
+   inputs past K (a tail block's, K being a multiple of 32) are 0. */
+TARGET_AVX512VNNI static void convert_row_vnni(const Job *job, int64_t m) {
+    const uint16_t *x = (const uint16_t *)job->x + m * job->K;
+    uint8_t *out = (uint8_t *)(job->xp + m * job->xp_stride);
+    const int64_t K = job->K, num_blocks = (K / 8 + 15) / 16;
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF), exponent = _mm512_set1_epi16(0x7F80);
+    __m512i top = _mm512_setzero_si512(); /* |x| as bf16 bits: ordered as the values (finite ones) */
+    __mmask32 special = 0;
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512i v = _mm512_and_si512(_mm512_loadu_si512(x + k), magnitude);
+        special |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, exponent), exponent);
+        top = _mm512_max_epu16(top, v);
+    }
+    uint16_t lanes[32], largest = 0;
+    _mm512_storeu_si512(lanes, top);
+    for (int i = 0; i < 32; i++)
+        largest = lanes[i] > largest ? lanes[i] : largest;
+    int e = 0;
+    if (largest != 0)
+        frexpf(bits_f32((uint32_t)largest << 16), &e);
+    const int up_lo = (22 - e) / 2, up_hi = 22 - e - up_lo; /* 2^(22 - e) in two representable halves */
+    float halves[2] = {ldexpf(1.0f, -up_lo), ldexpf(1.0f, -up_hi)};
+    if (special)
+        halves[0] = halves[1] = NAN;
+    memset(out, 0, VNNI_HEADER_BYTES);
+    memcpy(out, halves, sizeof halves);
+    out += VNNI_HEADER_BYTES;
+    const __m512 up0 = _mm512_set1_ps(ldexpf(1.0f, up_lo)), up1 = _mm512_set1_ps(ldexpf(1.0f, up_hi));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t b = 0; b < num_blocks; b++, out += VNNI_BLOCK_BYTES) {
+        int32_t seeds[16];
+        for (int u = 0; u < 4; u++) { /* 32 inputs: words 4u..4u+3 of the block */
+            const int64_t k = 128 * b + 32 * u;
+            __m512i X0 = _mm512_setzero_si512(), X1 = X0;
+            if (k < K && !special) {
+                __m512i v = _mm512_loadu_si512(x + k);
+                __m512 lo = vnni_widen(_mm512_castsi512_si256(v)), hi = vnni_widen(_mm512_extracti64x4_epi64(v, 1));
+                const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                X0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_mul_ps(lo, up0), up1), round);
+                X1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_mul_ps(hi, up0), up1), round);
+            }
+            __m512i lo_inputs = _mm512_permutex2var_epi32(X0, even, X1); /* the low nibbles' inputs */
+            __m512i hi_inputs = _mm512_permutex2var_epi32(X0, odd, X1);
+            vnni_store_pieces(lo_inputs, out + 16 * u);
+            vnni_store_pieces(hi_inputs, out + 64 + 16 * u);
+            int32_t pairs[16]; /* pairs[t]: inputs 2t, 2t + 1 of the 32; word 4u + t / 4 */
+            _mm512_storeu_si512(pairs, _mm512_add_epi32(lo_inputs, hi_inputs));
+            for (int i = 0; i < 4; i++)
+                seeds[4 * u + i] = -8 * (pairs[4 * i] + pairs[4 * i + 1] + pairs[4 * i + 2] + pairs[4 * i + 3]);
+        }
+        memcpy(out + VNNI_SEEDS, seeds, sizeof seeds);
+    }
+}
+
+/* The per-lane group scales of block b: scale_vec_avx512's, except two bf16 scales (groups of 64, a whole
+   block) by one 32-bit broadcast and a per-lane shift instead of a permute. */
+TARGET_AVX512VNNI static inline __m512 scale_vec_vnni(const Job *job, const uint8_t *srow, int64_t b,
+                                                      __m512i idx) {
+    if (job->group_shift == 6 && job->scale_dtype == DTYPE_BF16 && 2 * b + 2 <= job->num_groups) {
+        const __m512i shifts = _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
+        int32_t pair;
+        memcpy(&pair, srow + 4 * b, 4);
+        __m512i v = _mm512_sllv_epi32(_mm512_set1_epi32(pair), shifts);
+        return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
+    return scale_vec_avx512(job, srow, b, idx);
+}
+
+/* Row n's per-lane sums of q * X times the group scales, over all its blocks. */
+TARGET_AVX512VNNI static inline __m512 row_dot_vnni(const Job *job, int64_t n, __m512i idx) {
+    const int64_t words = job->K / 8, num_blocks = (words + 15) / 16;
+    const int32_t *wrow = job->packed + n * words;
+    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+    const uint8_t *xb = (const uint8_t *)job->xp + VNNI_HEADER_BYTES;
+    const __m512i nibble = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; b++, xb += VNNI_BLOCK_BYTES) {
+        prefetch_ahead(wrow + b * 16);
+        __m512i w = load_block_avx512(wrow, b, words);
+        __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+        __m512i sum_h = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb));
+        __m512i sum_m = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb + 128));
+        __m512i sum_l = _mm512_dpbusd_epi32(_mm512_loadu_si512(xb + VNNI_SEEDS), lo, _mm512_loadu_si512(xb + 256));
+        sum_h = _mm512_dpbusd_epi32(sum_h, hi, _mm512_loadu_si512(xb + 64));
+        sum_m = _mm512_dpbusd_epi32(sum_m, hi, _mm512_loadu_si512(xb + 192));
+        sum_l = _mm512_dpbusd_epi32(sum_l, hi, _mm512_loadu_si512(xb + 320));
+        __m512i s = _mm512_add_epi32(_mm512_slli_epi32(sum_h, 16), _mm512_slli_epi32(sum_m, 8));
+        s = _mm512_add_epi32(s, sum_l);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale_vec_vnni(job, srow, b, idx), acc);
+    }
+    return acc;
+}
+
+/* M = 1: rows streamed one after another, in fours sharing the horizontal sums' shuffles. */
+TARGET_AVX512VNNI static void gemv_vnni(const Job *job, int64_t n0, int64_t n1) {
+    const __m512i idx = expand_index_avx512(job->group);
+    float halves[2];
+    memcpy(halves, job->xp, sizeof halves);
+    const __m128 half0 = _mm_set1_ps(halves[0]), half1 = _mm_set1_ps(halves[1]);
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        __m512 a0 = row_dot_vnni(job, n, idx), a1 = row_dot_vnni(job, n + 1, idx);
+        __m512 a2 = row_dot_vnni(job, n + 2, idx), a3 = row_dot_vnni(job, n + 3, idx);
+        __m128 sums =
+            hsum4_avx2(half_sum_avx512(a0), half_sum_avx512(a1), half_sum_avx512(a2), half_sum_avx512(a3));
+        store_y4(job, 0, n, _mm_mul_ps(_mm_mul_ps(sums, half0), half1));
+    }
+    for (; n < n1; n++)
+        store_y(job, 0, n, _mm512_reduce_add_ps(row_dot_vnni(job, n, idx)) * halves[0] * halves[1]);
+}
