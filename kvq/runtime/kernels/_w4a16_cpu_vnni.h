@@ -120,27 +120,34 @@ TARGET_AVX512VNNI static inline __m512 scale_vec_vnni(const Job *job, const uint
     return scale_vec_avx512(job, srow, b, idx);
 }
 
+/* Block b's per-lane sums of q * X (exact, int32) from its weights w: see the top of this file. */
+TARGET_AVX512VNNI static inline __m512i block_sums_vnni(__m512i w, const uint8_t *xb) {
+    const __m512i nibble = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+    __m512i sum_h = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb));
+    __m512i sum_m = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb + 128));
+    __m512i sum_l = _mm512_dpbusd_epi32(_mm512_loadu_si512(xb + VNNI_SEEDS), lo, _mm512_loadu_si512(xb + 256));
+    sum_h = _mm512_dpbusd_epi32(sum_h, hi, _mm512_loadu_si512(xb + 64));
+    sum_m = _mm512_dpbusd_epi32(sum_m, hi, _mm512_loadu_si512(xb + 192));
+    sum_l = _mm512_dpbusd_epi32(sum_l, hi, _mm512_loadu_si512(xb + 320));
+    return _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(sum_h, 16), _mm512_slli_epi32(sum_m, 8)), sum_l);
+}
+
 /* Row n's per-lane sums of q * X times the group scales, over all its blocks. */
 TARGET_AVX512VNNI static inline __m512 row_dot_vnni(const Job *job, int64_t n, __m512i idx) {
-    const int64_t words = job->K / 8, num_blocks = (words + 15) / 16;
+    const int64_t words = job->K / 8, whole = words / 16, tail = words % 16;
     const int32_t *wrow = job->packed + n * words;
     const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
     const uint8_t *xb = (const uint8_t *)job->xp + VNNI_HEADER_BYTES;
-    const __m512i nibble = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < num_blocks; b++, xb += VNNI_BLOCK_BYTES) {
+    for (int64_t b = 0; b < whole; b++, xb += VNNI_BLOCK_BYTES) {
         prefetch_ahead(wrow + b * 16);
-        __m512i w = load_block_avx512(wrow, b, words);
-        __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-        __m512i sum_h = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb));
-        __m512i sum_m = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb + 128));
-        __m512i sum_l = _mm512_dpbusd_epi32(_mm512_loadu_si512(xb + VNNI_SEEDS), lo, _mm512_loadu_si512(xb + 256));
-        sum_h = _mm512_dpbusd_epi32(sum_h, hi, _mm512_loadu_si512(xb + 64));
-        sum_m = _mm512_dpbusd_epi32(sum_m, hi, _mm512_loadu_si512(xb + 192));
-        sum_l = _mm512_dpbusd_epi32(sum_l, hi, _mm512_loadu_si512(xb + 320));
-        __m512i s = _mm512_add_epi32(_mm512_slli_epi32(sum_h, 16), _mm512_slli_epi32(sum_m, 8));
-        s = _mm512_add_epi32(s, sum_l);
+        __m512i s = block_sums_vnni(_mm512_loadu_si512(wrow + b * 16), xb);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale_vec_vnni(job, srow, b, idx), acc);
+    }
+    if (tail > 0) { /* the words past K load as 0 (in 256-bit registers a half block ran 3-5% slower) */
+        __m512i s = block_sums_vnni(load_block_avx512(wrow, whole, words), xb);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale_vec_vnni(job, srow, whole, idx), acc);
     }
     return acc;
 }
