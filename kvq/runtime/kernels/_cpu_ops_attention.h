@@ -182,14 +182,36 @@ static void (*const attend_at[3])(const Attention *, int64_t, int64_t, float *) 
                                                                                   attend_avx512};
 
 
+/* The K and V rows of (sequence, KV head) item `item` requested into L2 (one prefetch per 64 bytes), a whole
+   item ahead of their use: a layer's pages arrive cold (the weights between two layers' attention push them
+   out of L2) and ~35% of the kernel's samples sat on the first loads of page rows. 32 sequences x 64
+   tokens, 30 layers' pages with 64 MiB read between steps, one Emerald Rapids core: 193-265 -> 176-218 us
+   a layer (warm pages: ~6% slower, the prefetches' own cost). The same values either way. */
+static void prefetch_item(const Attention *a, int64_t item) {
+    const int64_t b = item / a->Hkv, h = item % a->Hkv, L = seq_len(a, b), size = a->kp.is_fp8 ? 1 : 2;
+    const uint8_t *table_row = a->tables + b * a->bt_stride * (a->bt_int64 ? 8 : 4);
+    for (int64_t t = 0; t < L; t++) {
+        const int64_t i = t / a->page_size, j = t % a->page_size;
+        const int64_t page = a->bt_int64 ? ((const int64_t *)table_row)[i] : ((const int32_t *)table_row)[i];
+        const Pages *kp = &a->kp, *vp = &a->vp;
+        const uint8_t *k = kp->base + (page * kp->page_stride + j * kp->slot_stride + h * kp->head_stride) * size;
+        const uint8_t *v = vp->base + (page * vp->page_stride + j * vp->slot_stride + h * vp->head_stride) * size;
+        for (int64_t offset = 0; offset < a->D * size; offset += 64) {
+            __builtin_prefetch(k + offset, 0, 2);
+            __builtin_prefetch(v + offset, 0, 2);
+        }
+    }
+}
+
 /* Chunk `chunk` of `num_chunks` over the B * Hkv (sequence, KV head) items, on whichever thread takes it;
-   each thread's scratch is its own, kept between calls. */
+   each thread's scratch is its own, kept between calls. The next item's rows are prefetched first. */
 static void attention_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     static _Thread_local float *work;
     static _Thread_local size_t work_floats;
     Attention *a = ctx;
     const int64_t items = a->B * a->Hkv, G = a->Hq / a->Hkv;
-    for (int64_t item = items * chunk / num_chunks; item < items * (chunk + 1) / num_chunks; item++) {
+    const int64_t last = items * (chunk + 1) / num_chunks;
+    for (int64_t item = items * chunk / num_chunks; item < last; item++) {
         int64_t b = item / a->Hkv, L = seq_len(a, b);
         size_t need = (size_t)(2 * G * a->D + G * (L > 0 ? L : 0) + a->page_size * a->D);
         if (need > work_floats) {
@@ -201,6 +223,8 @@ static void attention_task(void *ctx, int64_t chunk, int64_t num_chunks) {
                 return;
             }
         }
+        if (item + 1 < last)
+            prefetch_item(a, item + 1);
         attend_at[a->level](a, b, item % a->Hkv, work);
     }
 }
