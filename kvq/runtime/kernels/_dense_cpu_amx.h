@@ -36,7 +36,7 @@ static PyObject *gemm_dense(PyObject *self, PyObject *args) {
         .K = K,
         .N = N,
         .num_groups = 1,
-        .xp_stride = xp_stride_of(ISA_AMX, K, M),
+        .xp_stride = xp_stride_of(ISA_AMX, K, 0),
         .x = (const void *)(uintptr_t)x,
         .packed = (const int32_t *)(uintptr_t)w,
         .y = (void *)(uintptr_t)y,

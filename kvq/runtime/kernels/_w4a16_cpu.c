@@ -48,8 +48,8 @@
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define KVQ_AMX 1
 #define TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
-#include <cpuid.h>
 #endif
+#include <cpuid.h>
 #endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
@@ -59,6 +59,7 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX
 
 typedef struct {
     int isa, group, group_shift, x_dtype, scale_dtype, y_dtype, scale_size;
+    int gemv_vnni;   /* avx512bf16, M = 1: the GEMV on VNNI integer sums (_w4a16_cpu_vnni.h), not gemv_bf16 */
     int weight_bits; /* 4: packed int4 (above); on the amx path also 8: W8A16's int8 [N, K] with one scale per
                         row (gemm_w8_amx), 16: a dense bf16 [N, K] (gemm_dense) */
     int64_t M, K, N, num_groups, xp_stride;
@@ -211,10 +212,10 @@ static void convert_row_vnni(const Job *job, int64_t m); /* _w4a16_cpu_vnni.h */
 
 /* Activations per row, in 4-byte units: K fp32 (scalar), per block of `lanes` words 8 * lanes fp32
    planes + lanes fp32 sums (SIMD), per block of 16 words 4 * 16 bf16 pairs (avx512bf16 at M >= 2; at
-   M = 1 the VNNI GEMV's byte planes), or K / 2 bf16 pairs (amx). */
-static int64_t xp_stride_of(int isa, int64_t K, int64_t M) {
+   M = 1 the VNNI GEMV's byte planes, gemv_vnni), or K / 2 bf16 pairs (amx). */
+static int64_t xp_stride_of(int isa, int64_t K, int gemv_vnni) {
 #ifdef KVQ_X86
-    if (isa == ISA_AVX512BF16 && M == 1)
+    if (gemv_vnni)
         return vnni_xp_stride(K);
 #endif
     if (isa == ISA_AMX)
@@ -263,7 +264,7 @@ static void convert_row(const Job *job, int64_t m) {
     }
 #endif
 #ifdef KVQ_X86
-    if (job->isa == ISA_AVX512BF16 && job->M == 1) {
+    if (job->gemv_vnni) {
         convert_row_vnni(job, m);
         return;
     }
@@ -517,8 +518,10 @@ static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
         return;
     }
     if (job->isa == ISA_AVX512BF16) {
-        if (job->M == 1)
+        if (job->gemv_vnni)
             gemv_vnni(job, n0, n1);
+        else if (job->M == 1)
+            gemv_bf16(job, n0, n1);
         else
             gemm_bf16(job, n0, n1);
         return;
@@ -577,6 +580,37 @@ static PyObject *run_job_released(Job *job, int threads) {
     Py_RETURN_NONE;
 }
 
+/* Whether avx512bf16's GEMV (M = 1; amx's too) runs on VNNI integer sums (_w4a16_cpu_vnni.h, 1) or on
+   vdpbf16ps pairs (gemv_bf16, 0): $KVQ_CPU_GEMV = vnni or bf16, else vnni on Intel CPUs, where vdpbf16ps
+   issues once per two cycles (Sapphire / Emerald Rapids: the VNNI GEMV measured 1.4-1.65x), and bf16 on
+   others (AMD Zen 4 issues either instruction once per cycle per 512-bit vector, so the 4 vdpbf16ps per
+   block should beat VNNI's 6; not measured). -1 (a ValueError set) for another value. Called with the GIL. */
+static int gemv_vnni_wanted(void) {
+    const char *choice = getenv("KVQ_CPU_GEMV");
+    if (choice != NULL && choice[0] != '\0') {
+        if (strcmp(choice, "vnni") == 0 || strcmp(choice, "bf16") == 0)
+            return choice[0] == 'v';
+        PyErr_Format(PyExc_ValueError, "$KVQ_CPU_GEMV is '%s'; expected vnni, bf16 or unset (by CPU)", choice);
+        return -1;
+    }
+    static int is_intel = -1; /* cpuid once: under a hypervisor it traps */
+#ifdef KVQ_X86
+    if (is_intel < 0) {
+        unsigned eax, ebx, ecx, edx; /* "GenuineIntel" */
+        is_intel = __get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x756e6547u && edx == 0x49656e69u &&
+                   ecx == 0x6c65746eu;
+    }
+#endif
+    return is_intel > 0;
+}
+
+static PyObject *gemv(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    int wanted = gemv_vnni_wanted();
+    return wanted < 0 ? NULL : PyUnicode_FromString(wanted ? "vnni" : "bf16");
+}
+
 static PyObject *gemm(PyObject *self, PyObject *args) {
     (void)self;
     int isa, threads, x_dtype, scale_dtype, group, y_dtype;
@@ -599,8 +633,12 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
                             y_dtype);
     if (M == 0 || N == 0)
         Py_RETURN_NONE;
+    int gemv_vnni = 0;
+    if (isa == ISA_AVX512BF16 && M == 1 && (gemv_vnni = gemv_vnni_wanted()) < 0)
+        return NULL;
     Job job = {
         .isa = isa,
+        .gemv_vnni = gemv_vnni,
         .weight_bits = 4,
         .group = group,
         .group_shift = group == 32 ? 5 : group == 64 ? 6 : 7,
@@ -612,7 +650,7 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
         .K = K,
         .N = N,
         .num_groups = K / group,
-        .xp_stride = xp_stride_of(isa, K, M),
+        .xp_stride = xp_stride_of(isa, K, gemv_vnni),
         .x = (const void *)(uintptr_t)x,
         .packed = (const int32_t *)(uintptr_t)packed,
         .scale = (const uint8_t *)(uintptr_t)scale,
@@ -652,6 +690,7 @@ static PyMethodDef methods[] = {
     {"gemm_dense", gemm_dense, METH_VARARGS, "y = x @ w^T for bf16 w on AMX tiles (see _dense_cpu_amx.h)."},
     {"dequantize", dequantize, METH_VARARGS, "out = bf16(q * scale), the weight as bf16 (see _w4a16_cpu_dequant.h)."},
     {"isas", isas, METH_NOARGS, "The kernel paths this CPU can run, by code: ('scalar', 'avx2', ...)."},
+    {"gemv", gemv, METH_NOARGS, "avx512bf16's batch-1 GEMV under $KVQ_CPU_GEMV on this CPU: 'vnni' or 'bf16'."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,5 @@
-/* The AVX-512 BF16 kernels (path avx512bf16, for bf16 activations): W4A16's GEMM (gemm_bf16, M >= 2;
-   the GEMV at M = 1 is _w4a16_cpu_vnni.h's) and, at the end, W8A16's GEMM (w8_gemm_bf16). Included by
+/* The AVX-512 BF16 kernels (path avx512bf16, for bf16 activations): W4A16 (gemv_bf16 at M = 1 where the
+   GEMV is not _w4a16_cpu_vnni.h's, gemm_bf16 at M >= 2) and, at the end, W8A16's GEMM (w8_gemm_bf16). Included by
    _w4a16_cpu.c after the AVX-512 path, whose block layout, scale vectors and tail loads the W4A16 ones
    share.
 
@@ -13,9 +13,8 @@
    block and (activation row, weight row), 4 vdpbf16ps from zero give the lane's sum of q * x, which goes
    times the lane's group scale into the fp32 accumulator. So the sums are the fp32 path's in another
    order (products of bf16 pairs are exact in fp32; vdpbf16ps flushes denormals to zero).
-   gemm_bf16 fills an L1 tile of 4 rows x BF_KC blocks with them once and runs every activation row (in
-   pairs) through it. (The GEMV made the pairs in registers, one row after another, until vpdpbusd's
-   integer sums replaced it: vdpbf16ps issues once per two cycles on Sapphire / Emerald Rapids.)
+   gemv_bf16 makes the pairs in registers, one row after another; gemm_bf16 fills an L1 tile of 4 rows x
+   BF_KC blocks with them once and runs every activation row (in pairs) through it.
    Tried and slower: q * scale rounded to bf16 in the tile (compressed-tensors' bf16 decompression; no
    multiply per block, but no faster and not exact), and lanes that each own 64 consecutive elements of a
    1024-element range, so that one multiply per 32 elements suffices (gathered weights, and a whole range
@@ -60,6 +59,42 @@ TARGET_AVX512BF16 static void dequantize_bf16(const Job *job, int64_t n, int64_t
         for (int p = 0; p < 4; p++)
             tile[b * 4 + p] = q_pairs(w, p, table);
     }
+}
+
+/* Row n's per-lane sums of q * x times the group scales, over all its blocks (M = 1). */
+TARGET_AVX512BF16 static inline __m512 row_dot_bf16(const Job *job, int64_t n, __m512i idx, __m512i table) {
+    const int64_t words = job->K / 8, num_blocks = (words + 15) / 16;
+    const int32_t *wrow = job->packed + n * words;
+    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+    const uint32_t *x = (const uint32_t *)job->xp;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; b++) {
+        prefetch_ahead(wrow + b * 16);
+        __m512i w = load_block_avx512(wrow, b, words);
+        const uint32_t *xb = x + b * 64;
+        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bf16_pairs(q_pairs(w, 0, table)),
+                                    as_bf16_pairs(_mm512_loadu_si512(xb)));
+        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 1, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 16)));
+        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 2, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 32)));
+        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 3, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 48)));
+        acc = _mm512_fmadd_ps(s, scale_vec_avx512(job, srow, b, idx), acc);
+    }
+    return acc;
+}
+
+/* M = 1: each row streamed on its own (rows read side by side defeat the prefetcher on long rows); rows
+   in fours share the horizontal sums' shuffles. */
+TARGET_AVX512BF16 static void gemv_bf16(const Job *job, int64_t n0, int64_t n1) {
+    const __m512i idx = expand_index_avx512(job->group), table = q_table();
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        __m512 a0 = row_dot_bf16(job, n, idx, table), a1 = row_dot_bf16(job, n + 1, idx, table);
+        __m512 a2 = row_dot_bf16(job, n + 2, idx, table), a3 = row_dot_bf16(job, n + 3, idx, table);
+        store_y4(job, 0, n, hsum4_avx2(half_sum_avx512(a0), half_sum_avx512(a1), half_sum_avx512(a2),
+                                       half_sum_avx512(a3)));
+    }
+    for (; n < n1; n++)
+        store_y(job, 0, n, _mm512_reduce_add_ps(row_dot_bf16(job, n, idx, table)));
 }
 
 /* acc[r] (and acc[4 + r]) += row xa (and xb, where two) in pair planes . tile row r over nb blocks, scaled. */

@@ -92,7 +92,7 @@ static int gemm_w8_amx(int threads, const W8Job *w8) {
         .K = w8->K,
         .N = w8->N,
         .num_groups = 1,
-        .xp_stride = xp_stride_of(ISA_AMX, w8->K, w8->M),
+        .xp_stride = xp_stride_of(ISA_AMX, w8->K, 0),
         .x = w8->x,
         .packed = (const int32_t *)w8->w,
         .scale = (const uint8_t *)w8->scale,

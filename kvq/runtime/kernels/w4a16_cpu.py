@@ -24,6 +24,7 @@ import torch
 from kvq.errors import KvqError
 
 CPU_ISA_ENV = "KVQ_CPU_ISA"
+CPU_GEMV_ENV = "KVQ_CPU_GEMV"  # avx512bf16 / amx batch-1 GEMV: vnni or bf16 (unset: by CPU vendor)
 CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
 NATIVE_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
 AUTO_ISAS = NATIVE_ISAS[:4]  # auto's order of preference ("scalar" is the reference, never auto's)
@@ -81,7 +82,10 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
         raise KvqError(f"{source} is {raw!r}; expected one of {', '.join(CPU_ISA_CHOICES)}")
     runnable = runnable_isas()
     if value == "auto":
-        return next((isa for isa in AUTO_ISAS if isa in runnable), "torch")
+        value = next((isa for isa in AUTO_ISAS if isa in runnable), "torch")
+        if value in ("amx", "avx512bf16"):
+            bf16_gemv()  # a bad $KVQ_CPU_GEMV: said here, not at the first decode step
+        return value
     if value in NATIVE_ISAS and value not in runnable:
         if _ext is None:
             raise KvqError(
@@ -92,7 +96,20 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
             f"{source} is {value!r} but this CPU cannot run it ({cpu_flags()}); "
             f"pick one of auto, {', '.join(runnable)}, torch"
         )
+    if value in ("amx", "avx512bf16"):
+        bf16_gemv()
     return value
+
+
+def bf16_gemv() -> str:
+    """avx512bf16's (and amx's) batch-1 GEMV here: "vnni" (bf16 activations as fixed point, VNNI integer
+    sums; Intel's default: vdpbf16ps issues once per two cycles there) or "bf16" (vdpbf16ps pairs; other
+    vendors'), or what $KVQ_CPU_GEMV says. Raises `KvqError` for another value of it."""
+    assert _ext is not None, "only the native avx512bf16 and amx paths ask"
+    try:
+        return _ext.gemv()
+    except ValueError as e:
+        raise KvqError(str(e)) from None
 
 
 @cache
@@ -118,6 +135,9 @@ def describe_cpu_path(isa: str) -> str:
     from kvq.runtime.kernels.cpu_ops import describe_level  # imports this module: here, not at the top
 
     path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
+    if isa in ("amx", "avx512bf16"):
+        gemv = "AVX-512 VNNI integer sums" if bf16_gemv() == "vnni" else "vdpbf16ps"
+        path += f" (batch 1 on {gemv})"
     if isa == "amx":
         path += " (dense BF16 decode batches on AMX tiles too)"
     ops = describe_level()

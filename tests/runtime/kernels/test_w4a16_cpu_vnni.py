@@ -1,16 +1,34 @@
 """The avx512bf16 (and amx) path's batch-1 GEMV on integer dot products (`_w4a16_cpu_vnni.h`), against
 float64 sums: exact integer lane sums (error only where fp32 takes the sums), the one rounding of inputs
-far below the row's largest, extreme magnitudes, denormals kept, non-finite rows, zero rows."""
+far below the row's largest, extreme magnitudes, denormals kept, non-finite rows, zero rows; and
+$KVQ_CPU_GEMV, which picks it or the vdpbf16ps GEMV (both against the scalar reference)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvq.errors import KvqError
 from kvq.formats.pack_quantized import pack_int4
-from kvq.runtime.kernels.w4a16_cpu import native_scale, runnable_isas, w4a16_native
+from kvq.runtime.kernels.w4a16_cpu import (
+    CPU_GEMV_ENV,
+    bf16_gemv,
+    describe_cpu_path,
+    native_scale,
+    resolve_cpu_isa,
+    runnable_isas,
+    w4a16_native,
+)
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
 
 pytestmark = pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")
+
+
+@pytest.fixture(autouse=True)
+def _vnni_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VNNI GEMV whatever this CPU's vendor (the default: vnni on Intel, bf16 elsewhere)."""
+    monkeypatch.setenv(CPU_GEMV_ENV, "vnni")
+
 
 # (N, K, group_size): whole and tail blocks of 128 inputs (K = 96, 160, 576, 4160), every group size
 SHAPES = [(5, 96, 32), (9, 160, 32), (13, 576, 64), (6, 1280, 128), (4, 4160, 64)]
@@ -104,3 +122,39 @@ def test_amx_runs_the_same_gemv_at_batch_1() -> None:
     packed, scale, _ = _weight(9, 576, 64, 9)
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     assert torch.equal(_gemv(x, packed, scale, 64, "amx"), _gemv(x, packed, scale, 64))
+
+
+@pytest.mark.parametrize("gemv", ["vnni", "bf16"])
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"), SHAPES)
+def test_both_gemvs_match_the_scalar_reference(
+    monkeypatch: pytest.MonkeyPatch, gemv: str, out_features: int, in_features: int, group_size: int
+) -> None:
+    monkeypatch.setenv(CPU_GEMV_ENV, gemv)
+    gen = torch.Generator().manual_seed(in_features)
+    packed, scale = random_w4a16(out_features, in_features, group_size, gen)
+    for scale_dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(1, in_features, generator=gen).to(torch.bfloat16)
+        y = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "avx512bf16", torch.float32)
+        expected = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "scalar", torch.float32)
+        assert_close_rel(y, expected, REL_TOL[torch.float32])
+        bf16_out = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "avx512bf16")
+        assert torch.equal(bf16_out, y.to(torch.bfloat16))  # rounded once
+
+
+def test_the_gemv_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset: vnni on Intel CPUs, bf16 on others; the choice shows in the CPU path line; another value is
+    a KvqError naming the variable when the path is resolved."""
+    monkeypatch.delenv(CPU_GEMV_ENV)
+    is_intel = "GenuineIntel" in open("/proc/cpuinfo").read()
+    assert bf16_gemv() == ("vnni" if is_intel else "bf16")
+    monkeypatch.setenv(CPU_GEMV_ENV, "bf16")
+    assert bf16_gemv() == "bf16"
+    assert "(batch 1 on vdpbf16ps)" in describe_cpu_path("avx512bf16")
+    monkeypatch.setenv(CPU_GEMV_ENV, "vnni")
+    assert "(batch 1 on AVX-512 VNNI integer sums)" in describe_cpu_path("avx512bf16")
+    monkeypatch.setenv(CPU_GEMV_ENV, "int8")
+    with pytest.raises(KvqError, match=r"\$KVQ_CPU_GEMV is 'int8'; expected vnni, bf16 or unset"):
+        resolve_cpu_isa("avx512bf16")
+    with pytest.raises(KvqError, match="KVQ_CPU_GEMV"):
+        resolve_cpu_isa("auto")
+    assert resolve_cpu_isa("avx512") == "avx512"  # a path without the GEMV does not ask
