@@ -1,11 +1,12 @@
-/* The avx512bf16 (and amx) path's W4A16 GEMV, batch 1 of bf16 activations, on integer dot products:
-   AVX-512 VNNI's vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each lane's four
-   products to its int32, exactly. Included by _w4a16_cpu.c after _w4a16_cpu_bf16.h (its scale vectors and
-   block loads are the AVX-512 path's); every CPU with AVX512_BF16 has AVX512_VNNI.
+/* The avx512bf16 (and amx) path's W4A16 GEMV, batch 1 of bf16 activations, on integer dot products
+   where gemv_vnni_wanted says (Intel CPUs, or $KVQ_CPU_GEMV=vnni; else gemv_bf16): AVX-512 VNNI's
+   vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each lane's four products to its
+   int32, exactly. Included by _w4a16_cpu.c after _w4a16_cpu_bf16.h (its scale vectors and block loads
+   are the AVX-512 path's); every CPU with AVX512_BF16 has AVX512_VNNI.
 
    Why: on Sapphire / Emerald Rapids vdpbf16ps issues once per two cycles (eight independent chains: 2.1
    cycles each; vpdpbusd ~0.7, vfmadd ~0.5), so the GEMV on bf16 pairs spent ~17-20 cycles per block of
-   128 weights. Here ~13: 1.3x at [1024, 4096] and [3072, 576] with the weights in L2.
+   128 weights. Here ~11-13: 1.34-1.68x per call with the weights in L2.
 
    The activations: X = rint(x * 2^(22 - e)), one power of two per row with 2^e above the row's largest
    |x|, so |X| < 2^22, written as X = 65536 h + 256 m + l with h, m, l in -128..127 (signed bytes). A bf16
