@@ -594,7 +594,7 @@ static int gemv_vnni_wanted(void) {
         return -1;
     }
     static int is_intel = -1; /* cpuid once: under a hypervisor it traps */
-#ifdef KVQ_X86
+#if defined(KVQ_X86) && !defined(KVQ_SIMDE_CHECK)
     if (is_intel < 0) {
         unsigned eax, ebx, ecx, edx; /* "GenuineIntel" */
         is_intel = __get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x756e6547u && edx == 0x49656e69u &&

@@ -1,7 +1,7 @@
 /* The AVX-512 BF16 kernels (path avx512bf16, for bf16 activations): W4A16 (gemv_bf16 at M = 1 where the
-   GEMV is not _w4a16_cpu_vnni.h's, gemm_bf16 at M >= 2) and, at the end, W8A16's GEMM (w8_gemm_bf16). Included by
-   _w4a16_cpu.c after the AVX-512 path, whose block layout, scale vectors and tail loads the W4A16 ones
-   share.
+   GEMV is not _w4a16_cpu_vnni.h's, gemm_bf16 at M >= 2) and, at the end, W8A16's GEMM (w8_gemm_bf16).
+   Included by _w4a16_cpu.c after the AVX-512 path, whose block layout, scale vectors and tail loads the
+   W4A16 ones share.
 
    A block is 16 int32 words of one weight row (128 elements, word i in lane i, nibble j of word i is
    element 8i + j). Here its elements go as 4 pair planes: plane p, lane i holds elements 8i + p (low

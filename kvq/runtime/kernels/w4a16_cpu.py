@@ -83,10 +83,7 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
     runnable = runnable_isas()
     if value == "auto":
         value = next((isa for isa in AUTO_ISAS if isa in runnable), "torch")
-        if value in ("amx", "avx512bf16"):
-            bf16_gemv()  # a bad $KVQ_CPU_GEMV: said here, not at the first decode step
-        return value
-    if value in NATIVE_ISAS and value not in runnable:
+    elif value in NATIVE_ISAS and value not in runnable:
         if _ext is None:
             raise KvqError(
                 f"{source} is {value!r} but kvq's CPU kernel (kvq.runtime.kernels._w4a16_cpu) is not built: "
@@ -97,7 +94,7 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
             f"pick one of auto, {', '.join(runnable)}, torch"
         )
     if value in ("amx", "avx512bf16"):
-        bf16_gemv()
+        bf16_gemv()  # a bad $KVQ_CPU_GEMV is said here, not at the first decode step
     return value
 
 
