@@ -59,7 +59,8 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX
 
 typedef struct {
     int isa, group, group_shift, x_dtype, scale_dtype, y_dtype, scale_size;
-    int gemv_vnni;   /* avx512bf16, M = 1: the GEMV on VNNI integer sums (_w4a16_cpu_vnni.h), not gemv_bf16 */
+    int vnni;        /* avx512bf16: bf16 activations as fixed point on VNNI integer sums (_w4a16_cpu_vnni.h),
+                        not vdpbf16ps pairs (gemv_bf16, gemm_bf16) */
     int weight_bits; /* 4: packed int4 (above); on the amx path also 8: W8A16's int8 [N, K] with one scale per
                         row (gemm_w8_amx), 16: a dense bf16 [N, K] (gemm_dense) */
     int64_t M, K, N, num_groups, xp_stride;
@@ -212,10 +213,10 @@ static void convert_row_vnni(const Job *job, int64_t m); /* _w4a16_cpu_vnni.h */
 
 /* Activations per row, in 4-byte units: K fp32 (scalar), per block of `lanes` words 8 * lanes fp32
    planes + lanes fp32 sums (SIMD), per block of 16 words 4 * 16 bf16 pairs (avx512bf16 at M >= 2; at
-   M = 1 the VNNI GEMV's byte planes, gemv_vnni), or K / 2 bf16 pairs (amx). */
-static int64_t xp_stride_of(int isa, int64_t K, int gemv_vnni) {
+   Job.vnni the byte planes of _w4a16_cpu_vnni.h), or K / 2 bf16 pairs (amx). */
+static int64_t xp_stride_of(int isa, int64_t K, int vnni) {
 #ifdef KVQ_X86
-    if (gemv_vnni)
+    if (vnni)
         return vnni_xp_stride(K);
 #endif
     if (isa == ISA_AMX)
@@ -264,7 +265,7 @@ static void convert_row(const Job *job, int64_t m) {
     }
 #endif
 #ifdef KVQ_X86
-    if (job->gemv_vnni) {
+    if (job->vnni) {
         convert_row_vnni(job, m);
         return;
     }
@@ -473,7 +474,7 @@ static int isa_supported(int isa) {
     if (isa == ISA_AVX512)
         return avx512;
     int avx512bf16 = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16") &&
-                     __builtin_cpu_supports("avx512vnni"); /* its GEMV's (every AVX512_BF16 CPU has VNNI) */
+                     __builtin_cpu_supports("avx512vnni"); /* Job.vnni's (every AVX512_BF16 CPU has VNNI) */
     if (isa == ISA_AVX512BF16)
         return avx512bf16;
 #ifdef KVQ_AMX
@@ -518,8 +519,10 @@ static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
         return;
     }
     if (job->isa == ISA_AVX512BF16) {
-        if (job->gemv_vnni)
+        if (job->vnni && job->M == 1)
             gemv_vnni(job, n0, n1);
+        else if (job->vnni)
+            gemm_vnni(job, n0, n1);
         else if (job->M == 1)
             gemv_bf16(job, n0, n1);
         else
@@ -580,17 +583,18 @@ static PyObject *run_job_released(Job *job, int threads) {
     Py_RETURN_NONE;
 }
 
-/* Whether avx512bf16's GEMV (M = 1; amx's too) runs on VNNI integer sums (_w4a16_cpu_vnni.h, 1) or on
-   vdpbf16ps pairs (gemv_bf16, 0): $KVQ_CPU_GEMV = vnni or bf16, else vnni on Intel CPUs, where vdpbf16ps
-   issues once per two cycles (Sapphire / Emerald Rapids: the VNNI GEMV measured 1.4-1.65x), and bf16 on
-   others (AMD Zen 4 issues either instruction once per cycle per 512-bit vector, so the 4 vdpbf16ps per
-   block should beat VNNI's 6; not measured). -1 (a ValueError set) for another value. Called with the GIL. */
-static int gemv_vnni_wanted(void) {
-    const char *choice = getenv("KVQ_CPU_GEMV");
+/* Whether avx512bf16 (and amx below AMX_FROM_ROWS) multiplies bf16 activations as fixed point on VNNI
+   integer sums (_w4a16_cpu_vnni.h, 1) or as vdpbf16ps pairs (gemv_bf16, gemm_bf16, 0): $KVQ_CPU_DOT = vnni
+   or bf16, else vnni on Intel CPUs, where vdpbf16ps issues once per two cycles (Sapphire / Emerald Rapids:
+   the VNNI GEMV measured 1.34-1.68x, the GEMM 1.35-1.49x), and bf16 on others (AMD Zen 4 issues either
+   instruction once per cycle per 512-bit vector, so the 4 vdpbf16ps per block should beat VNNI's 6; not
+   measured). -1 (a ValueError set) for another value. Called with the GIL. */
+static int vnni_wanted(void) {
+    const char *choice = getenv("KVQ_CPU_DOT");
     if (choice != NULL && choice[0] != '\0') {
         if (strcmp(choice, "vnni") == 0 || strcmp(choice, "bf16") == 0)
             return choice[0] == 'v';
-        PyErr_Format(PyExc_ValueError, "$KVQ_CPU_GEMV is '%s'; expected vnni, bf16 or unset (by CPU)", choice);
+        PyErr_Format(PyExc_ValueError, "$KVQ_CPU_DOT is '%s'; expected vnni, bf16 or unset (by CPU)", choice);
         return -1;
     }
     static int is_intel = -1; /* cpuid once: under a hypervisor it traps */
@@ -604,10 +608,10 @@ static int gemv_vnni_wanted(void) {
     return is_intel > 0;
 }
 
-static PyObject *gemv(PyObject *self, PyObject *unused) {
+static PyObject *dot(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    int wanted = gemv_vnni_wanted();
+    int wanted = vnni_wanted();
     return wanted < 0 ? NULL : PyUnicode_FromString(wanted ? "vnni" : "bf16");
 }
 
@@ -633,12 +637,12 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
                             y_dtype);
     if (M == 0 || N == 0)
         Py_RETURN_NONE;
-    int gemv_vnni = 0;
-    if (isa == ISA_AVX512BF16 && M == 1 && (gemv_vnni = gemv_vnni_wanted()) < 0)
+    int vnni = 0;
+    if (isa == ISA_AVX512BF16 && (vnni = vnni_wanted()) < 0)
         return NULL;
     Job job = {
         .isa = isa,
-        .gemv_vnni = gemv_vnni,
+        .vnni = vnni,
         .weight_bits = 4,
         .group = group,
         .group_shift = group == 32 ? 5 : group == 64 ? 6 : 7,
@@ -650,7 +654,7 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
         .K = K,
         .N = N,
         .num_groups = K / group,
-        .xp_stride = xp_stride_of(isa, K, gemv_vnni),
+        .xp_stride = xp_stride_of(isa, K, vnni),
         .x = (const void *)(uintptr_t)x,
         .packed = (const int32_t *)(uintptr_t)packed,
         .scale = (const uint8_t *)(uintptr_t)scale,
@@ -690,7 +694,7 @@ static PyMethodDef methods[] = {
     {"gemm_dense", gemm_dense, METH_VARARGS, "y = x @ w^T for bf16 w on AMX tiles (see _dense_cpu_amx.h)."},
     {"dequantize", dequantize, METH_VARARGS, "out = bf16(q * scale), the weight as bf16 (see _w4a16_cpu_dequant.h)."},
     {"isas", isas, METH_NOARGS, "The kernel paths this CPU can run, by code: ('scalar', 'avx2', ...)."},
-    {"gemv", gemv, METH_NOARGS, "avx512bf16's batch-1 GEMV under $KVQ_CPU_GEMV on this CPU: 'vnni' or 'bf16'."},
+    {"dot", dot, METH_NOARGS, "How avx512bf16 multiplies bf16 activations here ($KVQ_CPU_DOT): 'vnni' or 'bf16'."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,27 +1,27 @@
-/* The avx512bf16 (and amx) path's W4A16 GEMV, batch 1 of bf16 activations, on integer dot products
-   where gemv_vnni_wanted says (Intel CPUs, or $KVQ_CPU_GEMV=vnni; else gemv_bf16): AVX-512 VNNI's
-   vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each lane's four products to its
-   int32, exactly. Included by _w4a16_cpu.c after _w4a16_cpu_bf16.h (its scale vectors and block loads
+/* The avx512bf16 path's W4A16 GEMV and GEMM for bf16 activations (amx's below AMX_FROM_ROWS rows) on integer
+   dot products, where vnni_wanted says (Intel CPUs, or $KVQ_CPU_DOT=vnni; else gemv_bf16 and gemm_bf16):
+   AVX-512 VNNI's vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each lane's four products
+   to its int32, exactly. Included by _w4a16_cpu.c after _w4a16_cpu_bf16.h (its scale vectors and block loads
    are the AVX-512 path's); every CPU with AVX512_BF16 has AVX512_VNNI.
 
    Why: on Sapphire / Emerald Rapids vdpbf16ps issues once per two cycles (eight independent chains: 2.1
-   cycles each; vpdpbusd ~0.7, vfmadd ~0.5), so the GEMV on bf16 pairs spent ~17-20 cycles per block of
-   128 weights. Here ~11-13: 1.34-1.68x per call with the weights in L2.
+   cycles each; vpdpbusd ~0.7, vfmadd ~0.5), so the GEMV on bf16 pairs spent ~17-20 cycles per block of 128
+   weights. Here ~11-13: 1.34-1.68x per call with the weights in L2; the GEMM 1.35-1.49x.
 
-   The activations: X = rint(x * 2^(22 - e)), one power of two per row with 2^e above the row's largest
-   |x|, so |X| < 2^22, written as X = 65536 h + 256 m + l with h, m, l in -128..127 (signed bytes). A bf16
-   has 8 significant bits, so every element within 2^-15 of the row's largest is exact; smaller ones are
-   rounded to a multiple of 2^(e - 22), i.e. within 2^-23 of the largest, where fp32 sums round anyway.
-   The weights: a block's 64 bytes as they are, low nibbles (w & 15) and high nibbles (w >> 4 & 15) as
-   unsigned bytes u = q + 8. Lane i of a block is word i (inputs 8i..8i+7), so byte 4i + j of the low
-   (high) nibble vector is input 8i + 2j (8i + 2j + 1); the activations' planes hold the same inputs at
-   the same bytes. Six vpdpbusd per block (h, m, l times both nibble vectors) give each lane's sum of
-   u * X as 65536 H + 256 M + L in int32 (|sum| < 2^29), the L sum seeded with -8 * (the lane's sum of
-   X), so the result is the lane's sum of q * X, exact. It goes to fp32 (exact below 2^24, else rounded
-   once), times the lane's group scale, into the fp32 accumulator; the row's total times 2^(e - 22), in
-   two exact halves (a factor below 2^-126 would flush). So each product and each lane's block sum are
-   exact where the vdpbf16ps path rounded every other addition, and denormal activations are kept (it
-   flushed them). A row holding inf or NaN gives NaN outputs. */
+   The activations, each row on its own: X = rint(x * 2^(22 - e)), one power of two with 2^e above its largest
+   |x|, so |X| < 2^22, written as X = 65536 h + 256 m + l with h, m, l in -128..127 (signed bytes). A bf16 has
+   8 significant bits, so every element within 2^-15 of the row's largest is exact; smaller ones are rounded
+   to a multiple of 2^(e - 22), i.e. within 2^-23 of the largest, where fp32 sums round anyway. The weights: a
+   block's 64 bytes as they are, low nibbles (w & 15) and high nibbles (w >> 4 & 15) as unsigned bytes u = q
+   + 8. Lane i of a block is word i (inputs 8i..8i+7), so byte 4i + j of the low (high) nibble vector is input
+   8i + 2j (8i + 2j + 1); the activations' planes hold the same inputs at the same bytes. Six vpdpbusd per
+   block (h, m, l times both nibble vectors) give each lane's sum of u * X as 65536 H + 256 M + L in int32
+   (|sum| < 2^29), the L sum seeded with -8 * (the lane's sum of X), so the result is the lane's sum of q * X,
+   exact. It goes to fp32 (exact below 2^24, else rounded once), times the lane's group scale, into the fp32
+   accumulator; the row's total times 2^(e - 22), in two exact halves (a factor below 2^-126 would flush). So
+   each product and each lane's block sum are exact where the vdpbf16ps path rounded every other addition, and
+   denormal activations are kept (it flushed them). A row holding inf or NaN gives NaN outputs (in its row of
+   y). */
 
 #define VNNI_HEADER_BYTES 64 /* the row's two scale halves (fp32), padded to a cache line */
 #define VNNI_BLOCK_BYTES 512 /* h, m, l x (low, high nibble inputs) x 64 bytes, 16 int32 seeds, padding */
@@ -121,10 +121,10 @@ TARGET_AVX512VNNI static inline __m512 scale_vec_vnni(const Job *job, const uint
     return scale_vec_avx512(job, srow, b, idx);
 }
 
-/* Block b's per-lane sums of q * X (exact, int32) from its weights w: see the top of this file. */
-TARGET_AVX512VNNI static inline __m512i block_sums_vnni(__m512i w, const uint8_t *xb) {
-    const __m512i nibble = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
-    __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+/* A block's per-lane sums of q * X (exact, int32) from its weights as nibble bytes (low, high) and its
+   activation planes and seeds at xb: see the top of this file. */
+TARGET_AVX512VNNI static inline __m512i lane_sums_vnni(__m512i lo, __m512i hi, const uint8_t *xb) {
+    const __m512i zero = _mm512_setzero_si512();
     __m512i sum_h = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb));
     __m512i sum_m = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb + 128));
     __m512i sum_l = _mm512_dpbusd_epi32(_mm512_loadu_si512(xb + VNNI_SEEDS), lo, _mm512_loadu_si512(xb + 256));
@@ -132,6 +132,18 @@ TARGET_AVX512VNNI static inline __m512i block_sums_vnni(__m512i w, const uint8_t
     sum_m = _mm512_dpbusd_epi32(sum_m, hi, _mm512_loadu_si512(xb + 192));
     sum_l = _mm512_dpbusd_epi32(sum_l, hi, _mm512_loadu_si512(xb + 320));
     return _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(sum_h, 16), _mm512_slli_epi32(sum_m, 8)), sum_l);
+}
+
+/* A block's 16 words as nibble bytes: low nibbles, then high. */
+TARGET_AVX512VNNI static inline __m512i low_nibbles(__m512i w) {
+    return _mm512_and_si512(w, _mm512_set1_epi8(15));
+}
+TARGET_AVX512VNNI static inline __m512i high_nibbles(__m512i w) {
+    return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15));
+}
+
+TARGET_AVX512VNNI static inline __m512i block_sums_vnni(__m512i w, const uint8_t *xb) {
+    return lane_sums_vnni(low_nibbles(w), high_nibbles(w), xb);
 }
 
 /* Row n's per-lane sums of q * X times the group scales, over all its blocks. */
@@ -169,4 +181,66 @@ TARGET_AVX512VNNI static void gemv_vnni(const Job *job, int64_t n0, int64_t n1) 
     }
     for (; n < n1; n++)
         store_y(job, 0, n, _mm512_reduce_add_ps(row_dot_vnni(job, n, idx)) * halves[0] * halves[1]);
+}
+
+#define VNNI_KC 8       /* blocks per tile of 4 weight rows (nibble bytes and scales: 6 KiB, in L1) */
+#define VNNI_M_BLOCK 64 /* activation rows per pass over a tile */
+
+/* M >= 2: per 4 weight rows and VNNI_KC blocks, the nibble bytes and lane scales once into a tile, then
+   every activation row through it (each row's planes loaded once for the 4 weight rows). */
+TARGET_AVX512VNNI static void gemm_vnni(const Job *job, int64_t n0, int64_t n1) {
+    const int64_t words = job->K / 8, num_blocks = (words + 15) / 16;
+    const __m512i idx = expand_index_avx512(job->group);
+    __m512i lo[4 * VNNI_KC], hi[4 * VNNI_KC];
+    __m512 scales[4 * VNNI_KC];
+    __m512 acc[VNNI_M_BLOCK * 4];
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int num_rows = n1 - n < 4 ? (int)(n1 - n) : 4;
+        for (int i = num_rows * VNNI_KC; i < 4 * VNNI_KC; i++) { /* a missing row: u 0, scale 0 */
+            lo[i] = hi[i] = _mm512_setzero_si512();
+            scales[i] = _mm512_setzero_ps();
+        }
+        for (int64_t m0 = 0; m0 < job->M; m0 += VNNI_M_BLOCK) {
+            const int64_t mb = job->M - m0 < VNNI_M_BLOCK ? job->M - m0 : VNNI_M_BLOCK;
+            for (int64_t i = 0; i < mb * 4; i++)
+                acc[i] = _mm512_setzero_ps();
+            for (int64_t b0 = 0; b0 < num_blocks; b0 += VNNI_KC) {
+                const int64_t nb = num_blocks - b0 < VNNI_KC ? num_blocks - b0 : VNNI_KC;
+                for (int r = 0; r < num_rows; r++) {
+                    const int32_t *wrow = job->packed + (n + r) * words;
+                    const uint8_t *srow = job->scale + (n + r) * job->num_groups * job->scale_size;
+                    for (int64_t b = 0; b < nb; b++) {
+                        __m512i w = load_block_avx512(wrow, b0 + b, words);
+                        lo[r * VNNI_KC + b] = low_nibbles(w), hi[r * VNNI_KC + b] = high_nibbles(w);
+                        scales[r * VNNI_KC + b] = scale_vec_vnni(job, srow, b0 + b, idx);
+                    }
+                }
+                for (int64_t m = 0; m < mb; m++) {
+                    const uint8_t *xb = (const uint8_t *)(job->xp + (m0 + m) * job->xp_stride) +
+                                        VNNI_HEADER_BYTES + b0 * VNNI_BLOCK_BYTES;
+                    __m512 *a = acc + m * 4;
+                    for (int64_t b = 0; b < nb; b++, xb += VNNI_BLOCK_BYTES)
+                        for (int r = 0; r < 4; r++) {
+                            const int t = r * VNNI_KC + (int)b;
+                            __m512i s = lane_sums_vnni(lo[t], hi[t], xb);
+                            a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scales[t], a[r]);
+                        }
+                }
+            }
+            for (int64_t m = 0; m < mb; m++) {
+                const __m512 *a = acc + m * 4;
+                float halves[2];
+                memcpy(halves, job->xp + (m0 + m) * job->xp_stride, sizeof halves);
+                if (num_rows == 4) {
+                    __m128 sums = hsum4_avx2(half_sum_avx512(a[0]), half_sum_avx512(a[1]), half_sum_avx512(a[2]),
+                                             half_sum_avx512(a[3]));
+                    sums = _mm_mul_ps(_mm_mul_ps(sums, _mm_set1_ps(halves[0])), _mm_set1_ps(halves[1]));
+                    store_y4(job, m0 + m, n, sums);
+                } else {
+                    for (int r = 0; r < num_rows; r++)
+                        store_y(job, m0 + m, n + r, _mm512_reduce_add_ps(a[r]) * halves[0] * halves[1]);
+                }
+            }
+        }
+    }
 }

@@ -4,7 +4,7 @@
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
 `w4a16.py`) with AMX (avx512bf16, but batches of at least `AMX_FROM_ROWS` bf16 rows through AMX tiles
 over compressed-tensors' bf16(q * scale)), AVX-512 BF16 (AVX-512, but bf16 activations through
-vdpbf16ps, or at batch 1 as fixed point through VNNI's vpdpbusd), AVX-512, AVX2 + FMA or scalar C loops
+vdpbf16ps, or as fixed point through VNNI's vpdpbusd), AVX-512, AVX2 + FMA or scalar C loops
 chosen at run time. On avx512bf16, batches of at least
 `DENSE_FROM_ROWS` bf16 rows (prefill; amx: `AMX_DENSE_FROM_ROWS`) instead decompress the weight to bf16
 (`dequantize`, in chunks of rows) and run torch's BF16 GEMM (oneDNN). Without the extension, or with
@@ -24,7 +24,7 @@ import torch
 from kvq.errors import KvqError
 
 CPU_ISA_ENV = "KVQ_CPU_ISA"
-CPU_GEMV_ENV = "KVQ_CPU_GEMV"  # avx512bf16 / amx batch-1 GEMV: vnni or bf16 (unset: by CPU vendor)
+CPU_DOT_ENV = "KVQ_CPU_DOT"  # how avx512bf16 multiplies bf16 activations: vnni or bf16 (unset: by CPU vendor)
 CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
 NATIVE_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
 AUTO_ISAS = NATIVE_ISAS[:4]  # auto's order of preference ("scalar" is the reference, never auto's)
@@ -94,17 +94,18 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
             f"pick one of auto, {', '.join(runnable)}, torch"
         )
     if value in ("amx", "avx512bf16"):
-        bf16_gemv()  # a bad $KVQ_CPU_GEMV is said here, not at the first decode step
+        bf16_dot()  # a bad $KVQ_CPU_DOT is said here, not at the first decode step
     return value
 
 
-def bf16_gemv() -> str:
-    """avx512bf16's (and amx's) batch-1 GEMV here: "vnni" (bf16 activations as fixed point, VNNI integer
-    sums; Intel's default: vdpbf16ps issues once per two cycles there) or "bf16" (vdpbf16ps pairs; other
-    vendors'), or what $KVQ_CPU_GEMV says. Raises `KvqError` for another value of it."""
+def bf16_dot() -> str:
+    """How avx512bf16 (and amx below `AMX_FROM_ROWS` rows) multiplies bf16 activations here: "vnni" (as
+    fixed point, on VNNI integer sums; Intel's default: vdpbf16ps issues once per two cycles there) or
+    "bf16" (vdpbf16ps pairs; other vendors'), or what $KVQ_CPU_DOT says. Raises `KvqError` for another
+    value of it."""
     assert _ext is not None, "only the native avx512bf16 and amx paths ask"
     try:
-        return _ext.gemv()
+        return _ext.dot()
     except ValueError as e:
         raise KvqError(str(e)) from None
 
@@ -133,8 +134,8 @@ def describe_cpu_path(isa: str) -> str:
 
     path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
     if isa in ("amx", "avx512bf16"):
-        gemv = "AVX-512 VNNI integer sums" if bf16_gemv() == "vnni" else "vdpbf16ps"
-        path += f" (batch 1 on {gemv})"
+        dot = "AVX-512 VNNI integer sums" if bf16_dot() == "vnni" else "vdpbf16ps"
+        path += f" (bf16 activations on {dot})"
     if isa == "amx":
         path += " (dense BF16 decode batches on AMX tiles too)"
     ops = describe_level()

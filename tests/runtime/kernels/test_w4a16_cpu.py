@@ -15,7 +15,7 @@ from kvq.errors import KvqError
 from kvq.runtime.kernels import fused_moe_reference, fused_moe_w4a16, prepare_w4a16, w4a16_linear
 from kvq.runtime.kernels.w4a16 import w4a16_reference
 from kvq.runtime.kernels.w4a16_cpu import (
-    CPU_GEMV_ENV,
+    CPU_DOT_ENV,
     CPU_ISA_ENV,
     DENSE_CHUNK_ELEMENTS,
     DENSE_FROM_ROWS,
@@ -206,17 +206,17 @@ def test_strided_and_leading_dims(cpu_isa: str) -> None:
 
 @pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")
 @pytest.mark.skipif(bool(os.environ.get("KVQ_SIMDE_CHECK")), reason="SIMDe's vdpbf16ps keeps denormals")
-@pytest.mark.parametrize("gemv", ["vnni", "bf16"])
-def test_avx512bf16_runs_vdpbf16ps_for_bf16_activations_only(monkeypatch, gemv: str) -> None:
-    """vdpbf16ps flushes denormal inputs to zero, the fp32 paths and the VNNI GEMV's integer sums do not:
-    which path ran, by its values (bf16 activations at batch 2, the GEMM, take vdpbf16ps; at batch 1 the
-    GEMV that $KVQ_CPU_GEMV names; fp32 ones the AVX-512 path)."""
-    monkeypatch.setenv(CPU_GEMV_ENV, gemv)
+@pytest.mark.parametrize("dot", ["vnni", "bf16"])
+def test_avx512bf16_flushes_denormals_only_on_vdpbf16ps(monkeypatch, dot: str) -> None:
+    """vdpbf16ps flushes denormal inputs to zero, the fp32 paths and VNNI's integer sums do not: which
+    path ran, by its values (bf16 activations take what $KVQ_CPU_DOT names, at batch 1 and 2; fp32 ones
+    the AVX-512 path)."""
+    monkeypatch.setenv(CPU_DOT_ENV, dot)
     packed = torch.full((4, 4), -1, dtype=torch.int32)  # every nibble 15: q = 7
     scale = torch.ones(4, 1)
     tiny = torch.full((2, 32), 1e-39)  # denormal in bf16 and fp32; 32 * 7e-39 is a normal fp32
     bf16 = tiny.to(torch.bfloat16)
-    for x, flushed in ((bf16, True), (bf16[:1], gemv == "bf16"), (tiny, False)):
+    for x, flushed in ((bf16, dot == "bf16"), (bf16[:1], dot == "bf16"), (tiny, False)):
         y = _native("avx512bf16", x, packed, scale, 32, out_dtype=torch.float32)
         expected = _native("avx512", x, packed, scale, 32, out_dtype=torch.float32)
         assert expected.min() > 1e-37

@@ -1,7 +1,8 @@
-"""The avx512bf16 (and amx) path's batch-1 GEMV on integer dot products (`_w4a16_cpu_vnni.h`), against
-float64 sums: exact integer lane sums (error only where fp32 takes the sums), the one rounding of inputs
-far below the row's largest, extreme magnitudes, denormals kept, non-finite rows, zero rows; and
-$KVQ_CPU_GEMV, which picks it or the vdpbf16ps GEMV (both against the scalar reference)."""
+"""The avx512bf16 (and amx below AMX_FROM_ROWS) path's bf16 activations on integer dot products
+(`_w4a16_cpu_vnni.h`: the GEMV and the GEMM), against float64 sums: exact integer lane sums (error only
+where fp32 takes the sums), the one rounding of inputs far below a row's largest, extreme magnitudes,
+denormals kept, non-finite rows (only theirs), zero rows; and $KVQ_CPU_DOT, which picks them or the
+vdpbf16ps kernels (both against the scalar reference)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 from kvq.errors import KvqError
 from kvq.formats.pack_quantized import pack_int4
 from kvq.runtime.kernels.w4a16_cpu import (
-    CPU_GEMV_ENV,
-    bf16_gemv,
+    CPU_DOT_ENV,
+    bf16_dot,
     describe_cpu_path,
     native_scale,
     resolve_cpu_isa,
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no 
 
 @pytest.fixture(autouse=True)
 def _vnni_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The VNNI GEMV whatever this CPU's vendor (the default: vnni on Intel, bf16 elsewhere)."""
-    monkeypatch.setenv(CPU_GEMV_ENV, "vnni")
+    """The VNNI kernels whatever this CPU's vendor (the default: vnni on Intel, bf16 elsewhere)."""
+    monkeypatch.setenv(CPU_DOT_ENV, "vnni")
 
 
 # (N, K, group_size): whole and tail blocks of 128 inputs (K = 96, 160, 576, 4160), every group size
@@ -44,15 +45,16 @@ def _weight(num_rows: int, in_features: int, group_size: int, seed: int):
 
 
 def _gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int, isa="avx512bf16"):
-    """The batch-1 GEMV's fp32 outputs `[N]` as float64."""
-    return w4a16_native(x, packed, native_scale(scale), group_size, isa, out_dtype=torch.float32)[0].double()
+    """The fp32 outputs of one row x `[1, K]` (`[N]`: the GEMV) or of more (`[M, N]`: the GEMM), float64."""
+    y = w4a16_native(x, packed, native_scale(scale), group_size, isa, out_dtype=torch.float32).double()
+    return y[0] if x.shape[0] == 1 else y
 
 
 def _fp32_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """What fp32 may lose taking the exact lane sums: a rounding per block, per FMA and per horizontal add,
-    each at most 2^-24 of the sum of the terms' magnitudes (x2 margin)."""
+    """What fp32 may lose taking the exact lane sums of row x (`[K]`): a rounding per block, per FMA and
+    per horizontal add, each at most 2^-24 of the sum of the terms' magnitudes (x2 margin)."""
     steps = x.shape[-1] / 128 + 8
-    return 2 * steps * 2.0**-24 * (dense.abs() @ x[0].double().abs())
+    return 2 * steps * 2.0**-24 * (dense.abs() @ x.reshape(-1).double().abs())
 
 
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"), SHAPES)
@@ -124,16 +126,23 @@ def test_amx_runs_the_same_gemv_at_batch_1() -> None:
     assert torch.equal(_gemv(x, packed, scale, 64, "amx"), _gemv(x, packed, scale, 64))
 
 
-@pytest.mark.parametrize("gemv", ["vnni", "bf16"])
+@pytest.mark.parametrize("dot", ["vnni", "bf16"])
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 70])
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"), SHAPES)
-def test_both_gemvs_match_the_scalar_reference(
-    monkeypatch: pytest.MonkeyPatch, gemv: str, out_features: int, in_features: int, group_size: int
+def test_both_kernels_match_the_scalar_reference(
+    monkeypatch: pytest.MonkeyPatch,
+    dot: str,
+    num_rows: int,
+    out_features: int,
+    in_features: int,
+    group_size: int,
 ) -> None:
-    monkeypatch.setenv(CPU_GEMV_ENV, gemv)
+    """The GEMV (1 row) and the GEMM (2 and more; 70: two passes of 64 activation rows) of either kind."""
+    monkeypatch.setenv(CPU_DOT_ENV, dot)
     gen = torch.Generator().manual_seed(in_features)
     packed, scale = random_w4a16(out_features, in_features, group_size, gen)
     for scale_dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(1, in_features, generator=gen).to(torch.bfloat16)
+        x = torch.randn(num_rows, in_features, generator=gen).to(torch.bfloat16)
         y = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "avx512bf16", torch.float32)
         expected = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "scalar", torch.float32)
         assert_close_rel(y, expected, REL_TOL[torch.float32])
@@ -141,20 +150,42 @@ def test_both_gemvs_match_the_scalar_reference(
         assert torch.equal(bf16_out, y.to(torch.bfloat16))  # rounded once
 
 
-def test_the_gemv_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unset: vnni on Intel CPUs, bf16 on others; the choice shows in the CPU path line; another value is
     a KvqError naming the variable when the path is resolved."""
-    monkeypatch.delenv(CPU_GEMV_ENV)
+    monkeypatch.delenv(CPU_DOT_ENV)
     is_intel = "GenuineIntel" in open("/proc/cpuinfo").read()
-    assert bf16_gemv() == ("vnni" if is_intel else "bf16")
-    monkeypatch.setenv(CPU_GEMV_ENV, "bf16")
-    assert bf16_gemv() == "bf16"
-    assert "(batch 1 on vdpbf16ps)" in describe_cpu_path("avx512bf16")
-    monkeypatch.setenv(CPU_GEMV_ENV, "vnni")
-    assert "(batch 1 on AVX-512 VNNI integer sums)" in describe_cpu_path("avx512bf16")
-    monkeypatch.setenv(CPU_GEMV_ENV, "int8")
-    with pytest.raises(KvqError, match=r"\$KVQ_CPU_GEMV is 'int8'; expected vnni, bf16 or unset"):
+    assert bf16_dot() == ("vnni" if is_intel else "bf16")
+    monkeypatch.setenv(CPU_DOT_ENV, "bf16")
+    assert bf16_dot() == "bf16"
+    assert "(bf16 activations on vdpbf16ps)" in describe_cpu_path("avx512bf16")
+    monkeypatch.setenv(CPU_DOT_ENV, "vnni")
+    assert "(bf16 activations on AVX-512 VNNI integer sums)" in describe_cpu_path("avx512bf16")
+    monkeypatch.setenv(CPU_DOT_ENV, "int8")
+    with pytest.raises(KvqError, match=r"\$KVQ_CPU_DOT is 'int8'; expected vnni, bf16 or unset"):
         resolve_cpu_isa("avx512bf16")
-    with pytest.raises(KvqError, match="KVQ_CPU_GEMV"):
+    with pytest.raises(KvqError, match="KVQ_CPU_DOT"):
         resolve_cpu_isa("auto")
-    assert resolve_cpu_isa("avx512") == "avx512"  # a path without the GEMV does not ask
+    assert resolve_cpu_isa("avx512") == "avx512"  # a path without them does not ask
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"), SHAPES)
+def test_gemm_rows_are_exact_within_fp32_rounding_each_on_its_own_grid(
+    out_features: int, in_features: int, group_size: int
+) -> None:
+    """Batches: every activation row has its own fixed point (rows 2^40 apart), a zero row gives zeros, a
+    row holding inf gives NaN and leaves the other rows alone."""
+    packed, scale, dense = _weight(out_features, in_features, group_size, in_features + 1)
+    gen = torch.Generator().manual_seed(5)
+    x = (
+        torch.randn(6, in_features, generator=gen)
+        * torch.tensor([1.0, 2.0**-20, 2.0**20, 0.0, 1.0, 3.0])[:, None]
+    )
+    x = x.to(torch.bfloat16)
+    x[4, 1] = float("inf")
+    y = _gemv(x, packed, scale, group_size)
+    for m in (0, 1, 2, 5):
+        exact = dense @ x[m].double()
+        assert ((y[m] - exact).abs() <= _fp32_bound(x[m], dense)).all(), m
+    assert torch.equal(y[3], torch.zeros_like(y[3]))
+    assert torch.isnan(y[4]).all()
