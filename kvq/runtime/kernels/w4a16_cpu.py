@@ -32,9 +32,10 @@ _ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NATIVE_DTYPES = tuple(_DTYPE_CODES)  # activation / output dtypes the native kernels take
 _REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
-# amx, bf16 activations: from this many rows the AMX GEMM outruns avx512bf16's vdpbf16ps one (Emerald
-# Rapids, SmolLM2 shapes, one thread: ~1.0x at 3 rows, 1.3x at 4, 3x at 8, 7x at 32); below, avx512bf16
-AMX_FROM_ROWS = 4
+# amx, bf16 activations: from this many rows the AMX GEMM outruns avx512bf16's (Emerald Rapids, SmolLM2
+# shapes, one thread, against the VNNI GEMM (stop 36): 1.0x at 2 rows, 1.3x at 3, 3x at 8; against the
+# vdpbf16ps one: 1.3x at 4, 7x at 32); below, avx512bf16
+AMX_FROM_ROWS = 3
 # amx: from this many rows dense_matmul (oneDNN's AMX GEMM) outruns it again (0.6x its time at 64 rows,
 # 0.8x at 128, ~1x at 192, 1.1-1.4x at 256-512: the W4A16 kernel re-reads its activations per 16 weight rows)
 AMX_DENSE_FROM_ROWS = 256
