@@ -29,7 +29,9 @@ ALWAYS_INLINE void LN(load_page_rows)(const Pages *p, int64_t page, int64_t n, i
         } else {
             const uint16_t *restrict src = (const uint16_t *)p->base + base + j * p->slot_stride;
             int64_t d = 0;
-#if LANES_WIDE
+#if LANES_WIDE && defined(KVQ_X86_LEVELS)
+            d = bf16_row_avx512(src, D, row);
+#elif LANES_WIDE
             for (; d + LANES16 <= D; d += LANES16) { /* explicit lanes: GCC's own loop went 8 at a time */
                 v16h h;
                 memcpy(&h, src + d, sizeof h);
