@@ -74,7 +74,8 @@ class BenchConfig:
 
 def smollm2_config(cfg: BenchConfig) -> BenchConfig:
     """cfg at SmolLM2-135M's Linears (hidden 576, intermediate 1536, 9 + 2 x 3 heads of 64; group 64) and
-    the batch sizes the CPU paths switch at (1: the GEMV; 4: AMX (from AMX_FROM_ROWS, 3); 32: one AMX pass)."""
+    the batch sizes the CPU paths switch at (1: the GEMV; 4: AMX, from AMX_FROM_ROWS = 3; 32: one AMX
+    pass)."""
     shapes = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
     return replace(cfg, gemv_shapes=shapes, target_shapes=(), group_size=64, batches=(1, 4, 16, 32, 64))
 
