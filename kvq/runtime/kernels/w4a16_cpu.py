@@ -28,6 +28,7 @@ CPU_DOT_ENV = "KVQ_CPU_DOT"  # how avx512bf16 multiplies bf16 activations: vnni 
 CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
 NATIVE_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
 AUTO_ISAS = NATIVE_ISAS[:4]  # auto's order of preference ("scalar" is the reference, never auto's)
+BF16_DOT_ISAS = ("amx", "avx512bf16")  # the paths whose bf16 activations go as $KVQ_CPU_DOT says (`bf16_dot`)
 _ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NATIVE_DTYPES = tuple(_DTYPE_CODES)  # activation / output dtypes the native kernels take
@@ -94,7 +95,7 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
             f"{source} is {value!r} but this CPU cannot run it ({cpu_flags()}); "
             f"pick one of auto, {', '.join(runnable)}, torch"
         )
-    if value in ("amx", "avx512bf16"):
+    if value in BF16_DOT_ISAS:
         bf16_dot()  # a bad $KVQ_CPU_DOT is said here, not at the first decode step
     return value
 
@@ -134,7 +135,7 @@ def describe_cpu_path(isa: str) -> str:
     from kvq.runtime.kernels.cpu_ops import describe_level  # imports this module: here, not at the top
 
     path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
-    if isa in ("amx", "avx512bf16"):
+    if isa in BF16_DOT_ISAS:
         dot = "AVX-512 VNNI integer sums" if bf16_dot() == "vnni" else "vdpbf16ps"
         path += f" (bf16 activations on {dot})"
     if isa == "amx":
