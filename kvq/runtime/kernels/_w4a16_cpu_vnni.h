@@ -107,22 +107,52 @@ TARGET_AVX512VNNI static void convert_row_vnni(const Job *job, int64_t m) {
     }
 }
 
-/* The per-lane group scales of block b: scale_vec_avx512's, except two bf16 scales (groups of 64, a whole
-   block) by one 32-bit broadcast and a per-lane shift instead of a permute. */
-TARGET_AVX512VNNI static inline __m512 scale_vec_vnni(const Job *job, const uint8_t *srow, int64_t b,
-                                                      __m512i idx) {
-    if (job->group_shift == 6 && job->scale_dtype == DTYPE_BF16 && 2 * b + 2 <= job->num_groups) {
+/* How a row's group scales become a block's 16 lane scales (scale_vec_vnni), decided once per call so that
+   the GEMV's block loop holds no branch on it: bf16 scales in groups of 64 (two per block) or of 128 or
+   more (one per block), else scale_vec_avx512's general way. */
+enum { SCALES_ANY = 0, SCALES_BF16_G64 = 1, SCALES_BF16_WHOLE = 2 };
+
+static int scale_kind(const Job *job) {
+    if (job->scale_dtype != DTYPE_BF16)
+        return SCALES_ANY;
+    return job->group_shift == 6 ? SCALES_BF16_G64 : job->group_shift >= 7 ? SCALES_BF16_WHOLE : SCALES_ANY;
+}
+
+/* A bf16 scale as 16 fp32 lanes. */
+TARGET_AVX512VNNI static inline __m512 bf16_broadcast(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _mm512_castsi512_ps(_mm512_set1_epi32((int32_t)((uint32_t)bits << 16)));
+}
+
+/* The lane scales of block b (all 16 words inside K). SCALES_BF16_G64: the two bf16 scales by one 32-bit
+   broadcast and a per-lane shift instead of a permute. */
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512
+scale_vec_vnni(const Job *job, const uint8_t *srow, int64_t b, __m512i idx, int kind) {
+    if (kind == SCALES_BF16_G64) {
         const __m512i shifts = _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
         int32_t pair;
         memcpy(&pair, srow + 4 * b, 4);
         __m512i v = _mm512_sllv_epi32(_mm512_set1_epi32(pair), shifts);
         return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
     }
+    if (kind == SCALES_BF16_WHOLE)
+        return bf16_broadcast(srow + 2 * ((b << 7) >> job->group_shift));
+    return scale_vec_avx512(job, srow, b, idx);
+}
+
+/* The lane scales of a tail block (words past K load as 0): with groups of 64 and half a block left, its
+   one group's scale in every lane (the other 8 lanes' sums are 0). */
+TARGET_AVX512VNNI static inline __m512 tail_scale_vnni(const Job *job, const uint8_t *srow, int64_t b, __m512i idx,
+                                                       int kind) {
+    if (kind == SCALES_BF16_G64 && 2 * b + 1 == job->num_groups)
+        return bf16_broadcast(srow + 4 * b);
     return scale_vec_avx512(job, srow, b, idx);
 }
 
 /* A block's per-lane sums of q * X (exact, int32) from its weights as nibble bytes (low, high) and its
-   activation planes and seeds at xb: see the top of this file. */
+   activation planes and seeds at xb: see the top of this file. Three independent pairs of vpdpbusd, then
+   65536 H + 256 M + (L + seeds) (the GEMM's: its tiles keep many blocks in flight). */
 TARGET_AVX512VNNI static inline __m512i lane_sums_vnni(__m512i lo, __m512i hi, const uint8_t *xb) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i sum_h = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xb));
@@ -134,6 +164,19 @@ TARGET_AVX512VNNI static inline __m512i lane_sums_vnni(__m512i lo, __m512i hi, c
     return _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(sum_h, 16), _mm512_slli_epi32(sum_m, 8)), sum_l);
 }
 
+/* lane_sums_vnni's sums with one op fewer, for the GEMV (there 1.05-1.13x with the scale kinds below; in the
+   GEMM 12% slower at 8 rows): the h sums, shifted, seed the m sums, 256 * (256 H + M) + (L + seeds), two
+   shifts and one add (int32 wraps; the total is below 2^28). */
+TARGET_AVX512VNNI static inline __m512i lane_sums_chained(__m512i lo, __m512i hi, const uint8_t *xb) {
+    __m512i sum_h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb));
+    sum_h = _mm512_dpbusd_epi32(sum_h, hi, _mm512_loadu_si512(xb + 64));
+    __m512i sum_l = _mm512_dpbusd_epi32(_mm512_loadu_si512(xb + VNNI_SEEDS), lo, _mm512_loadu_si512(xb + 256));
+    sum_l = _mm512_dpbusd_epi32(sum_l, hi, _mm512_loadu_si512(xb + 320));
+    __m512i sum_hm = _mm512_dpbusd_epi32(_mm512_slli_epi32(sum_h, 8), lo, _mm512_loadu_si512(xb + 128));
+    sum_hm = _mm512_dpbusd_epi32(sum_hm, hi, _mm512_loadu_si512(xb + 192));
+    return _mm512_add_epi32(_mm512_slli_epi32(sum_hm, 8), sum_l);
+}
+
 /* A block's 16 words as nibble bytes: low nibbles, then high. */
 TARGET_AVX512VNNI static inline __m512i low_nibbles(__m512i w) {
     return _mm512_and_si512(w, _mm512_set1_epi8(15));
@@ -143,11 +186,12 @@ TARGET_AVX512VNNI static inline __m512i high_nibbles(__m512i w) {
 }
 
 TARGET_AVX512VNNI static inline __m512i block_sums_vnni(__m512i w, const uint8_t *xb) {
-    return lane_sums_vnni(low_nibbles(w), high_nibbles(w), xb);
+    return lane_sums_chained(low_nibbles(w), high_nibbles(w), xb);
 }
 
 /* Row n's per-lane sums of q * X times the group scales, over all its blocks. */
-TARGET_AVX512VNNI static inline __m512 row_dot_vnni(const Job *job, int64_t n, __m512i idx) {
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512 row_dot_vnni(const Job *job, int64_t n,
+                                                                                __m512i idx, int kind) {
     const int64_t words = job->K / 8, whole = words / 16, tail = words % 16;
     const int32_t *wrow = job->packed + n * words;
     const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
@@ -156,31 +200,47 @@ TARGET_AVX512VNNI static inline __m512 row_dot_vnni(const Job *job, int64_t n, _
     for (int64_t b = 0; b < whole; b++, xb += VNNI_BLOCK_BYTES) {
         prefetch_ahead(wrow + b * 16);
         __m512i s = block_sums_vnni(_mm512_loadu_si512(wrow + b * 16), xb);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale_vec_vnni(job, srow, b, idx), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale_vec_vnni(job, srow, b, idx, kind), acc);
     }
     if (tail > 0) { /* the words past K load as 0 (in 256-bit registers a half block ran 3-5% slower) */
         __m512i s = block_sums_vnni(load_block_avx512(wrow, whole, words), xb);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale_vec_vnni(job, srow, whole, idx), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), tail_scale_vnni(job, srow, whole, idx, kind), acc);
     }
     return acc;
 }
 
-/* M = 1: rows streamed one after another, in fours sharing the horizontal sums' shuffles. */
-TARGET_AVX512VNNI static void gemv_vnni(const Job *job, int64_t n0, int64_t n1) {
+/* M = 1: rows streamed one after another, in fours sharing the horizontal sums' shuffles (four rows side by
+   side, sharing the activation loads, ran 1.1x faster with the weights in L2 at K = 576 but slower from
+   DRAM: 4% fewer tokens a second in a SmolLM2 decode step). One copy of the loop per scale kind. */
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) void gemv_vnni_rows(const Job *job, int64_t n0,
+                                                                                int64_t n1, int kind) {
     const __m512i idx = expand_index_avx512(job->group);
     float halves[2];
     memcpy(halves, job->xp, sizeof halves);
     const __m128 half0 = _mm_set1_ps(halves[0]), half1 = _mm_set1_ps(halves[1]);
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
-        __m512 a0 = row_dot_vnni(job, n, idx), a1 = row_dot_vnni(job, n + 1, idx);
-        __m512 a2 = row_dot_vnni(job, n + 2, idx), a3 = row_dot_vnni(job, n + 3, idx);
+        __m512 a0 = row_dot_vnni(job, n, idx, kind), a1 = row_dot_vnni(job, n + 1, idx, kind);
+        __m512 a2 = row_dot_vnni(job, n + 2, idx, kind), a3 = row_dot_vnni(job, n + 3, idx, kind);
         __m128 sums =
             hsum4_avx2(half_sum_avx512(a0), half_sum_avx512(a1), half_sum_avx512(a2), half_sum_avx512(a3));
         store_y4(job, 0, n, _mm_mul_ps(_mm_mul_ps(sums, half0), half1));
     }
     for (; n < n1; n++)
-        store_y(job, 0, n, _mm512_reduce_add_ps(row_dot_vnni(job, n, idx)) * halves[0] * halves[1]);
+        store_y(job, 0, n, _mm512_reduce_add_ps(row_dot_vnni(job, n, idx, kind)) * halves[0] * halves[1]);
+}
+
+TARGET_AVX512VNNI static void gemv_vnni(const Job *job, int64_t n0, int64_t n1) {
+    switch (scale_kind(job)) {
+    case SCALES_BF16_G64:
+        gemv_vnni_rows(job, n0, n1, SCALES_BF16_G64);
+        break;
+    case SCALES_BF16_WHOLE:
+        gemv_vnni_rows(job, n0, n1, SCALES_BF16_WHOLE);
+        break;
+    default:
+        gemv_vnni_rows(job, n0, n1, SCALES_ANY);
+    }
 }
 
 #define VNNI_KC 8       /* blocks per tile of 4 weight rows (nibble bytes and scales: 6 KiB, in L1) */
@@ -189,8 +249,9 @@ TARGET_AVX512VNNI static void gemv_vnni(const Job *job, int64_t n0, int64_t n1) 
 /* M >= 2: per 4 weight rows and VNNI_KC blocks, the nibble bytes and lane scales once into a tile, then
    every activation row through it (each row's planes loaded once for the 4 weight rows). */
 TARGET_AVX512VNNI static void gemm_vnni(const Job *job, int64_t n0, int64_t n1) {
-    const int64_t words = job->K / 8, num_blocks = (words + 15) / 16;
+    const int64_t words = job->K / 8, num_blocks = (words + 15) / 16, whole = words / 16;
     const __m512i idx = expand_index_avx512(job->group);
+    const int kind = scale_kind(job);
     __m512i lo[4 * VNNI_KC], hi[4 * VNNI_KC];
     __m512 scales[4 * VNNI_KC];
     __m512 acc[VNNI_M_BLOCK * 4];
@@ -212,7 +273,8 @@ TARGET_AVX512VNNI static void gemm_vnni(const Job *job, int64_t n0, int64_t n1) 
                     for (int64_t b = 0; b < nb; b++) {
                         __m512i w = load_block_avx512(wrow, b0 + b, words);
                         lo[r * VNNI_KC + b] = low_nibbles(w), hi[r * VNNI_KC + b] = high_nibbles(w);
-                        scales[r * VNNI_KC + b] = scale_vec_vnni(job, srow, b0 + b, idx);
+                        scales[r * VNNI_KC + b] = b0 + b < whole ? scale_vec_vnni(job, srow, b0 + b, idx, kind)
+                                                                 : tail_scale_vnni(job, srow, b0 + b, idx, kind);
                     }
                 }
                 for (int64_t m = 0; m < mb; m++) {
