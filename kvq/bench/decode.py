@@ -56,6 +56,7 @@ class DecodeBenchConfig:
     admission_max_tokens: int = 64
     page_size: int = 16
     vllm_python: str | None = None  # vLLM's venv interpreter: its CPU build as a BF16 contender
+    enforce_eager: bool = False  # kvq's engines without decode plans (`EngineConfig.enforce_eager`)
 
 
 @dataclass
@@ -122,7 +123,15 @@ def engine(path: Path, config: DecodeBenchConfig, **kwargs):
     from kvq.runtime.config import EngineConfig
     from kvq.runtime.engine import Engine
 
-    return Engine(EngineConfig(model=str(path), threads=config.threads, page_size=config.page_size, **kwargs))
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            threads=config.threads,
+            page_size=config.page_size,
+            enforce_eager=config.enforce_eager,
+            **kwargs,
+        )
+    )
 
 
 def resident_after_load(kind: str, path: Path) -> dict:

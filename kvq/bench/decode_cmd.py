@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from kvq.bench.decode import DecodeBenchConfig, int4_model, render, run_bench
+from kvq.commands.engine_options import EnforceEagerOption
 from kvq.commands.render import console
 from kvq.errors import KvqError
 
@@ -85,6 +86,7 @@ def bench_decode_command(
             "vLLM on the BF16 weights as a contender at concurrency 1 and --batch-seqs (decode_vllm.py)."
         ),
     ] = None,
+    enforce_eager: EnforceEagerOption = False,
 ) -> None:
     """Decode speed (INT4 vs BF16 weights vs transformers, at concurrency 1 and --batch-seqs), resident
     weight memory, FP8 vs BF16 KV capacity and admission throughput on the embedded SmolLM2-135M-Instruct;
@@ -115,6 +117,7 @@ def bench_decode_command(
         long_tokens=long_tokens,
         long_window=min(DecodeBenchConfig.long_window, max(1, long_tokens // 4)),
         vllm_python=str(vllm_python) if vllm_python else None,
+        enforce_eager=enforce_eager,
     )
     if bf16 is not None and int4 is None:
         raise KvqError("--bf16 is given without --int4; pass the INT4 checkpoint made from it too")

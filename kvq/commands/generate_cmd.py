@@ -18,6 +18,7 @@ from kvq.commands.config_options import (
 from kvq.commands.engine_options import (
     ENGINE_OPTION_NAMES,
     DtypeOption,
+    EnforceEagerOption,
     KvCacheDtypeOption,
     KvIntegrityOption,
     KvMemoryOption,
@@ -57,6 +58,7 @@ def generate_command(
     threads: ThreadsOption = None,
     tp: TpOption = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
+    enforce_eager: EnforceEagerOption = EngineConfig.enforce_eager,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
     max_model_len: MaxModelLenOption = None,
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,

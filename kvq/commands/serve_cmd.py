@@ -18,6 +18,7 @@ from kvq.commands.config_options import (
 from kvq.commands.engine_options import (
     ENGINE_OPTION_NAMES,
     DtypeOption,
+    EnforceEagerOption,
     KvCacheDtypeOption,
     KvIntegrityOption,
     KvMemoryOption,
@@ -105,6 +106,7 @@ def serve_command(
     threads: ThreadsOption = None,
     tp: TpOption = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
+    enforce_eager: EnforceEagerOption = EngineConfig.enforce_eager,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
     role: Annotated[
         str,

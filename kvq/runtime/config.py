@@ -50,6 +50,9 @@ class EngineConfig:
       "tags" checks, once per step before any page is read, that every page a request reads or writes
       carries the tag its own state expects; "full" also re-hashes sampled bytes of every sealed page
       read. A failed check ends only the request it hit (finish reason "error").
+    enforce_eager: run every decode step through the layers' Python (as vLLM's enforce_eager keeps CUDA
+      graphs off); by default CPU decode steps of Llama-family layers replay one list of C calls bound
+      once per batch size (`kvq.runtime.decode_plan`), the same values without the per-op Python.
     tp: tensor-parallel ranks (`kvq.runtime.distributed`): one device each, gloo on CPU, NCCL on CUDA;
       kvq starts the other ranks itself, or joins the ranks torchrun started (WORLD_SIZE must equal tp).
     """
@@ -72,6 +75,7 @@ class EngineConfig:
     kv_integrity: str = "off"
     lm_head_weights: str = "stored"
     tp: int = 1
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():

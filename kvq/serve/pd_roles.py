@@ -283,6 +283,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         flags.append(f"--threads={config.threads}")
     if config.require_kv_scales:
         flags.append("--require-kv-scales")
+    if config.enforce_eager:
+        flags.append("--enforce-eager")
     return flags
 
 

@@ -90,3 +90,22 @@ def teacher_forced_logits(engine: Engine, prompt: list[int], forced: list[int]) 
         rows.append(engine.runner.run([seq], is_prefill=False)[0])
     engine.block_manager.deallocate(seq)
     return torch.stack(rows).cpu()
+
+
+def batch_teacher_forced_logits(
+    engine: Engine, prompts: list[list[int]], forced: list[list[int]]
+) -> torch.Tensor:
+    """fp32 logits `[steps, B, V]`: the prompts' prefill, then decode steps of the whole batch with the
+    forced tokens appended (`teacher_forced_logits` for a batch)."""
+    seqs = [engine.make_sequence(p, SamplingParams(max_tokens=len(forced[0]) + 1)) for p in prompts]
+    for seq in seqs:
+        engine.block_manager.allocate(seq)
+    steps = [torch.stack([engine.runner.run([seq], is_prefill=True)[0] for seq in seqs])]
+    for t in range(len(forced[0])):
+        for seq, tokens in zip(seqs, forced, strict=True):
+            seq.token_ids.append(tokens[t])
+            engine.block_manager.may_append(seq)
+        steps.append(engine.runner.run(seqs, is_prefill=False))
+    for seq in seqs:
+        engine.block_manager.deallocate(seq)
+    return torch.stack(steps).float().cpu()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
@@ -14,6 +13,7 @@ from kvq.runtime.kernels import CPU_ISA_ENV, describe_cpu_path
 from kvq.runtime.layers.linear import Int4Linear
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.cpu_isa import needs_amx
+from tests.runtime.reference import batch_teacher_forced_logits
 from tests.test_cli_errors import assert_one_line_error, run_kvq
 
 PROMPT = [5, 17, 3, 99, 42, 7, 7, 256]
@@ -54,23 +54,6 @@ def test_the_isa_is_read_as_the_environment_says_now(monkeypatch) -> None:
     assert cpu_isa_env() is None
 
 
-def _batch_logits(engine: Engine, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
-    """fp32 logits `[steps, B, V]`: the prompts' prefill, then decode steps of the whole batch with the
-    forced tokens appended (teacher forcing; `reference.teacher_forced_logits` for a batch)."""
-    seqs = [engine.make_sequence(p, SamplingParams(max_tokens=len(forced[0]) + 1)) for p in prompts]
-    for seq in seqs:
-        engine.block_manager.allocate(seq)
-    steps = [torch.stack([engine.runner.run([seq], is_prefill=True)[0] for seq in seqs])]
-    for t in range(len(forced[0])):
-        for seq, tokens in zip(seqs, forced, strict=True):
-            seq.token_ids.append(tokens[t])
-            engine.block_manager.may_append(seq)
-        steps.append(engine.runner.run(seqs, is_prefill=False))
-    for seq in seqs:
-        engine.block_manager.deallocate(seq)
-    return torch.stack(steps).float().cpu()
-
-
 @needs_amx
 @pytest.mark.parametrize("fmt", ["int4", "bf16"])
 def test_amx_decode_batches_agree_with_the_reference(
@@ -87,10 +70,10 @@ def test_amx_decode_batches_agree_with_the_reference(
     forced = [
         out.token_ids for out in reference.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     ]
-    expected = _batch_logits(reference, prompts, forced)
+    expected = batch_teacher_forced_logits(reference, prompts, forced)
     engine = Engine(EngineConfig(model=path, kv_memory="4MiB"))
     assert engine.model.lm_head.is_amx
-    found = _batch_logits(engine, prompts, forced)
+    found = batch_teacher_forced_logits(engine, prompts, forced)
     scale = expected.abs().amax(-1, keepdim=True)
     assert ((found - expected).abs() <= 0.05 * scale).all()
     picks, best = found.argmax(-1), expected.argmax(-1)

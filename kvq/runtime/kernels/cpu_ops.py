@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from kvq.runtime.kernels.w4a16_cpu import cpu_isa_env, resolve_cpu_isa
+from kvq.runtime.kernels.w4a16_cpu import Call, cpu_isa_env, resolve_cpu_isa
 
 _ext: ModuleType | None
 try:
@@ -58,6 +58,11 @@ def describe_level() -> str:
     return f"{LEVEL_NAMES[_ext.vector_level(vector_level())]} C ops"
 
 
+def native_ops_enabled() -> bool:
+    """Whether the C ops run at all: built, and $KVQ_CPU_ISA is not torch."""
+    return _enabled(cpu_isa_env())
+
+
 def native_ops_apply(x: torch.Tensor) -> bool:
     """True when the C ops run on `x`: bf16, contiguous, on CPU, built, and $KVQ_CPU_ISA is not torch."""
     return (
@@ -70,18 +75,27 @@ def rms_norm_native(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(s) * weight, s) with s = x (+ residual, bf16) for bf16 x `[..., H]` (`native_ops_apply`),
     weight bf16 `[H]`; residual (optional) like x."""
+    out = torch.empty_like(x)
+    total = None if residual is None else torch.empty_like(x)
+    fn, args = rms_norm_call(x, weight, eps, out, residual, total)
+    fn(*args)
+    return out, x if total is None else total
+
+
+def rms_norm_call(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
+) -> Call:
+    """`rms_norm_native`'s C call into `out` (and `total` = x + residual, where given), all contiguous."""
     assert _ext is not None
-    hidden, out = x.shape[-1], torch.empty_like(x)
-    rows, threads = x.numel() // hidden, torch.get_num_threads()
-    if residual is None:
-        _ext.rms_norm(
-            x.data_ptr(), 0, 0, weight.data_ptr(), out.data_ptr(), rows, hidden, eps, threads, vector_level()
-        )
-        return out, x
-    total = torch.empty_like(x)
-    args = (x.data_ptr(), residual.data_ptr(), total.data_ptr(), weight.data_ptr(), out.data_ptr())
-    _ext.rms_norm(*args, rows, hidden, eps, threads, vector_level())
-    return out, total
+    hidden = x.shape[-1]
+    sums = (0, 0) if residual is None or total is None else (residual.data_ptr(), total.data_ptr())
+    args = (x.data_ptr(), *sums, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
+    return _ext.rms_norm, (*args, torch.get_num_threads(), vector_level())
 
 
 SILU_C_MAX_OUTPUTS = 4096  # above this many outputs torch's vectorized exp wins (C: dispatch-bound sizes)
@@ -96,12 +110,19 @@ def silu_mul_applies(gate_up: torch.Tensor) -> bool:
 
 def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for bf16 gate_up `[M, 2I]` (gate first; `native_ops_apply`) -> `[M, I]`."""
-    assert _ext is not None
     num_rows, width = gate_up.shape
     out = torch.empty((num_rows, width // 2), dtype=gate_up.dtype)
-    threads = torch.get_num_threads()
-    _ext.silu_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, threads, vector_level())
+    fn, args = silu_mul_call(gate_up, out)
+    fn(*args)
     return out
+
+
+def silu_mul_call(gate_up: torch.Tensor, out: torch.Tensor) -> Call:
+    """`silu_mul_native`'s C call into contiguous `out` `[M, I]`."""
+    assert _ext is not None
+    num_rows, width = gate_up.shape
+    args = (gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, torch.get_num_threads(), vector_level())
+    return _ext.silu_mul, args
 
 
 def argmax_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,12 +154,20 @@ def rotary_native(
     """Rotate-half rotary of bf16 heads x `[T, H, D]` (heads packed, token rows any stride: a view of the
     qkv projection) with bf16 cos, sin_signed `[T, 1, R]` contiguous -> contiguous `[T, H, D]`, as
     `RotaryEmbedding.__call__` computes it in torch (`rotary_applies` says when)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    fn, args = rotary_call(x, cos, sin_signed, rotary_dim, out)
+    fn(*args)
+    return out
+
+
+def rotary_call(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, rotary_dim: int, out: torch.Tensor
+) -> Call:
+    """`rotary_native`'s C call into contiguous `out` `[T, H, D]`."""
     assert _ext is not None
     num_tokens, num_heads, head_dim = x.shape
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
     args = (x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim, rotary_dim)
-    _ext.rotary(*args, cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), vector_level())
-    return out
+    return _ext.rotary, (*args, cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), vector_level())
 
 
 def rotary_applies(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> bool:
@@ -183,9 +212,22 @@ def store_kv_native(
 ) -> None:
     """In place: k, v `[T, Hkv, D]` (`store_applies`) into their slots (negative: skipped); FP8 pages get
     `quantize_kv`'s bytes (x / scale, clamped, nearest even). scales fp32 contiguous `[2, Hkv]`."""
+    fn, args = store_kv_call(k, v, k_cache, v_cache, scales, slot_mapping)
+    fn(*args)
+
+
+def store_kv_call(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> Call:
+    """`store_kv_native`'s C call."""
     assert _ext is not None
     num_tokens, num_kv_heads, head_dim = k.shape
-    _ext.store_kv(
+    return _ext.store_kv, (
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
@@ -241,11 +283,27 @@ def decode_attention_native(
     per-head scales on the query and the output; no bf16 copy of the pages), the (sequence, KV head)
     pairs over torch.get_num_threads() threads of the W4A16 kernel's pool. q bf16 `[B, Hq, D]`
     (`native_attention_applies`), scales fp32 contiguous `[2, Hkv]` (K, V) -> bf16 `[B, Hq, D]`."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    fn, args = decode_attention_call(q, k_cache, v_cache, scales, block_tables, seq_lens, sm_scale, out)
+    fn(*args)
+    return out
+
+
+def decode_attention_call(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+) -> Call:
+    """`decode_attention_native`'s C call into contiguous `out` `[B, Hq, D]`."""
     assert _ext is not None
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty(q.shape, dtype=q.dtype)
-    _ext.decode_attention(
+    return _ext.decode_attention, (
         q.data_ptr(),
         q.stride(0) if num_seqs > 1 else num_heads * head_dim,
         k_cache.data_ptr(),
@@ -269,4 +327,3 @@ def decode_attention_native(
         torch.get_num_threads(),
         vector_level(),
     )
-    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -44,6 +45,8 @@ AMX_DENSE_FROM_ROWS = 256
 # SmolLM2 shapes, one thread: ~1.0x at 32 rows, 1.4x at 64, 1.7x at 512)
 DENSE_FROM_ROWS = 64
 DENSE_CHUNK_ELEMENTS = 1 << 22  # weight elements decompressed at once (8 MiB of bf16, reused)
+
+Call = tuple[Callable[..., object], tuple]  # a C entry and its arguments (`fn(*args)`), bound once
 
 _ext: ModuleType | None
 try:
@@ -178,6 +181,15 @@ class NativeW4A16:
         y = torch.empty((num_rows, self.weight_packed.shape[0]), dtype=x.dtype)
         return _gemm(code, x, *self._ptrs, self._scale_code, self.group_size, y)
 
+    def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
+        """`self(x)`'s C call into y `[M, N]` (both contiguous, a native dtype), or None where `self(x)`
+        takes torch's GEMM (`dense_matmul`)."""
+        num_rows = x.shape[0]
+        if num_rows >= self._dense_from_rows and x.dtype == torch.bfloat16:
+            return None
+        code = self._isa_code if num_rows >= AMX_FROM_ROWS else self._few_rows_code
+        return _gemm_call(code, x, *self._ptrs, self._scale_code, self.group_size, y)
+
 
 def _few_rows_isa(isa: str) -> str:
     """The path that runs batches of fewer than `AMX_FROM_ROWS` rows on `isa`: avx512bf16's for amx."""
@@ -256,12 +268,19 @@ def _gemm(
     isa_code: int, x: torch.Tensor, packed: int, scale: int, scale_code: int, group_size: int, y: torch.Tensor
 ) -> torch.Tensor:
     """The C call on contiguous x `[M, K]` into y `[M, N]` (dtypes checked by the caller)."""
+    fn, args = _gemm_call(isa_code, x, packed, scale, scale_code, group_size, y)
+    fn(*args)
+    return y
+
+
+def _gemm_call(
+    isa_code: int, x: torch.Tensor, packed: int, scale: int, scale_code: int, group_size: int, y: torch.Tensor
+) -> Call:
     assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
     (num_rows, in_features), out_features = x.shape, y.shape[1]
     x_code, y_code, threads = _DTYPE_CODES[x.dtype], _DTYPE_CODES[y.dtype], torch.get_num_threads()
     args = (x.data_ptr(), x_code, num_rows, in_features, packed, scale, scale_code, out_features)
-    _ext.gemm(isa_code, threads, *args, group_size, y.data_ptr(), y_code)
-    return y
+    return _ext.gemm, (isa_code, threads, *args, group_size, y.data_ptr(), y_code)
 
 
 def gemm_w8(
@@ -281,9 +300,15 @@ def gemm_w8(
 def gemm_dense(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
     """The dense BF16 C call on AMX tiles (`_dense_cpu_amx.h`): contiguous bf16 x `[M, K]` into y `[M, N]`
     for a contiguous bf16 weight `[N, K]`, K a multiple of 32 (checked by the caller; amx runnable)."""
+    fn, args = gemm_dense_call(x, weight, y)
+    fn(*args)
+
+
+def gemm_dense_call(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> Call:
+    """`gemm_dense`'s C call."""
     assert _ext is not None, "the caller checks that the amx path is runnable"
     (num_rows, in_features), out_features = x.shape, weight.shape[0]
-    _ext.gemm_dense(
+    return _ext.gemm_dense, (
         torch.get_num_threads(), x.data_ptr(), num_rows, in_features, weight.data_ptr(), out_features,
         y.data_ptr(), _DTYPE_CODES[y.dtype],
     )  # fmt: skip

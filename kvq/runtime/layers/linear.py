@@ -17,6 +17,7 @@ from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
 from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
 from kvq.runtime.kernels.dense_cpu import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
+from kvq.runtime.kernels.w4a16_cpu import Call, gemm_dense_call
 from kvq.runtime.kernels.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
 
 DENSE, FP8, INT4 = "dense", "fp8", "int4"
@@ -63,6 +64,11 @@ class Linear:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
+        """`self(x)` as one C call into y, for contiguous bf16 x `[M, K]` and y `[M, N]` (a decode plan's
+        buffers, `kvq.runtime.decode_plan`), or None where `self(x)` takes another route."""
+        return None
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps resident (for memory accounting)."""
         raise NotImplementedError
@@ -92,6 +98,11 @@ class DenseLinear(Linear):
         if self.packed is None:
             self.packed = prepack_cpu_bf16(self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
+        if self.is_amx and self.bias is None and x.shape[0] <= DENSE_AMX_MAX_ROWS:
+            return gemm_dense_call(x, self.weight, y)  # dense_amx_matmul's
+        return None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.packed, self.bias) if t is not None]
@@ -157,6 +168,12 @@ class Int4Linear(Linear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return w4a16_linear(x, self.weight)
+
+    def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
+        native = self.weight.native
+        if native is None or self.bias is not None or x.shape[1] != self.weight.in_features:
+            return None
+        return native.call(x, y)  # w4a16_linear's short path
 
     def tensors(self) -> list[torch.Tensor]:
         w = self.weight

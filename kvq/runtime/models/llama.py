@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.config import LM_HEAD_GROUP_SIZE
+from kvq.runtime.decode_plan import DecodePlans
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
@@ -224,6 +225,7 @@ class LlamaForCausalLM:
             self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE)
         elif isinstance(self.lm_head, DenseLinear) and loader.config.lm_head_weights == "int8":
             self.lm_head = int8_copy(self.lm_head.weight)
+        self.decode_plans = DecodePlans.of(self, loader.config.enforce_eager)
 
     def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
         return RotaryEmbedding(self.config, self.head_dim, self.max_positions, loader.dtype, loader.device)
@@ -235,7 +237,12 @@ class LlamaForCausalLM:
         return MLP(prefix, loader, self.config.hidden_size, self.config.intermediate_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids, positions `[T]` -> final hidden states `[T, H]`."""
+        """input_ids, positions `[T]` -> final hidden states `[T, H]` (CPU decode: from a `DecodePlan` where
+        one runs, the same values)."""
+        if not batch.is_prefill and self.decode_plans is not None:
+            hidden = self.decode_plans.run(input_ids, positions, batch)
+            if hidden is not None:
+                return hidden
         x, residual = self.embed(input_ids), None  # [T, H]
         cos_sin = self.rotary.at(positions)
         for layer in self.layers:

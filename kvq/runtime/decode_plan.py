@@ -1,0 +1,224 @@
+"""Decode steps on the native CPU path as one list of C calls, bound once per batch size: what CUDA graphs
+are to vLLM's and SGLang's decode, for kvq's CPU kernels.
+
+A Llama decoder layer makes ten kernel calls a token; the Python around them (each op's checks, output
+allocations, views, argument lists: ~200 Python-level calls a layer) took ~35% of a SmolLM2 INT4 decode
+step at batch 1 on one core. A `DecodePlan` holds buffers that outlive the step (the embeddings, the
+rotary rows, slots, block tables, lengths, every layer's activations) and the list of every layer's calls
+with their arguments bound to them; a step copies its inputs in and replays the list. The calls are the
+eager forward's own, in its order, on the same values: the same bits (tested).
+
+Where it runs (`model_blocker` and `step_blocker` say why not): Llama's own layers (`Attention` without
+q/k norms, `MLP`), one rank, bf16 activations on CPU, the C small ops on (KVQ_CPU_ISA not torch), the KV
+pages bf16 or FP8 on the torch backend. A Linear that is not one C call (torch's GEMM, FP8, W8A16, a
+bias) joins as `y.copy_(linear(x))`. `EngineConfig.enforce_eager` turns plans off (vLLM's name).
+Imports torch and kvq.runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvq.runtime.batch import ForwardBatch
+from kvq.runtime.kernels.cpu_ops import (
+    decode_attention_call,
+    native_ops_enabled,
+    rms_norm_call,
+    rotary_call,
+    silu_mul_applies,
+    silu_mul_call,
+    store_kv_call,
+)
+from kvq.runtime.kernels.w4a16_cpu import Call, cpu_isa_env
+from kvq.runtime.layers.linear import Linear
+from kvq.runtime.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from kvq.runtime.models.llama import LlamaForCausalLM
+
+_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def model_blocker(model: LlamaForCausalLM) -> str | None:
+    """Why `model`'s layers cannot decode from a plan, or None when they can (`step_blocker` then says
+    whether this step's pages and settings let them)."""
+    from kvq.runtime.models.llama import MLP, Attention, DecoderLayer
+
+    if model.tp.size != 1:
+        return "tensor parallelism"
+    if model.embed_tokens.dtype != torch.bfloat16 or model.embed_tokens.device.type != "cpu":
+        return "not bf16 on CPU"
+    norms = [model.norm]
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+            return "a layer other than Llama's"
+        if attn.q_norm is not None or mlp.is_partial or attn.rotary.is_interleaved:
+            return "q/k norms, a partial MLP or interleaved rotary"
+        if attn.head_dim > 512 or attn.rotary.cos.dtype != torch.bfloat16:
+            return "head_dim over 512 or rotary tables not bf16"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    if any(n.weight.dtype != torch.bfloat16 for n in norms):
+        return "norm weights not bf16"
+    return None
+
+
+def step_blocker(model: LlamaForCausalLM) -> str | None:
+    """Why a plan cannot run now (`model_blocker(model)` None): the C ops off, or KV pages it cannot read."""
+    if not native_ops_enabled():
+        return "the C small ops are off"
+    for layer in model.layers:
+        kv = layer.self_attn.attn.kv
+        if kv.backend != "torch" or kv.k_cache.device.type != "cpu" or kv.k_cache.dtype not in _KV_DTYPES:
+            return "KV pages not bf16 / FP8 on CPU"
+    return None
+
+
+def _linear_into(linear: Linear, x: torch.Tensor, y: torch.Tensor) -> None:
+    y.copy_(linear(x))
+
+
+def _silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.mul(F.silu(gate), up, out=out)
+
+
+def linear_call(linear: Linear, x: torch.Tensor, y: torch.Tensor) -> Call:
+    """`y = linear(x)` as one C call where the Linear has one, else through the Linear itself."""
+    return linear.call(x, y) or (_linear_into, (linear, x, y))
+
+
+def silu_mul_into(gate_up: torch.Tensor, out: torch.Tensor) -> Call:
+    """`MLP`'s SiLU-and-mul into `out`, by the same route (the C op at decode sizes, else torch's)."""
+    return silu_mul_call(gate_up, out) if silu_mul_applies(gate_up) else (_silu_mul_torch, (gate_up, out))
+
+
+class DecodeBuffers:
+    """The tensors a model's plans read and write, for up to `rows` sequences and `pages` block-table
+    columns: step inputs, then activations (each layer's outputs overwrite the previous layer's)."""
+
+    def __init__(self, model: LlamaForCausalLM, rows: int, pages: int) -> None:
+        attn, config = model.layers[0].self_attn, model.config
+        hidden, dim, bf16 = config.hidden_size, attn.head_dim, torch.bfloat16
+        self.rows, self.pages = rows, pages
+        self.cos = torch.empty(rows, attn.rotary.cos.shape[1], dtype=bf16)
+        self.sin_signed = torch.empty_like(self.cos)
+        self.slots = torch.empty(rows, dtype=torch.int64)
+        self.block_tables = torch.empty(rows, pages, dtype=torch.int32)
+        self.seq_lens = torch.empty(rows, dtype=torch.int32)
+        self.x = torch.empty(rows, hidden, dtype=bf16)  # the embeddings, then each MLP's output
+        self.residuals = (torch.empty_like(self.x), torch.empty_like(self.x))  # taken in turns
+        self.h = torch.empty_like(self.x)  # each norm's output
+        self.qkv = torch.empty(rows, attn.q_size + 2 * attn.kv_size, dtype=bf16)
+        self.qk = torch.empty(rows, attn.num_heads + attn.num_kv_heads, dim, dtype=bf16)  # rotated
+        self.attn = torch.empty(rows, attn.num_heads, dim, dtype=bf16)
+        self.o = torch.empty_like(self.x)
+        self.gate_up = torch.empty(rows, 2 * config.intermediate_size, dtype=bf16)
+        self.act = torch.empty(rows, config.intermediate_size, dtype=bf16)
+        self.out = torch.empty_like(self.x)  # the final norm's
+
+
+class DecodePlan:
+    """Every call of a decode step of `num_rows` sequences over `buffers`, in the eager forward's order."""
+
+    def __init__(self, model: LlamaForCausalLM, buffers: DecodeBuffers, num_rows: int) -> None:
+        self.model, self.buffers, self.num_rows = model, buffers, num_rows
+        b, m = buffers, num_rows
+        tables, lens, slots = b.block_tables[:m], b.seq_lens[:m], b.slots[:m]
+        cos, sin_signed = b.cos[:m, None], b.sin_signed[:m, None]
+        x, h, o, out = b.x[:m], b.h[:m], b.o[:m], b.out[:m]
+        res = [r[:m] for r in b.residuals]
+        calls: list[Call] = []
+        residual: torch.Tensor | None = None  # the first layer's is its input
+
+        def add_norm(norm: RMSNorm, into: torch.Tensor, value: torch.Tensor) -> None:
+            nonlocal residual
+            if residual is None:
+                calls.append(rms_norm_call(value, norm.weight, norm.eps, into))
+                residual = value
+                return
+            total = res[0] if residual is not res[0] else res[1]
+            calls.append(rms_norm_call(value, norm.weight, norm.eps, into, residual, total))
+            residual = total
+
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            qkv, qk, att = b.qkv[:m], b.qk[:m], b.attn[:m]
+            kv = attn.attn.kv
+            add_norm(layer.input_layernorm, h, x)
+            calls.append(linear_call(attn.qkv_proj, h, qkv))
+            unrotated = qkv[:, : attn.q_size + attn.kv_size].view(m, heads + kv_heads, dim)
+            calls.append(rotary_call(unrotated, cos, sin_signed, attn.rotary.rotary_dim, qk))
+            v = qkv[:, attn.q_size + attn.kv_size :].view(m, kv_heads, dim)
+            scales = kv.stacked_scales
+            calls.append(store_kv_call(qk[:, heads:], v, kv.k_cache, kv.v_cache, scales, slots))
+            q = qk[:, :heads]
+            sm_scale = attn.attn.sm_scale
+            calls.append(
+                decode_attention_call(q, kv.k_cache, kv.v_cache, scales, tables, lens, sm_scale, att)
+            )
+            calls.append(linear_call(attn.o_proj, att.view(m, attn.q_size), o))
+            add_norm(layer.post_attention_layernorm, h, o)
+            gate_up, act = b.gate_up[:m], b.act[:m]
+            calls.append(linear_call(mlp.gate_up_proj, h, gate_up))
+            calls.append(silu_mul_into(gate_up, act))
+            calls.append(linear_call(mlp.down_proj, act, x))
+        add_norm(model.norm, out, x)
+        self.calls, self.out = calls, out
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The step's final hidden states `[B, H]`: a view of the plan's buffer, valid until the next step."""
+        b, m, rotary = self.buffers, self.num_rows, self.model.layers[0].self_attn.rotary
+        torch.index_select(self.model.embed_tokens, 0, input_ids, out=b.x[:m])
+        torch.index_select(rotary.cos, 0, positions, out=b.cos[:m])
+        torch.index_select(rotary.sin_signed, 0, positions, out=b.sin_signed[:m])
+        b.slots[:m].copy_(batch.slot_mapping)
+        b.block_tables[:m, : batch.block_tables.shape[1]].copy_(batch.block_tables)
+        b.seq_lens[:m].copy_(batch.context_lens)
+        for fn, args in self.calls:
+            fn(*args)
+        return self.out
+
+
+class DecodePlans:
+    """A model's plans, one per batch size, made at a size's first step and kept; rebuilt when the KV
+    pages, $KVQ_CPU_ISA or the thread count change, or a batch outgrows the buffers."""
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM, enforce_eager: bool) -> DecodePlans | None:
+        """The model's plans, or None where it always decodes eagerly (`model_blocker`, enforce_eager)."""
+        return None if enforce_eager or model_blocker(model) is not None else cls(model)
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.plans: dict[int, DecodePlan] = {}
+        self.buffers: DecodeBuffers | None = None
+        self.key: tuple | None = None
+        self.blocker: str | None = None
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor | None:
+        """The decode step's final hidden states from a plan, or None where the eager forward must run."""
+        model = self.model
+        key = (id(model.layers[0].self_attn.attn.kv), cpu_isa_env(), torch.get_num_threads())
+        if key != self.key:
+            self.key, self.plans, self.buffers = key, {}, None
+            self.blocker = step_blocker(model)
+        if self.blocker is not None or input_ids.device.type != "cpu":
+            return None
+        num_rows, pages = input_ids.shape[0], batch.block_tables.shape[1]
+        b = self.buffers
+        if b is None or num_rows > b.rows or pages > b.pages:
+            rows = max(num_rows, b.rows if b else 1)
+            self.buffers = DecodeBuffers(model, rows, max(pages, 2 * b.pages if b else 16))
+            self.plans = {}
+        plan = self.plans.get(num_rows)
+        if plan is None:
+            assert self.buffers is not None
+            plan = self.plans[num_rows] = DecodePlan(model, self.buffers, num_rows)
+        return plan.run(input_ids, positions, batch)

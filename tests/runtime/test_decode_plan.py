@@ -1,0 +1,110 @@
+"""CPU decode from `DecodePlan`s (`kvq.runtime.decode_plan`): the eager forward's logits bit for bit on every
+CPU path, INT4 and BF16 weights, BF16 and FP8 pages; plans made once per batch size and remade when a batch
+outgrows the buffers; the models and settings that keep decode eager; `--enforce-eager`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.decode_plan import DecodePlan, linear_call, model_blocker
+from kvq.runtime.engine import Engine
+from kvq.runtime.kernels import CPU_ISA_ENV
+from kvq.runtime.layers.linear import DenseLinear
+from kvq.runtime.sampling import SamplingParams
+from tests.runtime.reference import batch_teacher_forced_logits
+from tests.test_cli_errors import run_kvq
+
+# 3 sequences of different lengths; 4-token pages, so that decode crosses pages and the block tables grow
+# past the buffers' first 16 columns (the plans are remade)
+PROMPTS = [[5, 17, 3, 99, 42, 7, 7, 256], [9, 8, 7], [100 + i for i in range(30)]]
+
+
+def _engines(path: str, **settings) -> tuple[Engine, Engine]:
+    common = {"model": path, "kv_memory": "4MiB", "page_size": 4, **settings}
+    return Engine(EngineConfig(**common)), Engine(EngineConfig(**common, enforce_eager=True))
+
+
+def _forced(num_steps: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, 1000, (len(PROMPTS), num_steps), generator=g).tolist()
+
+
+def test_plans_give_the_eager_logits_on_every_cpu_path(int4_checkpoint, cpu_isa: str) -> None:
+    planned, eager = _engines(str(int4_checkpoint("llama")))
+    assert eager.model.decode_plans is None
+    forced = _forced(40)  # 30 + 40 tokens: 18 pages of the longest sequence
+    found = batch_teacher_forced_logits(planned, PROMPTS, forced)
+    assert torch.equal(found, batch_teacher_forced_logits(eager, PROMPTS, forced))
+    plans = planned.model.decode_plans
+    if cpu_isa == "torch":  # every CPU op in torch: nothing to replay
+        assert plans.blocker == "the C small ops are off" and not plans.plans
+    else:
+        assert plans.blocker is None and list(plans.plans) == [3] and plans.buffers.pages == 32
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
+def test_plans_give_the_eager_logits_for_each_weight_and_page_kind(
+    int4_checkpoint, tiny_checkpoint, fmt: str, kv_cache_dtype: str
+) -> None:
+    path = str(int4_checkpoint("llama") if fmt == "int4" else tiny_checkpoint("llama", "bf16"))
+    planned, eager = _engines(path, kv_cache_dtype=kv_cache_dtype)
+    forced = _forced(6)
+    found = batch_teacher_forced_logits(planned, PROMPTS, forced)
+    assert torch.equal(found, batch_teacher_forced_logits(eager, PROMPTS, forced))
+    assert planned.model.decode_plans.blocker is None
+
+
+def test_plans_are_made_once_per_batch_size_and_kept(int4_checkpoint) -> None:
+    """Requests of different lengths: the batch shrinks 3 -> 2 -> 1; each size's plan is made at its first
+    step and kept across generate calls; the greedy tokens are the eager engine's."""
+    planned, eager = _engines(str(int4_checkpoint("llama")))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 9, 13)]
+    outs = [o.token_ids for o in planned.generate(PROMPTS, params)]
+    assert outs == [o.token_ids for o in eager.generate(PROMPTS, params)]
+    plans = planned.model.decode_plans
+    assert sorted(plans.plans) == [1, 2, 3]
+    kept = dict(plans.plans)
+    planned.generate(PROMPTS, params)
+    assert all(plans.plans[n] is kept[n] for n in kept)
+    assert all(isinstance(p, DecodePlan) for p in kept.values())
+
+
+def test_an_env_change_remakes_the_plans(int4_checkpoint, monkeypatch) -> None:
+    planned, _ = _engines(str(int4_checkpoint("llama")))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = planned.generate(PROMPTS[:1], params)[0].token_ids
+    plans = planned.model.decode_plans
+    assert plans.blocker is None and list(plans.plans) == [1]
+    monkeypatch.setenv(CPU_ISA_ENV, "torch")
+    assert planned.generate(PROMPTS[:1], params)[0].token_ids == first
+    assert plans.blocker == "the C small ops are off" and not plans.plans
+
+
+def test_models_no_plan_can_run_decode_eagerly(tiny_checkpoint, int4_checkpoint) -> None:
+    moe = Engine(EngineConfig(model=str(tiny_checkpoint("glm4_moe", "bf16")), kv_memory="4MiB"))
+    assert moe.model.decode_plans is None and model_blocker(moe.model) == "a layer other than Llama's"
+    ref = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB", dtype="float32"))
+    assert ref.model.decode_plans is None and model_blocker(ref.model) == "not bf16 on CPU"
+
+
+def test_a_linear_without_a_c_call_runs_itself_into_the_buffer() -> None:
+    """A bias (or torch's GEMM) has no single C call: the plan's entry is the Linear itself, copied."""
+    g = torch.Generator().manual_seed(0)
+    linear = DenseLinear(torch.randn(24, 64, generator=g).bfloat16(), torch.randn(24, generator=g).bfloat16())
+    x, y = torch.randn(3, 64, generator=g).bfloat16(), torch.empty(3, 24, dtype=torch.bfloat16)
+    assert linear.call(x, y) is None
+    fn, args = linear_call(linear, x, y)
+    fn(*args)
+    assert torch.equal(y, linear(x))
+
+
+def test_enforce_eager_flag(tiny_checkpoint) -> None:
+    path = str(tiny_checkpoint("llama", "bf16"))
+    texts = [
+        run_kvq("generate", path, "hi", "--max-tokens", "6", *flag) for flag in ([], ["--enforce-eager"])
+    ]
+    assert all(r.returncode == 0 for r in texts), [r.stderr for r in texts]
+    assert texts[0].stdout == texts[1].stdout and texts[0].stdout.strip()
