@@ -57,6 +57,24 @@ def test_plans_give_the_eager_logits_for_each_weight_and_page_kind(
     assert planned.model.decode_plans.blocker is None
 
 
+def test_plans_give_the_eager_logits_on_smollm2(smollm2_int4) -> None:
+    """SmolLM2's shapes: 9 query / 3 KV heads, K = 576 (half a block of 128 past the last whole one), the
+    tied lm_head; then whole requests through the checked pool (`kv_integrity="tags"`: the engine's write
+    guard rewrites each step's slots before the plan copies them)."""
+    planned, eager = _engines(str(smollm2_int4), kv_memory="16MiB")
+    prompts = [planned.encode_chat(text) for text in ("What is the capital of France?", "Name three colors.")]
+    forced = [[504, 3575, 314, 4649], [1978, 30, 2689, 28]]
+    found = batch_teacher_forced_logits(planned, prompts, forced)
+    assert torch.equal(found, batch_teacher_forced_logits(eager, prompts, forced))
+    assert list(planned.model.decode_plans.plans) == [2]
+    planned, eager = _engines(str(smollm2_int4), kv_memory="16MiB", kv_integrity="tags")
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    outs, expected = planned.generate(prompts, params), eager.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in expected]
+    assert all(o.error is None for o in outs) and planned.model.decode_plans.blocker is None
+
+
 def test_plans_are_made_once_per_batch_size_and_kept(int4_checkpoint) -> None:
     """Requests of different lengths: the batch shrinks 3 -> 2 -> 1; each size's plan is made at its first
     step and kept across generate calls; the greedy tokens are the eager engine's."""
