@@ -202,13 +202,27 @@ TARGET_AVX512VNNI static inline __m256 half_block_vnni(const int32_t *w8, const 
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sum_hm, 8), sum_l)), scale);
 }
 
+/* The GEMV's view of a job, read once per call: in the row loop the compiler reloads a Job's fields after
+   each store into y (it cannot tell that y does not alias them). */
+typedef struct {
+    const int32_t *packed;
+    const uint8_t *scale, *x_blocks;
+    int64_t words, whole, tail, scale_stride;
+} VnniRows;
+
+static inline VnniRows vnni_rows_of(const Job *job) {
+    const int64_t words = job->K / 8;
+    return (VnniRows){job->packed, job->scale, (const uint8_t *)job->xp + VNNI_HEADER_BYTES, words, words / 16,
+                      words % 16, job->num_groups * job->scale_size};
+}
+
 /* Row n's per-lane sums of q * X times the group scales, over all its blocks. */
-TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m256 row_dot_vnni(const Job *job, int64_t n,
-                                                                                __m512i idx, int kind) {
-    const int64_t words = job->K / 8, whole = words / 16, tail = words % 16;
-    const int32_t *wrow = job->packed + n * words;
-    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
-    const uint8_t *xb = (const uint8_t *)job->xp + VNNI_HEADER_BYTES;
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m256 row_dot_vnni(const Job *job, VnniRows r,
+                                                                                int64_t n, __m512i idx, int kind) {
+    const int64_t words = r.words, whole = r.whole, tail = r.tail;
+    const int32_t *wrow = r.packed + n * words;
+    const uint8_t *srow = r.scale + n * r.scale_stride;
+    const uint8_t *xb = r.x_blocks;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < whole; b++, xb += VNNI_BLOCK_BYTES) {
         prefetch_ahead(wrow + b * 16);
@@ -235,15 +249,16 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) void gemv_vnni_ro
     float halves[2];
     memcpy(halves, job->xp, sizeof halves);
     const __m128 half0 = _mm_set1_ps(halves[0]), half1 = _mm_set1_ps(halves[1]);
+    const VnniRows r = vnni_rows_of(job);
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
-        __m256 a0 = row_dot_vnni(job, n, idx, kind), a1 = row_dot_vnni(job, n + 1, idx, kind);
-        __m256 a2 = row_dot_vnni(job, n + 2, idx, kind), a3 = row_dot_vnni(job, n + 3, idx, kind);
+        __m256 a0 = row_dot_vnni(job, r, n, idx, kind), a1 = row_dot_vnni(job, r, n + 1, idx, kind);
+        __m256 a2 = row_dot_vnni(job, r, n + 2, idx, kind), a3 = row_dot_vnni(job, r, n + 3, idx, kind);
         __m128 sums = hsum4_avx2(a0, a1, a2, a3);
         store_y4(job, 0, n, _mm_mul_ps(_mm_mul_ps(sums, half0), half1));
     }
     for (; n < n1; n++) {
-        __m128 sums = hsum4_avx2(row_dot_vnni(job, n, idx, kind), _mm256_setzero_ps(), _mm256_setzero_ps(),
+        __m128 sums = hsum4_avx2(row_dot_vnni(job, r, n, idx, kind), _mm256_setzero_ps(), _mm256_setzero_ps(),
                                  _mm256_setzero_ps());
         store_y(job, 0, n, _mm_cvtss_f32(sums) * halves[0] * halves[1]);
     }
