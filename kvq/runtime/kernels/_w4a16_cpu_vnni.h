@@ -5,8 +5,9 @@
    are the AVX-512 path's); every CPU with AVX512_BF16 has AVX512_VNNI.
 
    Why: on Sapphire / Emerald Rapids vdpbf16ps issues once per two cycles (eight independent chains: 2.1
-   cycles each; vpdpbusd ~0.7, vfmadd ~0.5), so the GEMV on bf16 pairs spent ~17-20 cycles per block of 128
-   weights. Here ~11-13: 1.34-1.68x per call with the weights in L2; the GEMM 1.35-1.49x.
+   cycles each; vpdpbusd 0.5 with twelve, vfmadd 0.5), so the GEMV on bf16 pairs spent ~17-20 cycles per block of 128
+   weights. Here ~8.5-11 (stop 37; 11-13 at stop 36: 1.34-1.68x per call with the weights in L2); the GEMM
+   1.35-1.49x.
 
    The activations, each row on its own: X = rint(x * 2^(22 - e)), one power of two with 2^e above its largest
    |x|, so |X| < 2^22, written as X = 65536 h + 256 m + l with h, m, l in -128..127 (signed bytes). A bf16 has
