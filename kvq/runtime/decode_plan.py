@@ -205,7 +205,9 @@ class DecodePlans:
     ) -> torch.Tensor | None:
         """The decode step's final hidden states from a plan, or None where the eager forward must run."""
         model = self.model
-        key = (id(model.layers[0].self_attn.attn.kv), cpu_isa_env(), torch.get_num_threads())
+        # the key holds the first layer's cache object itself (compared by identity): the plans' pointers
+        # stay valid while it lives, and the engine binds every layer's cache together
+        key = (model.layers[0].self_attn.attn.kv, cpu_isa_env(), torch.get_num_threads())
         if key != self.key:
             self.key, self.plans, self.buffers = key, {}, None
             self.blocker = step_blocker(model)

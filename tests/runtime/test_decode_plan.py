@@ -101,6 +101,22 @@ def test_an_env_change_remakes_the_plans(int4_checkpoint, monkeypatch) -> None:
     assert plans.blocker == "the C small ops are off" and not plans.plans
 
 
+def test_new_kv_caches_remake_the_plans(int4_checkpoint) -> None:
+    """Rebinding the layers' caches (a new pool, zeroed; no prefix cache to point into the old one) drops
+    the plans bound to the old pages' addresses."""
+    planned, eager = _engines(str(int4_checkpoint("llama")), enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    planned.generate(PROMPTS, params)
+    plans = planned.model.decode_plans
+    old = plans.plans[3]
+    old_pool = planned.kv_pool
+    planned.kv_pool = planned._kv_pool()  # every layer bound to new pages
+    assert planned.kv_pool.zero_page == old_pool.zero_page
+    outs = planned.generate(PROMPTS, params)
+    assert plans.plans[3] is not old
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(PROMPTS, params)]
+
+
 def test_models_no_plan_can_run_decode_eagerly(tiny_checkpoint, int4_checkpoint) -> None:
     moe = Engine(EngineConfig(model=str(tiny_checkpoint("glm4_moe", "bf16")), kv_memory="4MiB"))
     assert moe.model.decode_plans is None and model_blocker(moe.model) == "a layer other than Llama's"
