@@ -66,6 +66,16 @@ def model_blocker(model: LlamaForCausalLM) -> str | None:
     return None
 
 
+def describe_decode(model: LlamaForCausalLM, enforce_eager: bool) -> str:
+    """One log line: whether CPU decode steps run from plans, and why not."""
+    why = "--enforce-eager" if enforce_eager else model_blocker(model)
+    if why is None and not native_ops_enabled():
+        why = "the C small ops are off"
+    if why is None:
+        return "CPU decode steps: plans (each layer's C calls bound once per batch size)"
+    return f"CPU decode steps: eager ({why})"
+
+
 def step_blocker(model: LlamaForCausalLM) -> str | None:
     """Why a plan cannot run now (`model_blocker(model)` None): the C ops off, or KV pages it cannot read."""
     if not native_ops_enabled():
@@ -215,7 +225,7 @@ class DecodePlans:
             return None
         num_rows, pages = input_ids.shape[0], batch.block_tables.shape[1]
         b = self.buffers
-        if b is None or num_rows > b.rows or pages > b.pages:
+        if b is None or num_rows > b.rows or pages > b.pages:  # table columns double: log(n) remakes
             rows = max(num_rows, b.rows if b else 1)
             self.buffers = DecodeBuffers(model, rows, max(pages, 2 * b.pages if b else 16))
             self.plans = {}

@@ -25,6 +25,7 @@ from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
+from kvq.runtime.decode_plan import describe_decode
 from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.worker import serve_steps
@@ -103,6 +104,7 @@ class Engine:
         self.rank_weight_bytes = self.tp.gather_ints(self.weight_bytes)
         if cpu_path is not None:
             logger.info(cpu_path)
+            logger.info(describe_decode(self.model, config.enforce_eager))
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids()
         self.kv_pool = self._kv_pool()

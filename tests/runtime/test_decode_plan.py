@@ -4,6 +4,8 @@ outgrows the buffers; the models and settings that keep decode eager; `--enforce
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -117,9 +119,18 @@ def test_new_kv_caches_remake_the_plans(int4_checkpoint) -> None:
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(PROMPTS, params)]
 
 
-def test_models_no_plan_can_run_decode_eagerly(tiny_checkpoint, int4_checkpoint) -> None:
-    moe = Engine(EngineConfig(model=str(tiny_checkpoint("glm4_moe", "bf16")), kv_memory="4MiB"))
-    assert moe.model.decode_plans is None and model_blocker(moe.model) == "a layer other than Llama's"
+def test_models_no_plan_can_run_decode_eagerly(tiny_checkpoint, int4_checkpoint, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="kvq"):
+        llama = str(int4_checkpoint("llama"))
+        moe = Engine(EngineConfig(model=str(tiny_checkpoint("glm4_moe", "bf16")), kv_memory="4MiB"))
+        eager = Engine(EngineConfig(model=llama, kv_memory="4MiB", enforce_eager=True))
+        Engine(EngineConfig(model=llama, kv_memory="4MiB"))
+    assert [r.getMessage() for r in caplog.records if "CPU decode steps" in r.getMessage()] == [
+        "CPU decode steps: eager (a layer other than Llama's)",
+        "CPU decode steps: eager (--enforce-eager)",
+        "CPU decode steps: plans (each layer's C calls bound once per batch size)",
+    ]
+    assert moe.model.decode_plans is None and eager.model.decode_plans is None
     ref = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB", dtype="float32"))
     assert ref.model.decode_plans is None and model_blocker(ref.model) == "not bf16 on CPU"
 

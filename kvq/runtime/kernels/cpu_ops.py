@@ -90,8 +90,9 @@ def rms_norm_call(
     residual: torch.Tensor | None = None,
     total: torch.Tensor | None = None,
 ) -> Call:
-    """`rms_norm_native`'s C call into `out` (and `total` = x + residual, where given), all contiguous."""
-    assert _ext is not None
+    """`rms_norm_native`'s C call into `out` (and `total` = x + residual, both or neither given), all
+    contiguous."""
+    assert _ext is not None and (residual is None) == (total is None)
     hidden = x.shape[-1]
     sums = (0, 0) if residual is None or total is None else (residual.data_ptr(), total.data_ptr())
     args = (x.data_ptr(), *sums, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
