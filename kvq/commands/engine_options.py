@@ -67,8 +67,8 @@ EnforceEagerOption = Annotated[
     typer.Option(
         "--enforce-eager",
         help="Run every decode step through the layers' Python (as vLLM's --enforce-eager keeps CUDA "
-        "graphs off). Default: CPU decode of Llama-family models replays one list of C calls bound once "
-        "per batch size, the same values without the per-op Python.",
+        "graphs off). Default: CPU decode of Llama and GLM-4.5 models replays one list of C calls bound "
+        "once per batch size, the same values without the per-op Python.",
     ),
 ]
 TpOption = Annotated[

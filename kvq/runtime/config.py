@@ -51,7 +51,7 @@ class EngineConfig:
       carries the tag its own state expects; "full" also re-hashes sampled bytes of every sealed page
       read. A failed check ends only the request it hit (finish reason "error").
     enforce_eager: run every decode step through the layers' Python (as vLLM's enforce_eager keeps CUDA
-      graphs off); by default CPU decode steps of Llama-family layers replay one list of C calls bound
+      graphs off); by default CPU decode steps of Llama and GLM-4.5 layers replay one list of C calls bound
       once per batch size (`kvq.runtime.decode_plan`), the same values without the per-op Python.
     tp: tensor-parallel ranks (`kvq.runtime.distributed`): one device each, gloo on CPU, NCCL on CUDA;
       kvq starts the other ranks itself, or joins the ranks torchrun started (WORLD_SIZE must equal tp).

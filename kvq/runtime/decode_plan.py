@@ -8,10 +8,12 @@ rotary rows, slots, block tables, lengths, every layer's activations) and the li
 with their arguments bound to them; a step copies its inputs in and replays the list. The calls are the
 eager forward's own, in its order, on the same values: the same bits (tested).
 
-Where it runs (`model_blocker` and `step_blocker` say why not): Llama's own layers (`Attention` without
-q/k norms, `MLP`), one rank, bf16 activations on CPU, the C small ops on (KVQ_CPU_ISA not torch), the KV
-pages bf16 or FP8 on the torch backend. A Linear that is not one C call (torch's GEMM, FP8, W8A16, a
-bias) joins as `y.copy_(linear(x))`. `EngineConfig.enforce_eager` turns plans off (vLLM's name).
+Where it runs (`model_blocker` and `step_blocker` say why not): Llama's decoder layers with its GQA
+`Attention` (no q/k norms), one rank, bf16 activations on CPU, the C small ops on (KVQ_CPU_ISA not torch),
+the KV pages bf16 or FP8 on the torch backend. A Linear that is not one C call (torch's GEMM, FP8, W8A16,
+a bias) joins as `y.copy_(linear(x))`, a feed-forward other than Llama's `MLP` (GLM-4.5's MoE) as
+`x.copy_(mlp(h))`: the same values, with that part's Python kept. `EngineConfig.enforce_eager` turns
+plans off (vLLM's name).
 Imports torch and kvq.runtime.
 """
 
@@ -37,7 +39,7 @@ from kvq.runtime.layers.linear import Linear
 from kvq.runtime.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from kvq.runtime.models.llama import LlamaForCausalLM
+    from kvq.runtime.models.llama import FeedForward, LlamaForCausalLM
 
 _KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -54,9 +56,9 @@ def model_blocker(model: LlamaForCausalLM) -> str | None:
     norms = [model.norm]
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+        if type(layer) is not DecoderLayer or type(attn) is not Attention:
             return "a layer other than Llama's"
-        if attn.q_norm is not None or mlp.is_partial or attn.rotary.is_interleaved:
+        if attn.q_norm is not None or (type(mlp) is MLP and mlp.is_partial) or attn.rotary.is_interleaved:
             return "q/k norms, a partial MLP or interleaved rotary"
         if attn.head_dim > 512 or attn.rotary.cos.dtype != torch.bfloat16:
             return "head_dim over 512 or rotary tables not bf16"
@@ -89,6 +91,10 @@ def step_blocker(model: LlamaForCausalLM) -> str | None:
 
 def _linear_into(linear: Linear, x: torch.Tensor, y: torch.Tensor) -> None:
     y.copy_(linear(x))
+
+
+def _feed_forward_into(mlp: FeedForward, h: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(mlp(h))
 
 
 def _silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -135,6 +141,8 @@ class DecodePlan:
     """Every call of a decode step of `num_rows` sequences over `buffers`, in the eager forward's order."""
 
     def __init__(self, model: LlamaForCausalLM, buffers: DecodeBuffers, num_rows: int) -> None:
+        from kvq.runtime.models.llama import MLP
+
         self.model, self.buffers, self.num_rows = model, buffers, num_rows
         b, m = buffers, num_rows
         tables, lens, slots = b.block_tables[:m], b.seq_lens[:m], b.slots[:m]
@@ -173,6 +181,9 @@ class DecodePlan:
             )
             calls.append(linear_call(attn.o_proj, att.view(m, attn.q_size), o))
             add_norm(layer.post_attention_layernorm, h, o)
+            if type(mlp) is not MLP:  # an MoE: its own Python, into the buffer
+                calls.append((_feed_forward_into, (mlp, h, x)))
+                continue
             gate_up, act = b.gate_up[:m], b.act[:m]
             calls.append(linear_call(mlp.gate_up_proj, h, gate_up))
             calls.append(silu_mul_into(gate_up, act))

@@ -48,10 +48,13 @@ def test_plans_give_the_eager_logits_on_every_cpu_path(int4_checkpoint, cpu_isa:
 
 @pytest.mark.parametrize("fmt", ["int4", "bf16"])
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe"])
 def test_plans_give_the_eager_logits_for_each_weight_and_page_kind(
-    int4_checkpoint, tiny_checkpoint, fmt: str, kv_cache_dtype: str
+    int4_checkpoint, tiny_checkpoint, arch: str, fmt: str, kv_cache_dtype: str
 ) -> None:
-    path = str(int4_checkpoint("llama") if fmt == "int4" else tiny_checkpoint("llama", "bf16"))
+    """glm4_moe: q/k/v bias (its Linears join through themselves), partial rotary, MoE layers after a dense
+    one (the MoE through its own call into the buffer)."""
+    path = str(int4_checkpoint(arch) if fmt == "int4" else tiny_checkpoint(arch, "bf16"))
     planned, eager = _engines(path, kv_cache_dtype=kv_cache_dtype)
     forced = _forced(6)
     found = batch_teacher_forced_logits(planned, PROMPTS, forced)
@@ -122,7 +125,7 @@ def test_new_kv_caches_remake_the_plans(int4_checkpoint) -> None:
 def test_models_no_plan_can_run_decode_eagerly(tiny_checkpoint, int4_checkpoint, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="kvq"):
         llama = str(int4_checkpoint("llama"))
-        moe = Engine(EngineConfig(model=str(tiny_checkpoint("glm4_moe", "bf16")), kv_memory="4MiB"))
+        mla = Engine(EngineConfig(model=str(tiny_checkpoint("deepseek_v3", "bf16")), kv_memory="4MiB"))
         eager = Engine(EngineConfig(model=llama, kv_memory="4MiB", enforce_eager=True))
         Engine(EngineConfig(model=llama, kv_memory="4MiB"))
     assert [r.getMessage() for r in caplog.records if "CPU decode steps" in r.getMessage()] == [
@@ -130,7 +133,7 @@ def test_models_no_plan_can_run_decode_eagerly(tiny_checkpoint, int4_checkpoint,
         "CPU decode steps: eager (--enforce-eager)",
         "CPU decode steps: plans (each layer's C calls bound once per batch size)",
     ]
-    assert moe.model.decode_plans is None and eager.model.decode_plans is None
+    assert mla.model.decode_plans is None and eager.model.decode_plans is None
     ref = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB", dtype="float32"))
     assert ref.model.decode_plans is None and model_blocker(ref.model) == "not bf16 on CPU"
 
