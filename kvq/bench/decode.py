@@ -123,15 +123,8 @@ def engine(path: Path, config: DecodeBenchConfig, **kwargs):
     from kvq.runtime.config import EngineConfig
     from kvq.runtime.engine import Engine
 
-    return Engine(
-        EngineConfig(
-            model=str(path),
-            threads=config.threads,
-            page_size=config.page_size,
-            enforce_eager=config.enforce_eager,
-            **kwargs,
-        )
-    )
+    fixed = {"threads": config.threads, "page_size": config.page_size, "enforce_eager": config.enforce_eager}
+    return Engine(EngineConfig(model=str(path), **fixed, **kwargs))
 
 
 def resident_after_load(kind: str, path: Path) -> dict:

@@ -19,10 +19,10 @@ Imports torch and kvq.runtime.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.kernels.cpu_ops import (
@@ -30,6 +30,7 @@ from kvq.runtime.kernels.cpu_ops import (
     native_ops_enabled,
     rms_norm_call,
     rotary_call,
+    silu_and_mul,
     silu_mul_applies,
     silu_mul_call,
     store_kv_call,
@@ -39,7 +40,7 @@ from kvq.runtime.layers.linear import Linear
 from kvq.runtime.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from kvq.runtime.models.llama import FeedForward, LlamaForCausalLM
+    from kvq.runtime.models.llama import LlamaForCausalLM
 
 _KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -89,27 +90,19 @@ def step_blocker(model: LlamaForCausalLM) -> str | None:
     return None
 
 
-def _linear_into(linear: Linear, x: torch.Tensor, y: torch.Tensor) -> None:
-    y.copy_(linear(x))
-
-
-def _feed_forward_into(mlp: FeedForward, h: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(mlp(h))
-
-
-def _silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> None:
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.mul(F.silu(gate), up, out=out)
+def _into(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> None:
+    """A part without a single C call (a Linear, an MoE, torch's SiLU-and-mul) run as it is, into `out`."""
+    out.copy_(fn(x))
 
 
 def linear_call(linear: Linear, x: torch.Tensor, y: torch.Tensor) -> Call:
     """`y = linear(x)` as one C call where the Linear has one, else through the Linear itself."""
-    return linear.call(x, y) or (_linear_into, (linear, x, y))
+    return linear.call(x, y) or (_into, (linear, x, y))
 
 
 def silu_mul_into(gate_up: torch.Tensor, out: torch.Tensor) -> Call:
-    """`MLP`'s SiLU-and-mul into `out`, by the same route (the C op at decode sizes, else torch's)."""
-    return silu_mul_call(gate_up, out) if silu_mul_applies(gate_up) else (_silu_mul_torch, (gate_up, out))
+    """`MLP`'s SiLU-and-mul (`silu_and_mul`) into `out`: its C call where it takes the C op."""
+    return silu_mul_call(gate_up, out) if silu_mul_applies(gate_up) else (_into, (silu_and_mul, gate_up, out))
 
 
 class DecodeBuffers:
@@ -182,7 +175,7 @@ class DecodePlan:
             calls.append(linear_call(attn.o_proj, att.view(m, attn.q_size), o))
             add_norm(layer.post_attention_layernorm, h, o)
             if type(mlp) is not MLP:  # an MoE: its own Python, into the buffer
-                calls.append((_feed_forward_into, (mlp, h, x)))
+                calls.append((_into, (mlp, h, x)))
                 continue
             gate_up, act = b.gate_up[:m], b.act[:m]
             calls.append(linear_call(mlp.gate_up_proj, h, gate_up))

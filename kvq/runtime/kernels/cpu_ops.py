@@ -118,6 +118,14 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up `[M, 2I]` (gate first): the C op where `silu_mul_applies`, else torch's."""
+    if silu_mul_applies(gate_up):
+        return silu_mul_native(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def silu_mul_call(gate_up: torch.Tensor, out: torch.Tensor) -> Call:
     """`silu_mul_native`'s C call into contiguous `out` `[M, I]`."""
     assert _ext is not None

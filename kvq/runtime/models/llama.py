@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
@@ -23,7 +22,7 @@ from kvq.runtime.decode_plan import DecodePlans
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
-from kvq.runtime.kernels.cpu_ops import silu_mul_applies, silu_mul_native
+from kvq.runtime.kernels.cpu_ops import silu_and_mul
 from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.layers.linear import DenseLinear, Linear, int4_copy, int8_copy
 from kvq.runtime.layers.norm import RMSNorm
@@ -144,12 +143,7 @@ class MLP:
         self.tp, self.is_partial = loader.tp, is_partial
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if silu_mul_applies(gate_up):  # CPU bf16 decode sizes: one C call, the same rounding
-            y = self.down_proj(silu_mul_native(gate_up))
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            y = self.down_proj(F.silu(gate) * up)
+        y = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return y if self.is_partial else self.tp.all_reduce(y)
 
     def tensors(self) -> list[torch.Tensor]:
