@@ -47,51 +47,12 @@ TARGET_AMX static void amx_load_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* bf16((u - 8) * s) for u = 0..15 as 16 bf16: a quarter of vpermt2w's 64-entry table. vcvtne2ps2bf16
-   rounds to nearest even as `dequantize` does, but flushes a denormal product to zero: tdpbf16ps would
-   read it as zero. */
-TARGET_AMX static inline __m512 amx_scaled_q(float s) {
-    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm512_mul_ps(q, _mm512_set1_ps(s));
-}
-
-TARGET_AMX static inline __m512i amx_table(__m512 low, __m512 high) { /* entries 0..15 low, 16..31 high */
-    __m512bh table = _mm512_cvtne2ps_pbh(high, low);
-    __m512i out;
-    memcpy(&out, &table, sizeof out);
-    return out;
-}
-
-/* Bits 4-5 of a block's 16-bit half i (inputs 4i..4i+3): its group in the block, (4i / group), for the
-   block's groups (1, 2 or 4). */
-TARGET_AMX static inline __m512i amx_group_bits(int64_t groups) {
-    return groups == 4   ? _mm512_set_epi16(48, 48, 48, 48, 48, 48, 48, 48, 32, 32, 32, 32, 32, 32, 32, 32, 16, 16, 16,
-                                            16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0)
-           : groups == 2 ? _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0,
-                                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-                         : _mm512_setzero_si512();
-}
-
-/* A whole block of 128 inputs of a row (16 words, 4 tiles): one load, then per tile p a 16-bit shift
-   puts nibble p of every 16-bit half at its bottom (half h of word i: input 8i + 4h + p), so tile p holds
-   pairs (8kk + p, 8kk + 4 + p); the nibble, with the half's group in bits 4-5 (vpternlogd), indexes
-   vpermt2w's table of the block's (up to 4) groups' bf16(q * scale). */
+/* A whole block of 128 inputs of a row (16 words, 4 tiles) as bf16(q * scale) (scaled_planes_bf16): tile p
+   holds pairs (8kk + p, 8kk + 4 + p). */
 TARGET_AMX static inline void amx_decompress_block(const uint8_t *w, const uint8_t *srow, int scale_dtype, int64_t b,
                                                    int64_t groups, __m512i group_bits, uint16_t *out) {
-    const int64_t g0 = b * groups;
-    __m512 s0 = amx_scaled_q(row_scale(srow, scale_dtype, g0));
-    __m512 s1 = groups > 1 ? amx_scaled_q(row_scale(srow, scale_dtype, g0 + 1)) : s0;
-    __m512i t01 = amx_table(s0, s1), t23 = t01;
-    if (groups > 2)
-        t23 = amx_table(amx_scaled_q(row_scale(srow, scale_dtype, g0 + 2)),
-                        amx_scaled_q(row_scale(srow, scale_dtype, g0 + 3)));
-    const __m512i nibble = _mm512_set1_epi16(15);
-    __m512i words = _mm512_loadu_si512(w + 64 * b);
-    for (int p = 0; p < 4; p++, out += AMX_TILE_ELEMS) {
-        __m512i shifted = p ? _mm512_srli_epi16(words, 4 * p) : words;
-        __m512i idx = _mm512_ternarylogic_epi32(shifted, nibble, group_bits, 0xEA); /* (a & b) | c */
-        _mm512_storeu_si512(out, _mm512_permutex2var_epi16(t01, idx, t23));
-    }
+    scaled_planes_bf16(_mm512_loadu_si512(w + 64 * b), srow, scale_dtype, b * groups, groups, groups, group_bits, out,
+                       AMX_TILE_ELEMS);
 }
 
 /* Tiles c0..c1 of a row past its last whole block, in natural input order: per 32 weights 16 bytes
@@ -104,8 +65,8 @@ TARGET_AMX static inline void amx_decompress_tail(const Job *job, const uint8_t 
     __m512i table = _mm512_setzero_si512();
     for (int64_t c = c0; c < c1; c++, out += AMX_TILE_ELEMS) {
         if (((c >> tiles_shift) << tiles_shift) == c) {
-            __m512 s = amx_scaled_q(scale_at(job, srow, c >> tiles_shift));
-            table = amx_table(s, s);
+            __m512 s = scaled_q_bf16(scale_at(job, srow, c >> tiles_shift));
+            table = scaled_table_bf16(s, s);
         }
         __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * c)));
         __m512i idx = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
@@ -137,7 +98,7 @@ TARGET_AMX static void amx_decompress_rows(const Job *job, int64_t n0, int r0, i
     const int64_t scale_bytes = job->num_groups * job->scale_size, N = job->N;
     const int64_t groups = 128 / job->group, is_block = c0 + 4 <= job->K / 128 * 4; /* groups in a block: 1, 2, 4 */
     const int scale_dtype = job->scale_dtype;
-    const __m512i group_bits = amx_group_bits(groups);
+    const __m512i group_bits = group_bits_bf16(groups);
     const uint8_t *w = (const uint8_t *)job->packed + (n0 + r0) * row_bytes;
     const uint8_t *srow = job->scale + (n0 + r0) * scale_bytes;
     out += r0 * AMX_KC;

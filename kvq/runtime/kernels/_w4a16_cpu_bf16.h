@@ -47,20 +47,6 @@ TARGET_AVX512BF16 static inline __m512i q_pairs(__m512i w, int p, __m512i table)
     return _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(w, 4 * p) : w, table);
 }
 
-/* Blocks b0..b0+nb of row n as q pair planes into tile, their per-lane scales into scales. */
-TARGET_AVX512BF16 static void dequantize_bf16(const Job *job, int64_t n, int64_t b0, int64_t nb, __m512i idx,
-                                              __m512i table, __m512i *tile, __m512 *scales) {
-    const int64_t words = job->K / 8;
-    const int32_t *wrow = job->packed + n * words;
-    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i w = load_block_avx512(wrow, b0 + b, words);
-        scales[b] = scale_vec_avx512(job, srow, b0 + b, idx);
-        for (int p = 0; p < 4; p++)
-            tile[b * 4 + p] = q_pairs(w, p, table);
-    }
-}
-
 /* Row n's per-lane sums of q * x times the group scales, over all its blocks (M = 1). */
 TARGET_AVX512BF16 static inline __m512 row_dot_bf16(const Job *job, int64_t n, __m512i idx, __m512i table) {
     const int64_t words = job->K / 8, num_blocks = (words + 15) / 16;
@@ -97,61 +83,115 @@ TARGET_AVX512BF16 static void gemv_bf16(const Job *job, int64_t n0, int64_t n1) 
         store_y(job, 0, n, _mm512_reduce_add_ps(row_dot_bf16(job, n, idx, table)));
 }
 
-/* acc[r] (and acc[4 + r]) += row xa (and xb, where two) in pair planes . tile row r over nb blocks, scaled. */
-TARGET_AVX512BF16 static inline __attribute__((always_inline)) void
-tile_dot_bf16(const uint32_t *xa, const uint32_t *xb, int two, const __m512i *tile, const __m512 *scales,
-              int64_t nb, __m512 *acc) {
-    __m512 a[4], c[4];
-    for (int r = 0; r < 4; r++)
-        a[r] = acc[r], c[r] = two ? acc[4 + r] : _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint32_t *pa = xa + b * 64, *pc = (two ? xb : xa) + b * 64;
-        __m512bh a0 = as_bf16_pairs(_mm512_loadu_si512(pa)), a1 = as_bf16_pairs(_mm512_loadu_si512(pa + 16));
-        __m512bh a2 = as_bf16_pairs(_mm512_loadu_si512(pa + 32)), a3 = as_bf16_pairs(_mm512_loadu_si512(pa + 48));
-        __m512bh c0 = as_bf16_pairs(_mm512_loadu_si512(pc)), c1 = as_bf16_pairs(_mm512_loadu_si512(pc + 16));
-        __m512bh c2 = as_bf16_pairs(_mm512_loadu_si512(pc + 32)), c3 = as_bf16_pairs(_mm512_loadu_si512(pc + 48));
-        for (int r = 0; r < 4; r++) { /* each weight vector loaded once for both rows, two chains */
-            const __m512i *t = tile + r * BF_TILE + b * 4;
-            __m512bh t0 = as_bf16_pairs(t[0]), t1 = as_bf16_pairs(t[1]);
-            __m512bh t2 = as_bf16_pairs(t[2]), t3 = as_bf16_pairs(t[3]);
-            __m512 scale = scales[r * BF_KC + b];
-            __m512 sa = _mm512_dpbf16_ps(_mm512_setzero_ps(), t0, a0), sc = _mm512_setzero_ps();
-            if (two)
-                sc = _mm512_dpbf16_ps(sc, t0, c0);
-            sa = _mm512_dpbf16_ps(sa, t1, a1);
-            if (two)
-                sc = _mm512_dpbf16_ps(sc, t1, c1);
-            sa = _mm512_dpbf16_ps(sa, t2, a2);
-            if (two)
-                sc = _mm512_dpbf16_ps(sc, t2, c2);
-            sa = _mm512_dpbf16_ps(sa, t3, a3);
-            a[r] = _mm512_fmadd_ps(sa, scale, a[r]);
-            if (two)
-                c[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(sc, t3, c3), scale, c[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) {
-        acc[r] = a[r];
-        if (two)
-            acc[4 + r] = c[r];
+/* bf16((u - 8) * s) for u = 0..15 as 16 fp32 (a quarter of scaled_planes_bf16's table). */
+TARGET_AVX512BF16 static inline __m512 scaled_q_bf16(float s) {
+    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_mul_ps(q, _mm512_set1_ps(s));
+}
+
+/* low's and high's 16 fp32 as 32 bf16 (entries 0..15 low, 16..31 high), rounded to nearest even as
+   `dequantize` rounds, but a denormal flushed to zero (vcvtne2ps2bf16; vdpbf16ps and tdpbf16ps would read
+   it as zero). */
+TARGET_AVX512BF16 static inline __m512i scaled_table_bf16(__m512 low, __m512 high) {
+#if defined(KVQ_SIMDE_CHECK) /* SIMDe 0.7 has no vcvtne2ps2bf16 */
+    float lanes[32];
+    uint16_t halves[32];
+    _mm512_storeu_ps(lanes, low);
+    _mm512_storeu_ps(lanes + 16, high);
+    for (int i = 0; i < 32; i++)
+        halves[i] = f32_to_bf16(lanes[i]);
+    return _mm512_loadu_si512(halves);
+#else
+    __m512bh table = _mm512_cvtne2ps_pbh(high, low);
+    __m512i out;
+    memcpy(&out, &table, sizeof out);
+    return out;
+#endif
+}
+
+/* Bits 4-5 of a block's 16-bit half i (inputs 4i..4i+3): its group in the block, (4i / group), for the
+   block's groups (1, 2 or 4). */
+TARGET_AVX512BF16 static inline __m512i group_bits_bf16(int64_t groups) {
+    return groups == 4   ? _mm512_set_epi16(48, 48, 48, 48, 48, 48, 48, 48, 32, 32, 32, 32, 32, 32, 32, 32, 16, 16, 16,
+                                            16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0)
+           : groups == 2 ? _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0,
+                                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                         : _mm512_setzero_si512();
+}
+
+/* Block `words` (16 words of a row, its groups g0.. of a row's scales srow: `groups` of them, the first
+   `valid` inside K) as its 4 pair planes of bf16(q * scale), plane p at out + p * stride: per plane a 16-bit
+   shift puts nibble p of every 16-bit half at its bottom (half h of word i: input 8i + 4h + p), and the
+   nibble, with the half's group in bits 4-5 (vpternlogd), indexes vpermt2w's table of the block's groups'
+   bf16(q * scale). A group past K takes the last valid one's scale (its inputs are zero). */
+TARGET_AVX512BF16 static inline void scaled_planes_bf16(__m512i words, const uint8_t *srow, int scale_dtype, int64_t g0,
+                                                        int64_t groups, int64_t valid, __m512i group_bits,
+                                                        uint16_t *out, int64_t stride) {
+    __m512 s0 = scaled_q_bf16(row_scale(srow, scale_dtype, g0));
+    __m512 s1 = groups > 1 ? scaled_q_bf16(row_scale(srow, scale_dtype, g0 + (valid > 1))) : s0;
+    __m512i t01 = scaled_table_bf16(s0, s1), t23 = t01;
+    if (groups > 2)
+        t23 = scaled_table_bf16(scaled_q_bf16(row_scale(srow, scale_dtype, g0 + (valid > 2 ? 2 : valid - 1))),
+                                scaled_q_bf16(row_scale(srow, scale_dtype, g0 + (valid > 3 ? 3 : valid - 1))));
+    const __m512i nibble = _mm512_set1_epi16(15);
+    for (int p = 0; p < 4; p++, out += stride) {
+        __m512i shifted = p ? _mm512_srli_epi16(words, 4 * p) : words;
+        __m512i idx = _mm512_ternarylogic_epi32(shifted, nibble, group_bits, 0xEA); /* (a & b) | c */
+        _mm512_storeu_si512(out, _mm512_permutex2var_epi16(t01, idx, t23));
     }
 }
 
+/* Blocks b0..b0+nb of row n as pair planes of bf16(q * scale) into tile (4 vectors a block). */
+TARGET_AVX512BF16 static void dequantize_scaled_bf16(const Job *job, int64_t n, int64_t b0, int64_t nb,
+                                                     __m512i group_bits, __m512i *tile) {
+    const int64_t words = job->K / 8, groups = 128 / job->group;
+    const int32_t *wrow = job->packed + n * words;
+    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
+    for (int64_t b = b0; b < b0 + nb; b++, tile += 4) {
+        const int64_t g0 = b * groups, valid = job->num_groups - g0 < groups ? job->num_groups - g0 : groups;
+
+        scaled_planes_bf16(load_block_avx512(wrow, b, words), srow, job->scale_dtype, g0, groups, valid, group_bits,
+                           (uint16_t *)tile, 32);
+    }
+}
+
+/* acc[4i + r] += activation row i (of mb, at x + i * stride in pair planes) . tile row r, over nb blocks:
+   per plane 4 weight and mb activation vectors loaded for 4 mb vdpbf16ps. */
+TARGET_AVX512BF16 static inline __attribute__((always_inline)) void
+tile_dot_bf16(const uint32_t *x, int64_t stride, int mb, const __m512i *tile, int64_t nb, __m512 *acc) {
+    __m512 a[16];
+    for (int i = 0; i < 4 * mb; i++)
+        a[i] = acc[i];
+    for (int64_t b = 0; b < nb; b++)
+        for (int p = 0; p < 4; p++) {
+            __m512bh w[4];
+            for (int r = 0; r < 4; r++)
+                w[r] = as_bf16_pairs(tile[r * BF_TILE + b * 4 + p]);
+            for (int i = 0; i < mb; i++) {
+                __m512bh xi = as_bf16_pairs(_mm512_loadu_si512(x + i * stride + b * 64 + p * 16));
+                for (int r = 0; r < 4; r++)
+                    a[4 * i + r] = _mm512_dpbf16_ps(a[4 * i + r], w[r], xi);
+            }
+        }
+    for (int i = 0; i < 4 * mb; i++)
+        acc[i] = a[i];
+}
+
+/* M >= 2 (bf16 activations on vdpbf16ps): y = x @ bf16(q * scale)^T with fp32 sums, compressed-tensors'
+   bf16 weight as the amx path multiplies it. Per tile of 4 weight rows x BF_KC blocks the weight is
+   decompressed once (scaled_planes_bf16), then every activation row goes through it four at a time: 16
+   accumulators, 8 loads per 16 vdpbf16ps, no per-block scale multiply. */
 TARGET_AVX512BF16 static void gemm_bf16(const Job *job, int64_t n0, int64_t n1) {
-    const int64_t num_blocks = (job->K / 8 + 15) / 16;
-    const __m512i idx = expand_index_avx512(job->group), table = q_table();
+    const int64_t num_blocks = (job->K / 8 + 15) / 16, stride = job->xp_stride;
+    const __m512i group_bits = group_bits_bf16(128 / job->group);
     const uint32_t *xp = (const uint32_t *)job->xp;
     __m512i tile[4 * BF_TILE];
-    __m512 scales[4 * BF_KC];
     __m512 acc[BF_M_BLOCK * 4];
     for (int64_t n = n0; n < n1; n += 4) {
         int num_rows = n1 - n < 4 ? (int)(n1 - n) : 4;
-        for (int r = num_rows; r < 4; r++) { /* a missing row: q 0, scale 0 */
+        for (int r = num_rows; r < 4; r++) /* a missing row: zero weights */
             for (int v = 0; v < BF_TILE; v++)
                 tile[r * BF_TILE + v] = _mm512_setzero_si512();
-            for (int b = 0; b < BF_KC; b++)
-                scales[r * BF_KC + b] = _mm512_setzero_ps();
-        }
         for (int64_t m0 = 0; m0 < job->M; m0 += BF_M_BLOCK) {
             int64_t mb = job->M - m0 < BF_M_BLOCK ? job->M - m0 : BF_M_BLOCK;
             for (int64_t i = 0; i < mb * 4; i++)
@@ -159,14 +199,17 @@ TARGET_AVX512BF16 static void gemm_bf16(const Job *job, int64_t n0, int64_t n1) 
             for (int64_t b0 = 0; b0 < num_blocks; b0 += BF_KC) {
                 int64_t nb = num_blocks - b0 < BF_KC ? num_blocks - b0 : BF_KC;
                 for (int r = 0; r < num_rows; r++)
-                    dequantize_bf16(job, n + r, b0, nb, idx, table, tile + r * BF_TILE, scales + r * BF_KC);
-                const uint32_t *x = xp + m0 * job->xp_stride + b0 * 64;
+                    dequantize_scaled_bf16(job, n + r, b0, nb, group_bits, tile + r * BF_TILE);
+                const uint32_t *x = xp + m0 * stride + b0 * 64;
                 int64_t m = 0;
-                for (; m + 1 < mb; m += 2)
-                    tile_dot_bf16(x + m * job->xp_stride, x + (m + 1) * job->xp_stride, 1, tile, scales, nb,
-                                  acc + m * 4);
-                if (m < mb)
-                    tile_dot_bf16(x + m * job->xp_stride, NULL, 0, tile, scales, nb, acc + m * 4);
+                for (; m + 4 <= mb; m += 4)
+                    tile_dot_bf16(x + m * stride, stride, 4, tile, nb, acc + m * 4);
+                if (mb - m == 3)
+                    tile_dot_bf16(x + m * stride, stride, 3, tile, nb, acc + m * 4);
+                else if (mb - m == 2)
+                    tile_dot_bf16(x + m * stride, stride, 2, tile, nb, acc + m * 4);
+                else if (mb - m == 1)
+                    tile_dot_bf16(x + m * stride, stride, 1, tile, nb, acc + m * 4);
             }
             for (int64_t m = 0; m < mb; m++) {
                 const __m512 *a = acc + m * 4;

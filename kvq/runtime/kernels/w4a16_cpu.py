@@ -5,8 +5,8 @@
 `w4a16.py`) with AMX (avx512bf16, but batches of at least `AMX_FROM_ROWS` bf16 rows through AMX tiles
 over compressed-tensors' bf16(q * scale)), AVX-512 BF16 (AVX-512, but bf16 activations through
 vdpbf16ps, or as fixed point through VNNI's vpdpbusd), AVX-512, AVX2 + FMA or scalar C loops
-chosen at run time. On avx512bf16, batches of at least
-`DENSE_FROM_ROWS` bf16 rows (prefill; amx: `AMX_DENSE_FROM_ROWS`) instead decompress the weight to bf16
+chosen at run time. On avx512bf16, batches of at least `dense_from_rows` bf16 rows (prefill, and on
+the vdpbf16ps GEMM from 32 rows; amx: `AMX_DENSE_FROM_ROWS`) instead decompress the weight to bf16
 (`dequantize`, in chunks of rows) and run torch's BF16 GEMM (oneDNN). Without the extension, or with
 KVQ_CPU_ISA=torch, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
 """
@@ -42,8 +42,11 @@ AMX_FROM_ROWS = 3
 # 0.8x at 128, ~1x at 192, 1.1-1.4x at 256-512: the W4A16 kernel re-reads its activations per 16 weight rows)
 AMX_DENSE_FROM_ROWS = 256
 # avx512bf16, bf16 activations: from this many rows, bf16(q * scale) + oneDNN outruns the W4A16 GEMM (Zen 4,
-# SmolLM2 shapes, one thread: ~1.0x at 32 rows, 1.4x at 64, 1.7x at 512)
+# SmolLM2 shapes, one thread: ~1.0x at 32 rows, 1.4x at 64, 1.7x at 512); from VDPBF16PS_DENSE_FROM_ROWS
+# where that GEMM is the vdpbf16ps one (`bf16_dot()` "bf16", AMD's default: stop 38 on Zen 4, with the table
+# `dequantize`, 0.9-1.2x at 16 rows, 1.1-1.2x at 32 but for [576, 1536]'s 0.95x, 1.1-1.35x at 64)
 DENSE_FROM_ROWS = 64
+VDPBF16PS_DENSE_FROM_ROWS = 32
 DENSE_CHUNK_ELEMENTS = 1 << 22  # weight elements decompressed at once (8 MiB of bf16, reused)
 
 Call = tuple[Callable[..., object], tuple]  # a C entry and its arguments (`fn(*args)`), bound once
@@ -166,7 +169,7 @@ class NativeW4A16:
         self.weight_packed, self.weight_scale = weight_packed, weight_scale  # keep the addresses valid
         self.group_size, self.isa, self._isa_code = group_size, isa, _ISA_CODES[isa]
         self._few_rows_code = _ISA_CODES[_few_rows_isa(isa)]
-        self._dense_from_rows = _dense_from_rows(isa)
+        self._dense_from_rows = dense_from_rows(isa)
         self._ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
         self._scale_code = _DTYPE_CODES[weight_scale.dtype]
 
@@ -196,9 +199,11 @@ def _few_rows_isa(isa: str) -> str:
     return "avx512bf16" if isa == "amx" else isa
 
 
-def _dense_from_rows(isa: str) -> int | float:
+def dense_from_rows(isa: str) -> int | float:
     """From how many bf16 rows `NativeW4A16` on `isa` runs `dense_matmul` instead (inf: never)."""
-    return {"avx512bf16": DENSE_FROM_ROWS, "amx": AMX_DENSE_FROM_ROWS}.get(isa, float("inf"))
+    if isa == "avx512bf16":
+        return VDPBF16PS_DENSE_FROM_ROWS if bf16_dot() == "bf16" else DENSE_FROM_ROWS
+    return AMX_DENSE_FROM_ROWS if isa == "amx" else float("inf")
 
 
 def w4a16_native(

@@ -58,6 +58,14 @@ class PagedKV:
     v_real: list[torch.Tensor]
 
 
+def bf16_weight(packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """bf16(q * scale) `[N, K]`: q * scale is exact in fp32, rounded once (compressed-tensors' weight; the
+    amx path and avx512bf16's vdpbf16ps GEMM multiply it)."""
+    from kvq.runtime.kernels.w4a16 import w4a16_reference
+
+    return w4a16_reference(torch.eye(packed.shape[1] * 8), packed, scale, group_size).t().bfloat16()
+
+
 def _scale_for(values: torch.Tensor, is_per_head: bool) -> torch.Tensor:
     amax = values.abs().amax(dim=(0, 2)) if is_per_head else values.abs().amax()
     return (amax / FP8_E4M3_MAX).float()

@@ -19,7 +19,10 @@ from kvq.runtime.kernels.w4a16_cpu import (
     CPU_ISA_ENV,
     DENSE_CHUNK_ELEMENTS,
     DENSE_FROM_ROWS,
+    VDPBF16PS_DENSE_FROM_ROWS,
     NativeW4A16,
+    bf16_dot,
+    dense_from_rows,
     dequantize,
     native_scale,
     resolve_cpu_isa,
@@ -27,7 +30,7 @@ from kvq.runtime.kernels.w4a16_cpu import (
     w4a16_native,
 )
 from tests.runtime.cpu_isa import SIMD_ISAS, needs_native
-from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, bf16_weight, random_w4a16
 
 # (N, K, group_size): N not a multiple of the 4-row tile, K with partial SIMD blocks (K/8 words not a
 # multiple of 8 or 16 lanes) and several dequantized tiles (K > 512 / 1024)
@@ -41,6 +44,7 @@ SHAPES = [
     (5, 4160, 64),
 ]
 BATCHES = [1, 2, 3, 8, 17, 64]
+GEMM_SHAPES = [*SHAPES, (9, 352, 32), (6, 1280, 128)]  # and K % 128 = 96, a whole number of blocks
 
 
 def _native(isa: str, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int, **kw):
@@ -67,9 +71,37 @@ def test_simd_matches_scalar_reference(
     packed, scale = random_w4a16(out_features, in_features, group_size, gen)
     x = torch.randn(num_rows, in_features, generator=gen).to(torch.bfloat16)
     y = _native(isa, x, packed, scale, group_size, out_dtype=torch.float32)
-    expected = _native("scalar", x, packed, scale, group_size, out_dtype=torch.float32)
-    assert_close_rel(y, expected, REL_TOL[torch.float32])
+    assert_close_rel(y, _expected(isa, x, packed, scale, group_size), REL_TOL[torch.float32])
     assert torch.equal(_native(isa, x, packed, scale, group_size), y.to(torch.bfloat16))  # rounded once
+
+
+def _expected(isa: str, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int):
+    """What path `isa` computes for bf16 x, in fp32: the scalar reference's sums of exact q * scale, or for
+    avx512bf16's vdpbf16ps GEMM (2 rows and more where `bf16_dot()` is "bf16") x @ bf16(q * scale)^T."""
+    if isa == "avx512bf16" and x.shape[0] >= 2 and bf16_dot() == "bf16":
+        return x.float() @ bf16_weight(packed, scale, group_size).float().T
+    return _native("scalar", x, packed, scale, group_size, out_dtype=torch.float32)
+
+
+@pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")
+@pytest.mark.parametrize("num_rows", [2, 3, 4, 5, 8, 70])
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"), GEMM_SHAPES)
+def test_avx512bf16_gemm_on_vdpbf16ps_is_x_times_the_bf16_weight(
+    monkeypatch: pytest.MonkeyPatch, num_rows: int, out_features: int, in_features: int, group_size: int
+) -> None:
+    """$KVQ_CPU_DOT=bf16 (other vendors' default) at 2 rows and more: compressed-tensors' bf16 weight, fp32
+    sums, on every tail of the 4 x 4 register tile (weight rows, activation rows) and of the blocks of 128
+    inputs (K = 96, 352, 1056, 4160: a block's groups past K), fp32 scales bf16 cannot hold."""
+    monkeypatch.setenv(CPU_DOT_ENV, "bf16")
+    gen = torch.Generator().manual_seed(num_rows * 100 + in_features)
+    packed, scale = random_w4a16(out_features, in_features, group_size, gen)
+    scale = native_scale(scale.float() * (1 + 2**-12))
+    weight = bf16_weight(packed, scale, group_size).float()
+    x = torch.randn(num_rows, in_features, generator=gen).to(torch.bfloat16)
+    y = _native("avx512bf16", x, packed, scale, group_size, out_dtype=torch.float32)
+    assert_close_rel(y, x.float() @ weight.T, REL_TOL[torch.float32])
+    exact = w4a16_reference(x, packed, scale, group_size)  # the weight's rounding, and no more
+    assert_close_rel(y, exact, REL_TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("isa", SIMD_ISAS)
@@ -245,17 +277,21 @@ def test_dequantize_is_compressed_tensors_bf16_weight(
 @pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")
 @pytest.mark.parametrize("chunk_elements", [DENSE_CHUNK_ELEMENTS, 1000])  # 1000: several chunks of rows
 def test_prefill_batches_run_the_decompressed_weight_through_torch(monkeypatch, chunk_elements: int) -> None:
-    """From DENSE_FROM_ROWS bf16 rows, avx512bf16 runs x @ bf16(q * scale)^T in torch's BF16 GEMM: the
-    result is that product's (not the W4A16 kernel's fp32 sums of q * x times the scale)."""
+    """From `dense_from_rows` bf16 rows (DENSE_FROM_ROWS, or VDPBF16PS_DENSE_FROM_ROWS where the GEMM is the
+    vdpbf16ps one), avx512bf16 runs x @ bf16(q * scale)^T in torch's BF16 GEMM: the result is that product's
+    (not the W4A16 kernel's fp32 sums), for either GEMM."""
     monkeypatch.setattr("kvq.runtime.kernels.w4a16_cpu.DENSE_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(5)
     packed, scale = random_w4a16(200, 384, 128, gen)
-    linear = NativeW4A16(packed, native_scale(scale), 128, "avx512bf16")
     weight = w4a16_reference(torch.eye(384), packed, scale, 128).t().bfloat16()
-    for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 130):
-        x = torch.randn(rows, 384, generator=gen).bfloat16()
-        y = linear(x)
-        assert y.shape == (rows, 200) and y.dtype == torch.bfloat16
-        assert_close_rel(y, w4a16_reference(x, packed, scale, 128), REL_TOL[torch.bfloat16])
-        if rows >= DENSE_FROM_ROWS:
-            assert torch.equal(y, torch.nn.functional.linear(x, weight))
+    for dot, first in (("vnni", DENSE_FROM_ROWS), ("bf16", VDPBF16PS_DENSE_FROM_ROWS)):
+        monkeypatch.setenv(CPU_DOT_ENV, dot)
+        assert dense_from_rows("avx512bf16") == first
+        linear = NativeW4A16(packed, native_scale(scale), 128, "avx512bf16")
+        for rows in (first - 1, first, 130):
+            x = torch.randn(rows, 384, generator=gen).bfloat16()
+            y = linear(x)
+            assert y.shape == (rows, 200) and y.dtype == torch.bfloat16
+            assert_close_rel(y, w4a16_reference(x, packed, scale, 128), REL_TOL[torch.bfloat16])
+            if rows >= first:
+                assert torch.equal(y, torch.nn.functional.linear(x, weight))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq.runtime.kernels.w4a16 import w4a16_reference
 from kvq.runtime.kernels.w4a16_cpu import (
     AMX_DENSE_FROM_ROWS,
     AMX_FROM_ROWS,
@@ -18,7 +17,7 @@ from kvq.runtime.kernels.w4a16_cpu import (
     w4a16_native,
 )
 from tests.runtime.cpu_isa import needs_amx
-from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, bf16_weight, random_w4a16
 
 pytestmark = needs_amx
 
@@ -38,11 +37,6 @@ SHAPES = [
 BATCHES = [2, 3, 16, 17, 33, 64, 100]  # tails of the 16-row activation tiles and of the pairs of them
 
 
-def _bf16_weight(packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """bf16(q * scale) `[N, K]`: q * scale is exact in fp32, rounded once (compressed-tensors' weight)."""
-    return w4a16_reference(torch.eye(packed.shape[1] * 8), packed, scale, group_size).t().bfloat16()
-
-
 @pytest.fixture
 def amx_from_two_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The AMX GEMM for every batch of 2 rows and more (it takes them; auto runs it from AMX_FROM_ROWS)."""
@@ -52,13 +46,13 @@ def amx_from_two_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("amx_from_two_rows")
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"), SHAPES)
-def test_amx_is_x_times_the_bf16_weight(
+def test_amx_is_x_times_thebf16_weight(
     out_features: int, in_features: int, group_size: int, scale_dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(out_features * 10 + in_features)
     packed, scale = random_w4a16(out_features, in_features, group_size, gen)
     scale = native_scale(scale.to(scale_dtype) * (1 + 2**-12))  # fp32: scales bf16 cannot hold
-    weight = _bf16_weight(packed, scale, group_size).float()
+    weight = bf16_weight(packed, scale, group_size).float()
     for num_rows in BATCHES:
         x = torch.randn(num_rows, in_features, generator=gen).bfloat16()
         y = w4a16_native(x, packed, scale, group_size, "amx", out_dtype=torch.float32)
@@ -145,7 +139,7 @@ def test_amx_prefill_batches(monkeypatch: pytest.MonkeyPatch, chunk_elements: in
     gen = torch.Generator().manual_seed(5)
     packed, scale = random_w4a16(200, 384, 128, gen)
     linear = NativeW4A16(packed, native_scale(scale), 128, "amx")
-    weight = _bf16_weight(packed, scale, 128)
+    weight = bf16_weight(packed, scale, 128)
     for num_rows in (64, AMX_DENSE_FROM_ROWS - 1, AMX_DENSE_FROM_ROWS, 300):
         x = torch.randn(num_rows, 384, generator=gen).bfloat16()
         y = linear(x)

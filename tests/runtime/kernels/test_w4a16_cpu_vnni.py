@@ -2,7 +2,7 @@
 (`_w4a16_cpu_vnni.h`: the GEMV and the GEMM), against float64 sums: exact integer lane sums (error only
 where fp32 takes the sums), the one rounding of inputs far below a row's largest, extreme magnitudes,
 denormals kept, non-finite rows (only theirs), zero rows; and $KVQ_CPU_DOT, which picks them or the
-vdpbf16ps kernels (both against the scalar reference)."""
+vdpbf16ps kernels (against the scalar reference, the vdpbf16ps GEMM against the bf16 weight's)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvq.runtime.kernels.w4a16_cpu import (
     runnable_isas,
     w4a16_native,
 )
-from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, bf16_weight, random_w4a16
 
 pytestmark = pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")
 
@@ -137,14 +137,18 @@ def test_both_kernels_match_the_scalar_reference(
     in_features: int,
     group_size: int,
 ) -> None:
-    """The GEMV (1 row) and the GEMM (2 and more; 70: two passes of 64 activation rows) of either kind."""
+    """The GEMV (1 row) and the GEMM (2 and more; 70: two passes of 64 activation rows) of either kind; the
+    vdpbf16ps GEMM multiplies the bf16 weight bf16(q * scale)."""
     monkeypatch.setenv(CPU_DOT_ENV, dot)
     gen = torch.Generator().manual_seed(in_features)
     packed, scale = random_w4a16(out_features, in_features, group_size, gen)
     for scale_dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(num_rows, in_features, generator=gen).to(torch.bfloat16)
         y = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "avx512bf16", torch.float32)
-        expected = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "scalar", torch.float32)
+        if dot == "bf16" and num_rows > 1:
+            expected = x.float() @ bf16_weight(packed, scale.to(scale_dtype), group_size).float().T
+        else:
+            expected = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "scalar", torch.float32)
         assert_close_rel(y, expected, REL_TOL[torch.float32])
         bf16_out = w4a16_native(x, packed, scale.to(scale_dtype), group_size, "avx512bf16")
         assert torch.equal(bf16_out, y.to(torch.bfloat16))  # rounded once
