@@ -2,8 +2,8 @@
    bf16(q * scale), compressed-tensors' decompression (q * scale is exact in fp32, rounded once, to
    nearest even). Included by _w4a16_cpu.c. For batches of activations large enough (prefill) that a BF16
    GEMM (oneDNN, at the CPU's bf16 dot-product peak) over the decompressed weight outruns the W4A16 GEMM:
-   kvq.runtime.kernels.w4a16_cpu chooses. Rows over the pool's threads; AVX-512 (isa >= avx512) or
-   scalar loops, the same bits. */
+   kvq.runtime.kernels.w4a16_cpu chooses. Rows over the pool's threads; a table lookup (isa >= avx512bf16,
+   which has AVX-512 BW), AVX-512 (avx512) or scalar loops, the same bits. */
 
 typedef struct {
     int isa;
