@@ -41,7 +41,7 @@
 #include <immintrin.h>
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
-#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 #define TARGET_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 /* AMX: not in the SIMDe check build (SIMDe has no AMX), and only from compilers that know its targets and
    intrinsics (GCC 11, clang 12); older ones build every other path */
@@ -473,7 +473,8 @@ static int isa_supported(int isa) {
     int avx512 = avx2 && __builtin_cpu_supports("avx512f");
     if (isa == ISA_AVX512)
         return avx512;
-    int avx512bf16 = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16") &&
+    int avx512bf16 = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                     __builtin_cpu_supports("avx512bf16") &&
                      __builtin_cpu_supports("avx512vnni"); /* Job.vnni's (every AVX512_BF16 CPU has VNNI) */
     if (isa == ISA_AVX512BF16)
         return avx512bf16;

@@ -20,8 +20,12 @@
    4 vdpbf16ps per block and (activation row, weight row) straight into the fp32 accumulators (16 of them,
    8 loads per 16 vdpbf16ps; its inner loop alone: ~1.2 cycles per vdpbf16ps on a Zen 4 core). It replaced
    (stop 38) a GEMM on exact q like the GEMV's (pairs of rows, 8 accumulators, a scale multiply per block):
-   1.1x that one at 8-64 rows, 1.0x at 2-4 on Zen 4. Tried and slower: lanes that each own 64 consecutive elements of a 1024-element range, so that one multiply per
-   32 elements suffices (gathered weights, and a whole range of work for K = 576: 0.6-0.9x this layout). */
+   1.1x that one at 8-64 rows, 1.0x at 2-4 on Zen 4. Tried and slower: lanes that each own 64 consecutive
+   elements of a 1024-element range, so that one multiply per 32 elements suffices (gathered weights, and a
+   whole range of work for K = 576: 0.6-0.9x this layout). The GEMV takes its block scales as
+   _w4a16_cpu_vnni.h's GEMV does (block_scales: the scale kind chosen once per call; GemvRows: the job's
+   fields read once) and runs K % 128 = 64's half block in 256-bit registers: [3072, 576] 60.8 -> 55.3 us
+   with the weights in cache on Zen 4, no change from memory (~13.5 GB/s there; one core streams 19.8). */
 
 #define BF_KC 8             /* blocks per dequantized tile */
 #define BF_TILE (BF_KC * 4) /* pair-plane vectors per tile row */
@@ -50,40 +54,143 @@ TARGET_AVX512BF16 static inline __m512i q_pairs(__m512i w, int p, __m512i table)
     return _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(w, 4 * p) : w, table);
 }
 
-/* Row n's per-lane sums of q * x times the group scales, over all its blocks (M = 1). */
-TARGET_AVX512BF16 static inline __m512 row_dot_bf16(const Job *job, int64_t n, __m512i idx, __m512i table) {
-    const int64_t words = job->K / 8, num_blocks = (words + 15) / 16;
-    const int32_t *wrow = job->packed + n * words;
-    const uint8_t *srow = job->scale + n * job->num_groups * job->scale_size;
-    const uint32_t *x = (const uint32_t *)job->xp;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < num_blocks; b++) {
-        prefetch_ahead(wrow + b * 16);
-        __m512i w = load_block_avx512(wrow, b, words);
-        const uint32_t *xb = x + b * 64;
-        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bf16_pairs(q_pairs(w, 0, table)),
-                                    as_bf16_pairs(_mm512_loadu_si512(xb)));
-        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 1, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 16)));
-        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 2, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 32)));
-        s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 3, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 48)));
-        acc = _mm512_fmadd_ps(s, scale_vec_avx512(job, srow, b, idx), acc);
-    }
-    return acc;
+/* How a row's group scales become a block's 16 lane scales (block_scales), decided once per call so that a
+   GEMV's block loop holds no branch on it: bf16 scales in groups of 64 (two per block) or of 128 or more
+   (one per block), else scale_vec_avx512's general way. Shared with _w4a16_cpu_vnni.h. */
+enum { SCALES_ANY = 0, SCALES_BF16_G64 = 1, SCALES_BF16_WHOLE = 2 };
+
+static int scale_kind(const Job *job) {
+    if (job->scale_dtype != DTYPE_BF16)
+        return SCALES_ANY;
+    return job->group_shift == 6 ? SCALES_BF16_G64 : job->group_shift >= 7 ? SCALES_BF16_WHOLE : SCALES_ANY;
 }
 
-/* M = 1: each row streamed on its own (rows read side by side defeat the prefetcher on long rows); rows
-   in fours share the horizontal sums' shuffles. */
-TARGET_AVX512BF16 static void gemv_bf16(const Job *job, int64_t n0, int64_t n1) {
+/* A bf16 scale as 16 fp32 lanes. */
+TARGET_AVX512 static inline __m512 bf16_broadcast(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _mm512_castsi512_ps(_mm512_set1_epi32((int32_t)((uint32_t)bits << 16)));
+}
+
+/* The lane scales of block b (all 16 words inside K). SCALES_BF16_G64: the two bf16 scales by one 32-bit
+   broadcast and a per-lane shift instead of a permute. */
+TARGET_AVX512 static inline __attribute__((always_inline)) __m512 block_scales(const Job *job, const uint8_t *srow,
+                                                                               int64_t b, __m512i idx, int kind) {
+    if (kind == SCALES_BF16_G64) {
+        const __m512i shifts = _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
+        int32_t pair;
+        memcpy(&pair, srow + 4 * b, 4);
+        __m512i v = _mm512_sllv_epi32(_mm512_set1_epi32(pair), shifts);
+        return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
+    if (kind == SCALES_BF16_WHOLE)
+        return bf16_broadcast(srow + 2 * ((b << 7) >> job->group_shift));
+    return scale_vec_avx512(job, srow, b, idx);
+}
+
+/* The lane scales of a tail block (words past K load as 0): with groups of 64 and half a block left, its
+   one group's scale in every lane (the other 8 lanes' sums are 0). */
+TARGET_AVX512 static inline __m512 tail_block_scales(const Job *job, const uint8_t *srow, int64_t b, __m512i idx,
+                                                     int kind) {
+    if (kind == SCALES_BF16_G64 && 2 * b + 1 == job->num_groups)
+        return bf16_broadcast(srow + 4 * b);
+    return scale_vec_avx512(job, srow, b, idx);
+}
+
+/* A GEMV's view of a job, read once per call: in the row loop the compiler reloads a Job's fields after each
+   store into y (it cannot tell that y does not alias them). x: the activations' first block. */
+typedef struct {
+    const int32_t *packed;
+    const uint8_t *scale, *x;
+    int64_t words, whole, tail, scale_stride;
+} GemvRows;
+
+static inline GemvRows gemv_rows_of(const Job *job, const void *x) {
+    const int64_t words = job->K / 8;
+    return (GemvRows){job->packed, job->scale, (const uint8_t *)x, words, words / 16, words % 16,
+                      job->num_groups * job->scale_size};
+}
+
+/* A block's per-lane sums of q * x (its 16 words w, its activation pair planes at xb): 4 vdpbf16ps. */
+TARGET_AVX512BF16 static inline __m512 block_dot_bf16(__m512i w, const uint32_t *xb, __m512i table) {
+    __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bf16_pairs(q_pairs(w, 0, table)),
+                                as_bf16_pairs(_mm512_loadu_si512(xb)));
+    s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 1, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 16)));
+    s = _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 2, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 32)));
+    return _mm512_dpbf16_ps(s, as_bf16_pairs(q_pairs(w, 3, table)), as_bf16_pairs(_mm512_loadu_si512(xb + 48)));
+}
+
+/* Half a block (8 words: lanes 0-7, the first 8 lanes of each plane) in 256-bit registers: the same 4
+   vdpbf16ps on half the width (ymm vpermw reads 4 index bits: the table's first 16 entries). */
+TARGET_AVX512BF16 static inline __m256 half_block_dot_bf16(const int32_t *w8, const uint32_t *xb, __m512i table) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)w8), t = _mm512_castsi512_si256(table);
+    __m256 s = _mm256_setzero_ps();
+    for (int p = 0; p < 4; p++) {
+        __m256i q = _mm256_permutexvar_epi16(p ? _mm256_srli_epi16(w, 4 * p) : w, t);
+        __m256bh pairs, x;
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xb + 16 * p));
+        memcpy(&pairs, &q, sizeof pairs);
+        memcpy(&x, &xv, sizeof x);
+        s = _mm256_dpbf16_ps(s, pairs, x);
+    }
+    return s;
+}
+
+/* Row n's per-lane sums of q * x times the group scales, over all its blocks (M = 1), 8 lanes. */
+TARGET_AVX512BF16 static inline __attribute__((always_inline)) __m256 row_dot_bf16(const Job *job, GemvRows r,
+                                                                                int64_t n, __m512i idx,
+                                                                                __m512i table, int kind) {
+    const int32_t *wrow = r.packed + n * r.words;
+    const uint8_t *srow = r.scale + n * r.scale_stride;
+    const uint32_t *x = (const uint32_t *)r.x;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < r.whole; b++) {
+        prefetch_ahead(wrow + b * 16);
+        __m512 s = block_dot_bf16(_mm512_loadu_si512(wrow + b * 16), x + b * 64, table);
+        acc = _mm512_fmadd_ps(s, block_scales(job, srow, b, idx, kind), acc);
+    }
+    if (r.tail == 8 && kind == SCALES_BF16_G64) { /* K % 128 = 64: one group left */
+        __m256 scale = _mm512_castps512_ps256(bf16_broadcast(srow + 4 * r.whole));
+        __m256 s = half_block_dot_bf16(wrow + r.whole * 16, x + r.whole * 64, table);
+        return _mm256_fmadd_ps(s, scale, half_sum_avx512(acc));
+    }
+    if (r.tail > 0) { /* the words past K load as 0 */
+        __m512 s = block_dot_bf16(load_block_avx512(wrow, r.whole, r.words), x + r.whole * 64, table);
+        acc = _mm512_fmadd_ps(s, tail_block_scales(job, srow, r.whole, idx, kind), acc);
+    }
+    return half_sum_avx512(acc);
+}
+
+/* M = 1: each row streamed on its own (rows read side by side defeat the prefetcher on long rows, and on a
+   Zen 4 core sharing the activation loads gained nothing); rows in fours share the horizontal sums'
+   shuffles. One copy of the loop per scale kind. */
+TARGET_AVX512BF16 static inline __attribute__((always_inline)) void gemv_bf16_rows(const Job *job, int64_t n0,
+                                                                                int64_t n1, int kind) {
     const __m512i idx = expand_index_avx512(job->group), table = q_table();
+    const GemvRows r = gemv_rows_of(job, job->xp);
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
-        __m512 a0 = row_dot_bf16(job, n, idx, table), a1 = row_dot_bf16(job, n + 1, idx, table);
-        __m512 a2 = row_dot_bf16(job, n + 2, idx, table), a3 = row_dot_bf16(job, n + 3, idx, table);
-        store_y4(job, 0, n, hsum4_avx2(half_sum_avx512(a0), half_sum_avx512(a1), half_sum_avx512(a2),
-                                       half_sum_avx512(a3)));
+        __m256 a0 = row_dot_bf16(job, r, n, idx, table, kind), a1 = row_dot_bf16(job, r, n + 1, idx, table, kind);
+        __m256 a2 = row_dot_bf16(job, r, n + 2, idx, table, kind), a3 = row_dot_bf16(job, r, n + 3, idx, table, kind);
+        store_y4(job, 0, n, hsum4_avx2(a0, a1, a2, a3));
     }
-    for (; n < n1; n++)
-        store_y(job, 0, n, _mm512_reduce_add_ps(row_dot_bf16(job, n, idx, table)));
+    for (; n < n1; n++) {
+        const __m256 zero = _mm256_setzero_ps();
+        store_y(job, 0, n, _mm_cvtss_f32(hsum4_avx2(row_dot_bf16(job, r, n, idx, table, kind), zero, zero, zero)));
+    }
+}
+
+TARGET_AVX512BF16 static void gemv_bf16(const Job *job, int64_t n0, int64_t n1) {
+    switch (scale_kind(job)) {
+    case SCALES_BF16_G64:
+        gemv_bf16_rows(job, n0, n1, SCALES_BF16_G64);
+        break;
+    case SCALES_BF16_WHOLE:
+        gemv_bf16_rows(job, n0, n1, SCALES_BF16_WHOLE);
+        break;
+    default:
+        gemv_bf16_rows(job, n0, n1, SCALES_ANY);
+    }
 }
 
 /* bf16((u - 8) * s) for u = 0..15 as 16 fp32 (a quarter of scaled_planes_bf16's table). */

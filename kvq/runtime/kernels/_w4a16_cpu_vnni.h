@@ -108,49 +108,6 @@ TARGET_AVX512VNNI static void convert_row_vnni(const Job *job, int64_t m) {
     }
 }
 
-/* How a row's group scales become a block's 16 lane scales (scale_vec_vnni), decided once per call so that
-   the GEMV's block loop holds no branch on it: bf16 scales in groups of 64 (two per block) or of 128 or
-   more (one per block), else scale_vec_avx512's general way. */
-enum { SCALES_ANY = 0, SCALES_BF16_G64 = 1, SCALES_BF16_WHOLE = 2 };
-
-static int scale_kind(const Job *job) {
-    if (job->scale_dtype != DTYPE_BF16)
-        return SCALES_ANY;
-    return job->group_shift == 6 ? SCALES_BF16_G64 : job->group_shift >= 7 ? SCALES_BF16_WHOLE : SCALES_ANY;
-}
-
-/* A bf16 scale as 16 fp32 lanes. */
-TARGET_AVX512VNNI static inline __m512 bf16_broadcast(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, 2);
-    return _mm512_castsi512_ps(_mm512_set1_epi32((int32_t)((uint32_t)bits << 16)));
-}
-
-/* The lane scales of block b (all 16 words inside K). SCALES_BF16_G64: the two bf16 scales by one 32-bit
-   broadcast and a per-lane shift instead of a permute. */
-TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512
-scale_vec_vnni(const Job *job, const uint8_t *srow, int64_t b, __m512i idx, int kind) {
-    if (kind == SCALES_BF16_G64) {
-        const __m512i shifts = _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
-        int32_t pair;
-        memcpy(&pair, srow + 4 * b, 4);
-        __m512i v = _mm512_sllv_epi32(_mm512_set1_epi32(pair), shifts);
-        return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
-    }
-    if (kind == SCALES_BF16_WHOLE)
-        return bf16_broadcast(srow + 2 * ((b << 7) >> job->group_shift));
-    return scale_vec_avx512(job, srow, b, idx);
-}
-
-/* The lane scales of a tail block (words past K load as 0): with groups of 64 and half a block left, its
-   one group's scale in every lane (the other 8 lanes' sums are 0). */
-TARGET_AVX512VNNI static inline __m512 tail_scale_vnni(const Job *job, const uint8_t *srow, int64_t b, __m512i idx,
-                                                       int kind) {
-    if (kind == SCALES_BF16_G64 && 2 * b + 1 == job->num_groups)
-        return bf16_broadcast(srow + 4 * b);
-    return scale_vec_avx512(job, srow, b, idx);
-}
-
 /* A block's per-lane sums of q * X (exact, int32) from its weights as nibble bytes (low, high) and its
    activation planes and seeds at xb: see the top of this file. Three independent pairs of vpdpbusd, then
    65536 H + 256 M + (L + seeds) (the GEMM's: its tiles keep many blocks in flight). */
@@ -203,32 +160,18 @@ TARGET_AVX512VNNI static inline __m256 half_block_vnni(const int32_t *w8, const 
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sum_hm, 8), sum_l)), scale);
 }
 
-/* The GEMV's view of a job, read once per call: in the row loop the compiler reloads a Job's fields after
-   each store into y (it cannot tell that y does not alias them). */
-typedef struct {
-    const int32_t *packed;
-    const uint8_t *scale, *x_blocks;
-    int64_t words, whole, tail, scale_stride;
-} VnniRows;
-
-static inline VnniRows vnni_rows_of(const Job *job) {
-    const int64_t words = job->K / 8;
-    return (VnniRows){job->packed, job->scale, (const uint8_t *)job->xp + VNNI_HEADER_BYTES, words, words / 16,
-                      words % 16, job->num_groups * job->scale_size};
-}
-
 /* Row n's per-lane sums of q * X times the group scales, over all its blocks. */
-TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m256 row_dot_vnni(const Job *job, VnniRows r,
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m256 row_dot_vnni(const Job *job, GemvRows r,
                                                                                 int64_t n, __m512i idx, int kind) {
     const int64_t words = r.words, whole = r.whole, tail = r.tail;
     const int32_t *wrow = r.packed + n * words;
     const uint8_t *srow = r.scale + n * r.scale_stride;
-    const uint8_t *xb = r.x_blocks;
+    const uint8_t *xb = r.x;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < whole; b++, xb += VNNI_BLOCK_BYTES) {
         prefetch_ahead(wrow + b * 16);
         __m512i s = block_sums_vnni(_mm512_loadu_si512(wrow + b * 16), xb);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale_vec_vnni(job, srow, b, idx, kind), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), block_scales(job, srow, b, idx, kind), acc);
     }
     if (tail == 8 && kind == SCALES_BF16_G64) { /* K % 128 = 64: one group left */
         __m256 scale = _mm512_castps512_ps256(bf16_broadcast(srow + 4 * whole));
@@ -236,7 +179,7 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m256 row_dot_vn
     }
     if (tail > 0) { /* the words past K load as 0 */
         __m512i s = block_sums_vnni(load_block_avx512(wrow, whole, words), xb);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), tail_scale_vnni(job, srow, whole, idx, kind), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), tail_block_scales(job, srow, whole, idx, kind), acc);
     }
     return half_sum_avx512(acc);
 }
@@ -250,7 +193,7 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) void gemv_vnni_ro
     float halves[2];
     memcpy(halves, job->xp, sizeof halves);
     const __m128 half0 = _mm_set1_ps(halves[0]), half1 = _mm_set1_ps(halves[1]);
-    const VnniRows r = vnni_rows_of(job);
+    const GemvRows r = gemv_rows_of(job, (const uint8_t *)job->xp + VNNI_HEADER_BYTES);
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
         __m256 a0 = row_dot_vnni(job, r, n, idx, kind), a1 = row_dot_vnni(job, r, n + 1, idx, kind);
@@ -308,8 +251,8 @@ TARGET_AVX512VNNI static void gemm_vnni(const Job *job, int64_t n0, int64_t n1) 
                     for (int64_t b = 0; b < nb; b++) {
                         __m512i w = load_block_avx512(wrow, b0 + b, words);
                         lo[r * VNNI_KC + b] = low_nibbles(w), hi[r * VNNI_KC + b] = high_nibbles(w);
-                        scales[r * VNNI_KC + b] = b0 + b < whole ? scale_vec_vnni(job, srow, b0 + b, idx, kind)
-                                                                 : tail_scale_vnni(job, srow, b0 + b, idx, kind);
+                        scales[r * VNNI_KC + b] = b0 + b < whole ? block_scales(job, srow, b0 + b, idx, kind)
+                                                                 : tail_block_scales(job, srow, b0 + b, idx, kind);
                     }
                 }
                 for (int64_t m = 0; m < mb; m++) {
