@@ -27,6 +27,7 @@ import pytest
 
 tests = [
     "tests/runtime/kernels/test_w4a16_cpu.py",
+    "tests/runtime/kernels/test_w4a16_cpu_vnni.py",
     "tests/runtime/kernels/test_w4a16.py",
     "tests/runtime/kernels/test_w8a16.py",
 ]
