@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -123,8 +124,8 @@ def engine(path: Path, config: DecodeBenchConfig, **kwargs):
     from kvq.runtime.config import EngineConfig
     from kvq.runtime.engine import Engine
 
-    fixed = {"threads": config.threads, "page_size": config.page_size, "enforce_eager": config.enforce_eager}
-    return Engine(EngineConfig(model=str(path), **fixed, **kwargs))
+    settings: dict[str, Any] = {"threads": config.threads, "page_size": config.page_size}
+    return Engine(EngineConfig(model=str(path), enforce_eager=config.enforce_eager, **settings, **kwargs))
 
 
 def resident_after_load(kind: str, path: Path) -> dict:

@@ -20,7 +20,7 @@ Imports torch and kvq.runtime.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -40,7 +40,7 @@ from kvq.runtime.layers.linear import Linear
 from kvq.runtime.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from kvq.runtime.models.llama import LlamaForCausalLM
+    from kvq.runtime.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
 _KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -84,10 +84,15 @@ def step_blocker(model: LlamaForCausalLM) -> str | None:
     if not native_ops_enabled():
         return "the C small ops are off"
     for layer in model.layers:
-        kv = layer.self_attn.attn.kv
+        kv = _attention(layer).attn.kv
         if kv.backend != "torch" or kv.k_cache.device.type != "cpu" or kv.k_cache.dtype not in _KV_DTYPES:
             return "KV pages not bf16 / FP8 on CPU"
     return None
+
+
+def _attention(layer: DecoderLayer) -> Attention:
+    """A planned layer's attention: `model_blocker` admits Llama's `Attention` only."""
+    return cast("Attention", layer.self_attn)
 
 
 def _into(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> None:
@@ -110,7 +115,7 @@ class DecodeBuffers:
     columns: step inputs, then activations (each layer's outputs overwrite the previous layer's)."""
 
     def __init__(self, model: LlamaForCausalLM, rows: int, pages: int) -> None:
-        attn, config = model.layers[0].self_attn, model.config
+        attn, config = _attention(model.layers[0]), model.config
         hidden, dim, bf16 = config.hidden_size, attn.head_dim, torch.bfloat16
         self.rows, self.pages = rows, pages
         self.cos = torch.empty(rows, attn.rotary.cos.shape[1], dtype=bf16)
@@ -156,7 +161,7 @@ class DecodePlan:
             residual = total
 
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = _attention(layer), layer.mlp
             heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
             qkv, qk, att = b.qkv[:m], b.qk[:m], b.attn[:m]
             kv = attn.attn.kv
@@ -186,7 +191,7 @@ class DecodePlan:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The step's final hidden states `[B, H]`: a view of the plan's buffer, valid until the next step."""
-        b, m, rotary = self.buffers, self.num_rows, self.model.layers[0].self_attn.rotary
+        b, m, rotary = self.buffers, self.num_rows, _attention(self.model.layers[0]).rotary
         torch.index_select(self.model.embed_tokens, 0, input_ids, out=b.x[:m])
         torch.index_select(rotary.cos, 0, positions, out=b.cos[:m])
         torch.index_select(rotary.sin_signed, 0, positions, out=b.sin_signed[:m])
@@ -221,7 +226,7 @@ class DecodePlans:
         model = self.model
         # the key holds the first layer's cache object itself (compared by identity): the plans' pointers
         # stay valid while it lives, and the engine binds every layer's cache together
-        key = (model.layers[0].self_attn.attn.kv, cpu_isa_env(), torch.get_num_threads())
+        key = (_attention(model.layers[0]).attn.kv, cpu_isa_env(), torch.get_num_threads())
         if key != self.key:
             self.key, self.plans, self.buffers = key, {}, None
             self.blocker = step_blocker(model)
