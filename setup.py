@@ -25,6 +25,7 @@ setup(
                 "kvq/runtime/kernels/_w4a16_cpu_dequant.h",
                 "kvq/runtime/kernels/_w8a16_cpu.h",
                 "kvq/runtime/kernels/_w8a16_cpu_simd.h",
+                "kvq/runtime/kernels/_w8a16_cpu_bf16.h",
                 "kvq/runtime/kernels/_dense_cpu_amx.h",
             ],
             # one build for every x86 CPU: each ISA's loops (AVX2 up to AMX) carry their own target attributes

@@ -435,6 +435,7 @@ TARGET static inline __m256 half_sum_avx512(__m512 v) { /* the two 256-bit halve
 #include "_w4a16_cpu_simd.h"
 #include "_w8a16_cpu_simd.h"
 #include "_w4a16_cpu_bf16.h"
+#include "_w8a16_cpu_bf16.h"
 #include "_w4a16_cpu_vnni.h"
 #endif
 #ifdef KVQ_AMX

@@ -4,7 +4,7 @@
    per row, fp32 or bf16), activations x [M, K] and output y [M, N] in fp32, bf16 or fp16, all contiguous:
    the lm_head's INT8 runtime copy. Same paths (scalar reference, AVX2 + FMA, AVX-512F), thread pool and
    fp32 activation scratch as the W4A16 kernel; avx512bf16 runs M >= 2 rows of bf16 activations through
-   vdpbf16ps (w8_gemm_bf16 in _w4a16_cpu_bf16.h, no scratch), the rest as avx512; amx runs M >=
+   vdpbf16ps (w8_gemm_bf16 in _w8a16_cpu_bf16.h, no scratch), the rest as avx512; amx runs M >=
    AMX_W8_FROM_ROWS rows of bf16 activations with K a multiple of 32 through the AMX W4A16 kernel's tiles
    (gemm_w8_amx: the int8 rows widened to bf16 exactly, each row's scale on its fp32 sums at the store;
    ~9x avx512bf16's loops on the SmolLM2 lm_head at 32 rows), fewer rows as avx512bf16.
