@@ -82,6 +82,11 @@ KVQ_LANES(kvq_cvtepi32_epi8, __m512i, __m128i, int32_t, int8_t, 16)
 #define _mm512_cvtepi32_epi8 kvq_cvtepi32_epi8
 #endif
 
+#ifndef _mm512_cvtepi32_epi16 /* vpmovdw: truncation */
+KVQ_LANES(kvq_cvtepi32_epi16, __m512i, __m256i, int32_t, int16_t, 16)
+#define _mm512_cvtepi32_epi16 kvq_cvtepi32_epi16
+#endif
+
 #ifndef _mm512_srai_epi32
 static inline __m512i kvq_srai_epi32(__m512i v, int shift) {
     int32_t lanes[16];
