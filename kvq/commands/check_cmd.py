@@ -37,4 +37,4 @@ def check_command(
 def print_report(report: CheckReport) -> None:
     console.print(f"kvq check: {report.path}")
     for line in report.lines():
-        console.print(line, markup=False, soft_wrap=True)
+        console.print(line, markup=False)

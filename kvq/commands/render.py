@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-console = Console(highlight=False)
+# soft_wrap: a line longer than the width (a long path, piped into a log at rich's 80 columns) is printed
+# whole, not broken where a script that reads it would not expect; tables still fit the width.
+console = Console(highlight=False, soft_wrap=True)
 
 
 def human_count(n: float) -> str:

@@ -32,7 +32,8 @@ def test_a_heap_frozen_by_the_caller_stays_frozen() -> None:
         count = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == count
+        # neither unfrozen (0) nor frozen again (more); a frozen object another thread frees lowers the count
+        assert 0 < gc.get_freeze_count() <= count
     finally:
         gc.unfreeze()
 
