@@ -23,6 +23,7 @@ setup(
                 "kvq/runtime/kernels/_w4a16_cpu_vnni.h",
                 "kvq/runtime/kernels/_w4a16_cpu_amx.h",
                 "kvq/runtime/kernels/_w4a16_cpu_dequant.h",
+                "kvq/runtime/kernels/_w4a8_cpu_vnni.h",
                 "kvq/runtime/kernels/_w8a16_cpu.h",
                 "kvq/runtime/kernels/_w8a16_cpu_simd.h",
                 "kvq/runtime/kernels/_w8a16_cpu_bf16.h",

@@ -45,6 +45,7 @@ ENGINE_KEYS = (
     "tp",
     "kv_integrity",
     "lm_head_weights",
+    "int4_compute",
     "enforce_eager",
 )  # EngineConfig's fields but `model`, here so that reading a config needs no torch (a test checks)
 

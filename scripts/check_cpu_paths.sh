@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the CPU W4A16 and W8A16 kernel tests on every path, AVX-512 included, on a CPU that lacks some of
+# Runs the CPU W4A16, W8A16 and W4A8 kernel tests on every path, AVX-512 included, on a CPU that lacks some of
 # them: builds the kernel with SIMDe's portable intrinsics (Debian/Ubuntu: apt-get install libsimde-dev) and
 # loads that build in place of the installed one. It checks the intrinsics code's arithmetic, not its speed
 # or the compiler's instruction selection. Usage: scripts/check_cpu_paths.sh [pytest args]
@@ -30,6 +30,7 @@ tests = [
     "tests/runtime/kernels/test_w4a16_cpu_vnni.py",
     "tests/runtime/kernels/test_w4a16.py",
     "tests/runtime/kernels/test_w8a16.py",
+    "tests/runtime/kernels/test_w4a8_cpu.py",
 ]
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *tests, "-k", "not triton", *sys.argv[2:]]))
 PYTHON

@@ -22,7 +22,7 @@ OptionalModelArgument = Annotated[
 # the options below that set an `EngineConfig` field of the same name (what a --config file may set too)
 ENGINE_OPTION_NAMES = (
     "dtype", "kv_cache_dtype", "page_size", "kv_memory", "require_kv_scales", "threads", "kv_integrity",
-    "max_num_seqs", "max_model_len", "lm_head_weights", "tp", "enforce_eager",
+    "max_num_seqs", "max_model_len", "lm_head_weights", "int4_compute", "tp", "enforce_eager",
 )  # fmt: skip
 MaxNumSeqsOption = Annotated[
     int, typer.Option(help="Most requests decoded together; the rest wait for KV pages.")
@@ -60,6 +60,14 @@ LmHeadWeightsOption = Annotated[
         help="stored (the lm_head as the checkpoint has it; a tied embedding stays BF16), int8 (a W8A16 copy "
         "made at load, a scale per row) or int4 (W4A16, group 32): faster decode on CPU for some quality "
         "cost (int4 more than int8): measure it with kvq eval."
+    ),
+]
+Int4ComputeOption = Annotated[
+    str,
+    typer.Option(
+        help="How INT4 Linears multiply on CPU: w4a16 (the 16-bit activations, exact) or w4a8 (activations "
+        "quantized to int8 per row and 64 inputs, exact integer sums on AVX-512 VNNI: faster batches and "
+        "decode for some quality; measure it with kvq eval). Stacked MoE experts stay w4a16."
     ),
 ]
 EnforceEagerOption = Annotated[

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvq.commands.engine_options import (
     DtypeOption,
+    Int4ComputeOption,
     KvMemoryOption,
     LmHeadWeightsOption,
     ModelArgument,
@@ -108,6 +109,7 @@ def eval_command(
         ),
     ] = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
+    int4_compute: Int4ComputeOption = EngineConfig.int4_compute,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
 ) -> None:
     """Perplexity, KL and top-1 agreement on held-out text, MMLU and GSM accuracy of MODEL (vs --baseline),
@@ -129,7 +131,9 @@ def eval_command(
         gsm_seed=gsm_seed,
         gsm_max_tokens=gsm_max_tokens,
     )
-    settings = EngineSettings(dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights, tp)
+    settings = EngineSettings(
+        dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights, tp, int4_compute
+    )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bars:
 

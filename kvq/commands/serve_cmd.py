@@ -19,6 +19,7 @@ from kvq.commands.engine_options import (
     ENGINE_OPTION_NAMES,
     DtypeOption,
     EnforceEagerOption,
+    Int4ComputeOption,
     KvCacheDtypeOption,
     KvIntegrityOption,
     KvMemoryOption,
@@ -106,6 +107,7 @@ def serve_command(
     threads: ThreadsOption = None,
     tp: TpOption = EngineConfig.tp,
     lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
+    int4_compute: Int4ComputeOption = EngineConfig.int4_compute,
     enforce_eager: EnforceEagerOption = EngineConfig.enforce_eager,
     kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
     role: Annotated[

@@ -63,11 +63,21 @@ def metric_rows(run: dict) -> list[tuple[str, ...]]:
 
 def run_title(report: dict, run: dict) -> str:
     checkpoint = report[run["checkpoint"]]
-    title = f"{Path(checkpoint['path']).name} ({checkpoint['format']}, KV {run['kv_cache']})"
+    title = f"{Path(checkpoint['path']).name} ({_settings(checkpoint)}, KV {run['kv_cache']})"
     baseline = report.get("baseline")
     if baseline is not None:
-        title += f" vs {Path(baseline['path']).name} ({baseline['format']}, KV {baseline['kv_cache']})"
+        title += f" vs {Path(baseline['path']).name} ({_settings(baseline)}, KV {baseline['kv_cache']})"
     return title
+
+
+def _settings(checkpoint: dict) -> str:
+    """The format, and the opt-in runtime settings that change the numerics where they are set."""
+    parts = [checkpoint["format"]]
+    if checkpoint.get("int4_compute", "w4a16") != "w4a16":
+        parts.append(f"INT4 as {checkpoint['int4_compute']}")
+    if checkpoint.get("lm_head_weights", "stored") != "stored":
+        parts.append(f"{checkpoint['lm_head_weights']} lm_head")
+    return ", ".join(parts)
 
 
 def rich_tables(report: dict) -> list[Table]:

@@ -47,6 +47,7 @@ class EngineSettings:
     max_num_seqs: int = EngineConfig.max_num_seqs
     lm_head_weights: str = EngineConfig.lm_head_weights  # MODEL's runs only: the baseline keeps its own
     tp: int = EngineConfig.tp  # MODEL's runs only: the baseline, alive beside them, runs at --tp 1
+    int4_compute: str = EngineConfig.int4_compute  # MODEL's runs only
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ def _engine(
             if checkpoint == "model"
             else EngineConfig.lm_head_weights,
             tp=settings.tp if checkpoint == "model" else 1,
+            int4_compute=settings.int4_compute if checkpoint == "model" else EngineConfig.int4_compute,
         )
     )
 
@@ -257,6 +259,8 @@ def _describe(engine: Engine) -> dict:
         "format": engine.ckpt.format,
         "kv_cache": _kv_name(engine),
         "dtype": _dtype_name(engine),
+        "lm_head_weights": engine.config.lm_head_weights,
+        "int4_compute": engine.config.int4_compute,
     }
 
 

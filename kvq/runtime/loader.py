@@ -189,6 +189,7 @@ class WeightLoader:
             self.device,
             is_reference=self.config.is_reference,
             fp8_weights=self.config.fp8_weights,
+            int4_compute=self.config.int4_compute,
         )
 
     def experts(self, prefix: str, num_experts: int, hidden: int, intermediate: int) -> Experts:

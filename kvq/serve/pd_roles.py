@@ -276,6 +276,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
         f"--max-num-seqs={config.max_num_seqs}",
         f"--kv-integrity={config.kv_integrity}",
         f"--lm-head-weights={config.lm_head_weights}",
+        f"--int4-compute={config.int4_compute}",
     ]
     if config.kv_memory is not None:
         flags.append(f"--kv-memory={config.kv_memory}")

@@ -22,6 +22,7 @@ from kvq.runtime.config import EngineConfig
         ({"fp8_weights": "fp4"}, "fp8_weights"),
         ({"lm_head_weights": "int2"}, "lm_head_weights is 'int2'; pick one of stored, int8, int4"),
         ({"lm_head_weights": "int4", "dtype": "float32"}, "reference mode"),
+        ({"int4_compute": "w8a8"}, "int4_compute is 'w8a8'; pick one of w4a16, w4a8"),
     ],
 )
 def test_bad_settings_are_user_errors(tmp_path: Path, kwargs: dict, message: str) -> None:

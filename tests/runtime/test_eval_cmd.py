@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from kvq.checkpoint.reader import Checkpoint
 from kvq.cli import build_app
 from kvq.compress.manifest import source_fingerprint
+from kvq.runtime.kernels.w4a8_cpu import w4a8_usable
 
 ARGS = ["--limit", "3", "--gsm-limit", "2", "--gsm-max-tokens", "6", "--num-windows", "2", "--seq-len", "24"]
 ENGINE = ["--threads", "2", "--kv-memory", "4MiB"]
@@ -93,3 +94,23 @@ def test_fp8_without_scales_is_refused(tiny_checkpoint) -> None:
     argv = ["eval", str(tiny_checkpoint("llama", "bf16")), "--tasks", "text", "--kv-cache-dtype", "fp8_e4m3"]
     result = CliRunner().invoke(build_app("eval"), [*argv, *ENGINE])
     assert result.exit_code != 0 and "scale" in str(result.exception)
+
+
+@pytest.mark.skipif(not w4a8_usable(), reason="int4_compute w4a8 needs AVX-512 VNNI")
+def test_int4_compute_w4a8_is_scored_and_named(tiny_pair, tmp_path) -> None:
+    """`--int4-compute w4a8` runs MODEL's engines as W4A8 (the baseline keeps W4A16 and its own lm_head): the
+    report says so in its JSON and its titles, and the scores differ from W4A16's by int8 rounding only."""
+    model, baseline = tiny_pair
+    reports = {}
+    for mode in ("w4a16", "w4a8"):
+        out = tmp_path / f"{mode}.json"
+        argv = ["eval", str(model), "--baseline", str(baseline), "--tasks", "text", "--kv-cache-dtype", "bf16"]
+        argv += [*ARGS, *ENGINE, "--int4-compute", mode, "--json", str(out)]
+        result = CliRunner().invoke(build_app("eval"), argv, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert ("INT4 as w4a8" in result.output) == (mode == "w4a8")
+        reports[mode] = json.loads(out.read_text())
+    assert reports["w4a8"]["model"]["int4_compute"] == "w4a8"
+    assert reports["w4a8"]["baseline"]["int4_compute"] == "w4a16"
+    ppl = {mode: r["runs"][0]["metrics"][0]["model"] for mode, r in reports.items()}
+    assert ppl["w4a8"] != ppl["w4a16"] and abs(ppl["w4a8"] / ppl["w4a16"] - 1) < 0.05, ppl

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from typer.testing import CliRunner
 from kvq.cli import build_app
 from kvq.drill.fault_injector import FaultInjector
 from kvq.runtime.engine import Engine, RequestOutput
+from kvq.runtime.kernels.w4a8_cpu import w4a8_usable
 from tests.runtime.kv_scales import measure_kv_scales, with_kv_scales
 from tests.test_cli_errors import assert_one_line_error, run_kvq
 
@@ -115,3 +119,23 @@ def test_a_failed_page_check_ends_generation_with_the_message(
     last = err.strip().splitlines()[-1]
     assert last.startswith("kvq: error: generation stopped: KV integrity: page ")
     assert re.search(r"expected tag 0x[0-9a-f]{16}, found 0x[0-9a-f]{16}", last)
+
+
+def test_generate_with_int4_compute_w4a8(int4_checkpoint) -> None:
+    """The opt-in W4A8 mode from the command line: text where the CPU path runs it, else one line saying
+    what it needs (a held AVX2 path stands for a CPU without AVX-512, so it refuses there too)."""
+    path = str(int4_checkpoint("llama"))
+    args = ("generate", path, "hello world", "--max-tokens", "6", "--kv-memory", "4MiB", "--int4-compute")
+    held = subprocess.run(
+        [sys.executable, "-m", "kvq", *args, "w4a8"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "KVQ_CPU_ISA": "avx2"},
+    )
+    assert_one_line_error(held, "int4_compute 'w4a8' needs AVX-512 VNNI", "use int4_compute w4a16")
+    assert_one_line_error(run_kvq(*args, "w8a8"), "int4_compute is 'w8a8'; pick one of w4a16, w4a8")
+    if w4a8_usable():
+        result = run_kvq(*args, "w4a8")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_runnable
+from kvq.runtime.layers.linear import Int4Linear
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.reference import engine_greedy, hf_greedy, hf_logits, hf_reference, teacher_forced_logits
 
@@ -125,3 +127,33 @@ def test_llm_compressor_output_runs_packed_and_matches_transformers(
     fast = Engine(EngineConfig(model=str(path), kv_memory="8MiB"))  # INT4 weights kept packed
     assert abs(fast.weight_bytes / fast.ckpt.tensor_bytes - 1) < 0.10
     assert "Paris" in fast.generate([chat_prompts[0]], SamplingParams(max_tokens=12))[0].text
+
+
+@pytest.mark.skipif(not w4a8_runnable(), reason="int4_compute w4a8 needs AVX-512 VNNI")
+def test_int4_compute_w4a8_agrees_with_transformers_and_holds_the_same_bytes(
+    smollm2_int4, chat_prompts
+) -> None:
+    """The opt-in W4A8 mode on real weights: every INT4 Linear on the W4A8 kernel (its own layout, the same
+    bytes, no W4A16 copy kept), greedy tokens and logits close to transformers' fp32 forward."""
+    w4a16 = Engine(EngineConfig(model=str(smollm2_int4), kv_memory="64MiB", threads=2))
+    w4a8 = Engine(EngineConfig(model=str(smollm2_int4), kv_memory="64MiB", threads=2, int4_compute="w4a8"))
+    proj = w4a8.model.layers[0].mlp.down_proj
+    assert isinstance(proj, Int4Linear) and isinstance(proj.weight.native, NativeW4A8)
+    assert proj.weight.weight_packed is None  # the W4A8 layout replaces the loaded one
+    assert abs(w4a8.weight_bytes / w4a16.weight_bytes - 1) < 0.001  # padding to 16-row tiles only
+    hf = hf_reference(smollm2_int4)
+    agreements, kls = [], []
+    for prompt in chat_prompts[:2]:
+        continuation = hf_greedy(hf, prompt, NUM_TOKENS)
+        expected = hf_logits(hf, prompt + continuation)[len(prompt) - 1 :]
+        found = teacher_forced_logits(w4a8, prompt, continuation)
+        agreements.append((found.argmax(-1) == expected.argmax(-1)).float().mean())
+        kls.append(
+            F.kl_div(found.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none").sum(
+                -1
+            )
+        )
+    assert torch.stack(agreements).mean() >= 0.8, agreements
+    assert torch.cat(kls).median() < 0.05, kls
+    text = w4a8.generate([chat_prompts[0]], SamplingParams(max_tokens=12))[0].text
+    assert "Paris" in text

@@ -668,6 +668,9 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
 #include "_w8a16_cpu.h"
 #include "_dense_cpu_amx.h"
 #include "_w4a16_cpu_dequant.h"
+#ifdef KVQ_X86
+#include "_w4a8_cpu_vnni.h"
+#endif
 
 static PyObject *isas(PyObject *self, PyObject *unused) {
     (void)self;
@@ -695,6 +698,10 @@ static PyMethodDef methods[] = {
     {"gemm_w8", gemm_w8, METH_VARARGS, "y = x @ (w * scale[:, None])^T for int8 w (see _w8a16_cpu.h)."},
     {"gemm_dense", gemm_dense, METH_VARARGS, "y = x @ w^T for bf16 w on AMX tiles (see _dense_cpu_amx.h)."},
     {"dequantize", dequantize, METH_VARARGS, "out = bf16(q * scale), the weight as bf16 (see _w4a16_cpu_dequant.h)."},
+#ifdef KVQ_X86
+    {"gemm_w4a8", gemm_w4a8, METH_VARARGS, "y = x @ (q * scale)^T with x as int8 per chunk (see _w4a8_cpu_vnni.h)."},
+    {"w4a8_runnable", w4a8_runnable, METH_NOARGS, "Whether this CPU runs gemm_w4a8 (AVX-512 VNNI)."},
+#endif
     {"isas", isas, METH_NOARGS, "The kernel paths this CPU can run, by code: ('scalar', 'avx2', ...)."},
     {"dot", dot, METH_NOARGS, "How avx512bf16 multiplies bf16 activations here ($KVQ_CPU_DOT): 'vnni' or 'bf16'."},
     {NULL, NULL, 0, NULL},

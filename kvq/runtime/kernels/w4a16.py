@@ -17,11 +17,13 @@ import torch
 
 from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
 from kvq.formats.shapes import GROUP_SIZES
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_runnable
 from kvq.runtime.kernels.w4a16_cpu import NativeW4A16, native_scale, resolve_cpu_isa, w4a16_native
 
 LAYOUT_COMPRESSED_TENSORS = "compressed-tensors"
 LAYOUT_INT4PACK_CPU = "int4pack-cpu"
 LAYOUT_NATIVE_CPU = "native-cpu"
+LAYOUT_W4A8_CPU = "w4a8-cpu"
 _INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` needs N % 16 == 0
 
 
@@ -46,6 +48,8 @@ class W4A16Weight:
     - "native-cpu": `weight_packed` as loaded and `weight_scale` (bf16 as loaded, other dtypes as fp32)
       for kvq's CPU kernel; `cpu_isa` names its path ("amx", "avx512bf16", "avx512", "avx2" or "scalar") and
       `native` (plain weights only) is the kernel call with the weight's arguments bound.
+    - "w4a8-cpu": `native` only, the W4A8 kernel (`w4a8_cpu.NativeW4A8`) holding the weight in its own
+      layout (int8 activations, opt-in: `EngineConfig.int4_compute`); plain weights only.
     - "int4pack-cpu": `int4pack` uint8 `[(E,) N16, K/2]` for `aten._weight_int4pack_mm_for_cpu` and
       `scales_and_zeros` `[(E,) K/G, N16, 2]` (zeros are 0); N16 = N rounded up to a multiple of 16.
     """
@@ -61,11 +65,13 @@ class W4A16Weight:
     int4pack: torch.Tensor | None = None
     scales_and_zeros: torch.Tensor | None = None
     cpu_isa: str | None = None
-    native: NativeW4A16 | None = None
+    native: NativeW4A16 | NativeW4A8 | None = None
 
     @property
     def device(self) -> torch.device:
         tensor = self.weight_packed if self.weight_packed is not None else self.int4pack
+        if tensor is None and isinstance(self.native, NativeW4A8):
+            tensor = self.native.w
         assert tensor is not None
         return tensor.device
 
@@ -135,13 +141,17 @@ def compressed_tensors_weight(
 
 
 def prepare_w4a16_torch(
-    weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int, int8_activations: bool = False
 ) -> W4A16Weight:
     """Torch-path weight on CPU: for the native kernel of $KVQ_CPU_ISA (kept as loaded) or repacked for
-    the CPU int4 op (KVQ_CPU_ISA=torch, or no native path); kept as loaded on other devices."""
+    the CPU int4 op (KVQ_CPU_ISA=torch, or no native path); with int8_activations, a plain weight in the
+    W4A8 kernel's layout (where it runs: `w4a8_runnable`); kept as loaded on other devices."""
     loaded = compressed_tensors_weight("torch", weight_packed, weight_scale, group_size)
     if weight_packed.device.type != "cpu":
         return loaded
+    if int8_activations and weight_packed.dim() == 2 and w4a8_runnable():
+        w4a8 = NativeW4A8(weight_packed.contiguous(), weight_scale, group_size)
+        return replace(loaded, layout=LAYOUT_W4A8_CPU, weight_packed=None, weight_scale=None, native=w4a8)
     isa = resolve_cpu_isa()
     if isa != "torch":
         assert loaded.weight_packed is not None

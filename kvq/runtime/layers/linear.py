@@ -17,6 +17,7 @@ from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
 from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
 from kvq.runtime.kernels.dense_cpu import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8
 from kvq.runtime.kernels.w4a16_cpu import Call, gemm_dense_call
 from kvq.runtime.kernels.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
 
@@ -178,7 +179,8 @@ class Int4Linear(Linear):
     def tensors(self) -> list[torch.Tensor]:
         w = self.weight
         held = (w.weight_packed, w.weight_scale, w.int4pack, w.scales_and_zeros, self.bias)
-        return [t for t in held if t is not None]
+        native = w.native.tensors() if isinstance(w.native, NativeW4A8) else []
+        return [t for t in held if t is not None] + native
 
 
 def int4_copy(weight: torch.Tensor, group_size: int) -> Int4Linear:
@@ -251,18 +253,27 @@ def build_linear(
     *,
     is_reference: bool,
     fp8_weights: str,
+    int4_compute: str = "w4a16",
 ) -> Linear:
     """A ready-to-run Linear from stored parts (merged when possible).
 
     Reference mode (fp32 activations) dequantizes everything to dense fp32; otherwise dense weights are
     cast to `dtype`, FP8 stays FP8 (or becomes `dtype` with fp8_weights="bf16"), INT4 is prepared once
-    for the kernel (on CPU: repacked for `_weight_int4pack_mm_for_cpu`, no dense copy).
+    for the kernel (on CPU: repacked for `_weight_int4pack_mm_for_cpu`, no dense copy; int4_compute
+    "w4a8": for the W4A8 kernel).
     """
     merged = merge_stored(parts)
     if merged is None:
         return ConcatLinear(
             [
-                build_linear([p], dtype, device, is_reference=is_reference, fp8_weights=fp8_weights)
+                build_linear(
+                    [p],
+                    dtype,
+                    device,
+                    is_reference=is_reference,
+                    fp8_weights=fp8_weights,
+                    int4_compute=int4_compute,
+                )  # fmt: skip
                 for p in parts
             ]
         )
@@ -273,5 +284,6 @@ def build_linear(
         tensors = {k: v.to(device) for k, v in merged.tensors.items()}
         return Fp8Linear(StoredLinear(FP8, tensors, merged.block, names=merged.names), bias)
     t = merged.tensors
-    weight = prepare_w4a16(t["weight_packed"].to(device), t["weight_scale"].to(device), merged.group_size)
+    packed, scale = t["weight_packed"].to(device), t["weight_scale"].to(device)
+    weight = prepare_w4a16(packed, scale, merged.group_size, int8_activations=int4_compute == "w4a8")
     return Int4Linear(weight, bias)

@@ -1,0 +1,118 @@
+"""W4A8 on CPU (opt-in, `EngineConfig.cpu_int8_activations`): a compressed-tensors INT4 weight times
+activations quantized to int8 per row and chunk of `w4a8_chunk(group_size)` inputs, in exact integer sums on
+AVX-512 VNNI (`_w4a8_cpu_vnni.h`, which says why and how).
+
+`w4a8_pack` lays a weight out for the kernel once, at load (the same 4 bits a weight, in tiles of 16 output
+rows); `NativeW4A8` runs it; `w4a8_reference` is the same arithmetic in torch: the oracle of the tests.
+Imports torch and kvq.runtime.kernels.w4a16_cpu.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq.formats.pack_quantized import unpack_int4
+from kvq.runtime.kernels.w4a16_cpu import _DTYPE_CODES, Call, _ext, native_scale, resolve_cpu_isa
+
+TILE_ROWS = 16  # output rows per tile: one per 32-bit lane of a 512-bit vector
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # activations and outputs the kernel reads and writes
+
+
+def w4a8_runnable() -> bool:
+    """Whether this CPU and build run the W4A8 kernel (AVX-512 F/BW/VL/VNNI: Ice Lake, Zen 4 and later)."""
+    return _ext is not None and hasattr(_ext, "w4a8_runnable") and bool(_ext.w4a8_runnable())
+
+
+def w4a8_usable() -> bool:
+    """Whether `int4_compute="w4a8"` can run: the kernel is runnable and the CPU path ($KVQ_CPU_ISA) is an
+    AVX-512 one (a held AVX2 or scalar path keeps the CPU it stands for)."""
+    return w4a8_runnable() and resolve_cpu_isa() in ("amx", "avx512bf16", "avx512")
+
+
+def w4a8_chunk(group_size: int) -> int:
+    """Inputs per activation scale: min(group, 64), so that a chunk lies in one weight group."""
+    return min(group_size, 64)
+
+
+def w4a8_pack(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' `weight_packed` int32 `[N, K/8]` and `weight_scale` `[N, K/G]` as the kernel reads
+    them: uint8 `[tiles, chunks, C/8, 64]` (byte 4l + j of vector v: u = q + 8 of the tile's row l, chunk
+    input 4v + j in the low nibble and 4(v + C/8) + j in the high one) and the scales `[tiles, chunks, 16]`
+    (a chunk's group scale per row; bf16 as stored, another dtype as fp32: `native_scale`). Rows past N (the
+    last tile's) have q = 0 and scale 0."""
+    num_rows, in_features = weight_packed.shape[0], weight_packed.shape[1] * 8
+    chunk = w4a8_chunk(group_size)
+    chunks, vectors = in_features // chunk, chunk // 8
+    tiles = -(-num_rows // TILE_ROWS)
+    u = torch.full((tiles * TILE_ROWS, in_features), 8, dtype=torch.uint8)
+    u[:num_rows] = (unpack_int4(weight_packed) + 8).to(torch.uint8)
+    steps = u.view(tiles, TILE_ROWS, chunks, 2, vectors, 4).permute(0, 2, 4, 1, 5, 3)  # [t, c, v, l, j, half]
+    w = (steps[..., 0] | (steps[..., 1] << 4)).contiguous().view(tiles, chunks, vectors, 64)
+    stored = native_scale(weight_scale)
+    scale = torch.zeros(tiles * TILE_ROWS, chunks, dtype=stored.dtype)
+    scale[:num_rows] = stored.repeat_interleave(group_size // chunk, dim=1)
+    return w, scale.view(tiles, TILE_ROWS, chunks).transpose(1, 2).contiguous()
+
+
+class NativeW4A8:
+    """One weight's W4A8 kernel call, its packed layout bound (`w4a8_pack`)."""
+
+    __slots__ = ("w", "scale", "out_features", "chunk", "_ptrs")
+
+    def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> None:
+        self.w, self.scale = w4a8_pack(weight_packed, weight_scale, group_size)
+        self.out_features, self.chunk = weight_packed.shape[0], w4a8_chunk(group_size)
+        self._ptrs = (self.w.data_ptr(), self.scale.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[M, K]` -> `[M, N]` in x.dtype (bf16 and fp32 as they are, another dtype through fp32)."""
+        if x.dtype not in KERNEL_DTYPES:
+            return self(x.float()).to(x.dtype)
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        call = self.call(x, y)
+        assert call is not None
+        call[0](*call[1])
+        return y
+
+    def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
+        """The C call of `self(x)` into y `[M, N]` (both contiguous), or None for dtypes it does not take."""
+        if x.dtype not in KERNEL_DTYPES or y.dtype not in KERNEL_DTYPES:
+            return None
+        assert _ext is not None, "w4a8_runnable() is checked before a NativeW4A8 is made"
+        (num_rows, in_features), threads = x.shape, torch.get_num_threads()
+        return _ext.gemm_w4a8, (
+            threads, x.data_ptr(), _DTYPE_CODES[x.dtype], num_rows, in_features, *self._ptrs,
+            _DTYPE_CODES[self.scale.dtype], self.out_features, self.chunk, y.data_ptr(),
+            _DTYPE_CODES[y.dtype],
+        )  # fmt: skip
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w, self.scale]
+
+
+def quantize_activations(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activations: x `[M, K]` as int8 values `[M, K]` (in an int32 tensor) and fp32 scales
+    `[M, K/chunk]`: per chunk amax = max |x|, xq = rint(x * (127 / amax)), xs = amax / 127, in fp32."""
+    xc = x.float().view(x.shape[0], -1, chunk)
+    amax = xc.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xc * inv).clamp(-127, 127).to(torch.int32)
+    return xq.view(x.shape[0], -1), (amax / 127.0).squeeze(-1)
+
+
+def w4a8_reference(
+    x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The kernel's result in fp64: per chunk c, the exact integer sum of q * xq times scale * xs (both fp32,
+    their product rounded to fp32 as the kernel does), summed over chunks. `[M, N]` fp64."""
+    chunk = w4a8_chunk(group_size)
+    xq, xs = quantize_activations(x, chunk)
+    q = unpack_int4(weight_packed).to(torch.float64)  # [N, K]
+    num_rows, chunks = q.shape[0], q.shape[1] // chunk
+    sums = torch.einsum("mcj,ncj->mnc", xq.double().view(-1, chunks, chunk), q.view(num_rows, chunks, chunk))
+    ws = native_scale(weight_scale).float().repeat_interleave(group_size // chunk, dim=1)  # [N, chunks]
+    factors = (ws.unsqueeze(0) * xs.unsqueeze(1)).double()  # fp32 products, [M, N, chunks]
+    return (sums * factors).sum(dim=-1)
