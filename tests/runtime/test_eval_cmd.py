@@ -104,8 +104,8 @@ def test_int4_compute_w4a8_is_scored_and_named(tiny_pair, tmp_path) -> None:
     reports = {}
     for mode in ("w4a16", "w4a8"):
         out = tmp_path / f"{mode}.json"
-        argv = ["eval", str(model), "--baseline", str(baseline), "--tasks", "text", "--kv-cache-dtype", "bf16"]
-        argv += [*ARGS, *ENGINE, "--int4-compute", mode, "--json", str(out)]
+        argv = ["eval", str(model), "--baseline", str(baseline), "--tasks", "text", "--kv-cache-dtype"]
+        argv += ["bf16", *ARGS, *ENGINE, "--int4-compute", mode, "--json", str(out)]
         result = CliRunner().invoke(build_app("eval"), argv, catch_exceptions=False)
         assert result.exit_code == 0, result.output
         assert ("INT4 as w4a8" in result.output) == (mode == "w4a8")
