@@ -4,7 +4,7 @@
    FP8 KV; and with the opt-in INT8 and INT4 lm_head copies), and transformers `generate` (BF16) on the
    same chat prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median (and range) over the repeats.
    Concurrency 32: the same prompt 32 times, decoded together, BF16 vs INT4 weights (and INT8 lm_head).
-   Both also run INT4 as W4A8 (`int4_compute="w4a8"`, opt-in) where the CPU has AVX-512 VNNI.
+   Both also run INT4 as W4A8 (`int4_compute="w4a8"`, opt-in) where a W4A8 kernel runs (AVX2 and up).
    The CPU's ISA and the W4A16 path that ran (KVQ_CPU_ISA) are printed with the results.
 1b. Host time per token over one long completion (INT4, 2,048 tokens): each step's wall time minus its
    model forward (`Engine.stats`), early tokens vs late ones: flat when no per-token host cost grows.
@@ -192,12 +192,12 @@ def host_ms_per_token(path: Path, config: DecodeBenchConfig) -> dict[str, float]
 
 def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchResult:
     from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
-    from kvq.runtime.kernels.w4a8_cpu import w4a8_usable
+    from kvq.runtime.kernels.w4a8_cpu import w4a8_path
     from kvq.runtime.kv_layout import layout_for
     from kvq.runtime.kv_pool import page_bytes
 
     torch.set_num_threads(config.threads)
-    w4a8 = w4a8_usable()
+    w4a8 = w4a8_path() is not None
     result = DecodeBenchResult(config=asdict(config), cpu_path=describe_cpu_path(resolve_cpu_isa()))
 
     def one(path: Path, kv: str, **kwargs) -> object:

@@ -49,7 +49,7 @@ class EngineConfig:
       measures how much). Not in reference mode.
     int4_compute: how INT4 Linears multiply on CPU. "w4a16" (default) multiplies the 16-bit activations;
       "w4a8" quantizes them to int8 per row and 64 inputs (symmetric, round to nearest) and sums in exact
-      integers on AVX-512 VNNI (`kernels.w4a8_cpu`): ~1.6x faster batches and GEMVs that keep up with
+      integers on AVX-512 VNNI or AVX2 (`kernels.w4a8_cpu`): faster batches and GEMVs that keep up with
       memory, for some quality (opt-in: `kvq eval --int4-compute w4a8` measures it). Plain INT4 Linears
       only (stacked MoE experts stay W4A16); not in reference mode, nor off CPU.
     kv_integrity: checked KV pages (`kvq.runtime.integrity`). "off" builds no tracker and does no work;
@@ -118,7 +118,7 @@ class EngineConfig:
             self.kv_memory = parse_bytes(self.kv_memory, "kv_memory")
 
     def _check_w4a8(self) -> None:
-        from kvq.runtime.kernels.w4a8_cpu import w4a8_usable
+        from kvq.runtime.kernels.w4a8_cpu import w4a8_path
 
         if self.is_reference:
             raise KvqError(
@@ -127,11 +127,11 @@ class EngineConfig:
             )
         if self.torch_device.type != "cpu":
             raise KvqError("int4_compute 'w4a8' is a CPU kernel; use --device cpu, or int4_compute w4a16")
-        if not w4a8_usable():
+        if w4a8_path() is None:
             raise KvqError(
-                "int4_compute 'w4a8' needs AVX-512 VNNI (Ice Lake, Zen 4 or later), kvq's CPU extension "
-                "and an AVX-512 CPU path ($KVQ_CPU_ISA auto, amx, avx512bf16 or avx512): this machine, "
-                "build or setting lacks one; use int4_compute w4a16"
+                "int4_compute 'w4a8' needs kvq's CPU extension and a SIMD CPU path ($KVQ_CPU_ISA auto, amx, "
+                "avx512bf16, avx512 or avx2: AVX2 at least); this build or setting has neither: use "
+                "int4_compute w4a16"
             )
 
     @property

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from kvq.checkpoint.reader import Checkpoint
 from kvq.cli import build_app
 from kvq.compress.manifest import source_fingerprint
-from kvq.runtime.kernels.w4a8_cpu import w4a8_usable
+from kvq.runtime.kernels.w4a8_cpu import w4a8_path
 
 ARGS = ["--limit", "3", "--gsm-limit", "2", "--gsm-max-tokens", "6", "--num-windows", "2", "--seq-len", "24"]
 ENGINE = ["--threads", "2", "--kv-memory", "4MiB"]
@@ -96,7 +96,7 @@ def test_fp8_without_scales_is_refused(tiny_checkpoint) -> None:
     assert result.exit_code != 0 and "scale" in str(result.exception)
 
 
-@pytest.mark.skipif(not w4a8_usable(), reason="int4_compute w4a8 needs AVX-512 VNNI")
+@pytest.mark.skipif(w4a8_path() is None, reason="int4_compute w4a8 needs AVX2 and kvq's CPU extension")
 def test_int4_compute_w4a8_is_scored_and_named(tiny_pair, tmp_path) -> None:
     """`--int4-compute w4a8` runs MODEL's engines as W4A8 (the baseline keeps W4A16 and its own lm_head): the
     report says so in its JSON and its titles, and the scores differ from W4A16's by int8 rounding only."""

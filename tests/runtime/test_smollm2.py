@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_runnable
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_path
 from kvq.runtime.layers.linear import Int4Linear
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.reference import engine_greedy, hf_greedy, hf_logits, hf_reference, teacher_forced_logits
@@ -129,7 +129,7 @@ def test_llm_compressor_output_runs_packed_and_matches_transformers(
     assert "Paris" in fast.generate([chat_prompts[0]], SamplingParams(max_tokens=12))[0].text
 
 
-@pytest.mark.skipif(not w4a8_runnable(), reason="int4_compute w4a8 needs AVX-512 VNNI")
+@pytest.mark.skipif(w4a8_path() is None, reason="int4_compute w4a8 needs AVX2 and kvq's CPU extension")
 def test_int4_compute_w4a8_agrees_with_transformers_and_holds_the_same_bytes(
     smollm2_int4, chat_prompts
 ) -> None:

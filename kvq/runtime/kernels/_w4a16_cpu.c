@@ -669,7 +669,7 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
 #include "_dense_cpu_amx.h"
 #include "_w4a16_cpu_dequant.h"
 #ifdef KVQ_X86
-#include "_w4a8_cpu_vnni.h"
+#include "_w4a8_cpu.h"
 #endif
 
 static PyObject *isas(PyObject *self, PyObject *unused) {
@@ -699,8 +699,8 @@ static PyMethodDef methods[] = {
     {"gemm_dense", gemm_dense, METH_VARARGS, "y = x @ w^T for bf16 w on AMX tiles (see _dense_cpu_amx.h)."},
     {"dequantize", dequantize, METH_VARARGS, "out = bf16(q * scale), the weight as bf16 (see _w4a16_cpu_dequant.h)."},
 #ifdef KVQ_X86
-    {"gemm_w4a8", gemm_w4a8, METH_VARARGS, "y = x @ (q * scale)^T with x as int8 per chunk (see _w4a8_cpu_vnni.h)."},
-    {"w4a8_runnable", w4a8_runnable, METH_NOARGS, "Whether this CPU runs gemm_w4a8 (AVX-512 VNNI)."},
+    {"gemm_w4a8", gemm_w4a8, METH_VARARGS, "y = x @ (q * scale)^T with x as int8 per chunk (see _w4a8_cpu.h)."},
+    {"w4a8_paths", w4a8_paths, METH_NOARGS, "Whether gemm_w4a8's (AVX-512 VNNI, AVX2) kernels run here."},
 #endif
     {"isas", isas, METH_NOARGS, "The kernel paths this CPU can run, by code: ('scalar', 'avx2', ...)."},
     {"dot", dot, METH_NOARGS, "How avx512bf16 multiplies bf16 activations here ($KVQ_CPU_DOT): 'vnni' or 'bf16'."},

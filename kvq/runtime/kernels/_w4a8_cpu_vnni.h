@@ -1,44 +1,9 @@
-/* W4A8 on AVX-512 VNNI (opt-in: EngineConfig.cpu_int8_activations): the INT4 weight times activations
-   quantized to int8 per row and chunk of C = min(group, 64) inputs, in exact integer sums. Included by
-   _w4a16_cpu.c after the W4A16 paths (their pool, scratch and stores).
-
-   Why: a W4A16 product costs one bf16 multiply-add per weight and activation row (vdpbf16ps: 32 a cycle
-   on a Zen 4 core, the same as oneDNN's BF16 GEMM, so INT4 cannot outrun BF16 there once the batch is
-   compute-bound), where vpdpbusd does 64 u8 x s8 products a cycle, exactly. Activations in int8 are a
-   different numeric (llama.cpp's Q8 activations; vLLM's and SGLang's W4A8): opt-in, its cost measured by
-   `kvq eval`.
-
-   Activations (w4a8_convert_row): per row m and chunk c, amax = max |x|, xq = rint(x * (127 / amax)) in
-   -127..127, xs = amax / 127 (fp32; all zero for an all-zero chunk; NaN for a chunk holding inf or NaN).
-   Weights (kvq.runtime.kernels.w4a8_cpu.w4a8_pack, once at load): tiles of 16 output rows, one per lane;
-   per tile and chunk, C / 8 vectors of 64 bytes: byte 4l + j of vector v holds, for the tile's row l, u =
-   q + 8 of input 4v + j (low nibble) and of input 4(v + C / 8) + j (high nibble) of the chunk. So a
-   vector's low (high) nibbles times the 4 inputs of step v (v + C / 8), broadcast to every lane, is one
-   vpdpbusd: each lane's sum of u * xq over the chunk in int32, seeded with -8 * sum(xq) (so it is the sum
-   of q * xq), exact (|sum| < 2^17). Then y[m, row] += float(sum) * (scale(row, c) * xs[m, c]) in fp32:
-   no horizontal sums, and 16 outputs per vector. The tile's weights are unpacked once per chunk and
-   pass W4A8_MB activation rows, four at a time, two chains each (vpdpbusd's latency). */
-
-#define W4A8_ROWS 16 /* output rows per tile: one per lane */
-#define W4A8_MB 64   /* activation rows per pass over a tile (their fp32 sums: 4 KiB on the stack) */
-
-typedef struct {
-    int64_t M, K, N, tiles, chunks, xp_stride;
-    int C, x_dtype, y_dtype;
-    const void *x;
-    const uint8_t *w;    /* [tiles][chunks][C / 8][64] */
-    const void *scales; /* [tiles][chunks][16], fp32 or bf16 (scale_bf16) as the checkpoint stores them */
-    int scale_bf16;
-    void *y;
-    uint8_t *xp; /* per row: xs [chunks] fp32, seeds [chunks] int32, xq [K] int8 */
-} W4A8Job;
-
-static inline int64_t w4a8_xp_stride(int64_t K, int64_t chunks) { /* bytes, a multiple of 64 */
-    return (8 * chunks + K + 63) / 64 * 64;
-}
+/* The W4A8 kernel on AVX-512 VNNI (see _w4a8_cpu.h): a vector's nibbles times a step's 4 activations is
+   one vpdpbusd (64 products) with its broadcast folded in; the tile's chunk is unpacked into registers once
+   and runs up to W4A8_MB activation rows, four at a time, two chains each (vpdpbusd's latency). */
 
 /* 16 activations of row m from input k as fp32 (bf16 or fp32 activations). */
-TARGET_AVX512VNNI static inline __m512 w4a8_load_x(const W4A8Job *job, int64_t m, int64_t k) {
+TARGET_AVX512VNNI static inline __m512 w4a8_load_x_vnni(const W4A8Job *job, int64_t m, int64_t k) {
     const int64_t i = m * job->K + k;
     if (job->x_dtype == DTYPE_F32)
         return _mm512_loadu_ps((const float *)job->x + i);
@@ -46,8 +11,8 @@ TARGET_AVX512VNNI static inline __m512 w4a8_load_x(const W4A8Job *job, int64_t m
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Row m's chunks quantized (see the top of this file) into its xp row. */
-TARGET_AVX512VNNI static void w4a8_convert_row(const W4A8Job *job, int64_t m) {
+/* Row m's chunks quantized (_w4a8_cpu.h) into its xp row. */
+TARGET_AVX512VNNI static void w4a8_convert_row_vnni(const W4A8Job *job, int64_t m) {
     uint8_t *row = job->xp + m * job->xp_stride;
     float *xs = (float *)row;
     int32_t *seeds = (int32_t *)(row + 4 * job->chunks);
@@ -57,7 +22,7 @@ TARGET_AVX512VNNI static void w4a8_convert_row(const W4A8Job *job, int64_t m) {
         __m512 top = _mm512_setzero_ps();
         unsigned special = 0; /* lanes that saw inf or NaN */
         for (int64_t k = k0; k < k0 + job->C; k += 16) {
-            const __m512 a = _mm512_abs_ps(w4a8_load_x(job, m, k));
+            const __m512 a = _mm512_abs_ps(w4a8_load_x_vnni(job, m, k));
             special |= (unsigned)_mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
             top = _mm512_max_ps(a, top);
         }
@@ -69,7 +34,7 @@ TARGET_AVX512VNNI static void w4a8_convert_row(const W4A8Job *job, int64_t m) {
         xs[c] = special ? NAN : amax / 127.0f;
         __m512i sum = _mm512_setzero_si512();
         for (int64_t k = k0; k < k0 + job->C; k += 16) {
-            __m512 scaled = _mm512_mul_ps(w4a8_load_x(job, m, k), _mm512_set1_ps(inv));
+            __m512 scaled = _mm512_mul_ps(w4a8_load_x_vnni(job, m, k), _mm512_set1_ps(inv));
             __m512i q = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
             _mm_storeu_si128((__m128i *)(xq + k), _mm512_cvtepi32_epi8(q));
@@ -83,14 +48,9 @@ TARGET_AVX512VNNI static void w4a8_convert_row(const W4A8Job *job, int64_t m) {
     }
 }
 
-static void w4a8_convert_task(void *ctx, int64_t chunk, int64_t num_chunks) {
-    W4A8Job *job = (W4A8Job *)ctx;
-    for (int64_t m = job->M * chunk / num_chunks; m < job->M * (chunk + 1) / num_chunks; m++)
-        w4a8_convert_row(job, m);
-}
 
 /* 16 fp32 as bf16 bits, rounded to nearest even, NaN kept quiet. */
-TARGET_AVX512VNNI static inline __m256i w4a8_bf16_bits(__m512 v) {
+TARGET_AVX512VNNI static inline __m256i w4a8_bf16_bits_vnni(__m512 v) {
     const __m512i u = _mm512_castps_si512(v), odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
     bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
@@ -98,14 +58,14 @@ TARGET_AVX512VNNI static inline __m256i w4a8_bf16_bits(__m512 v) {
 }
 
 /* y[m, n0 .. n0 + lanes) = v in fp32 or bf16 (lanes <= 16: the last tile's rows past N are not stored). */
-TARGET_AVX512VNNI static inline void w4a8_store(const W4A8Job *job, int64_t m, int64_t n0, __m512 v) {
+TARGET_AVX512VNNI static inline void w4a8_store_vnni(const W4A8Job *job, int64_t m, int64_t n0, __m512 v) {
     const int64_t lanes = job->N - n0 < 16 ? job->N - n0 : 16, size = job->y_dtype == DTYPE_F32 ? 4 : 2;
     uint8_t *out = (uint8_t *)job->y + (m * job->N + n0) * size, tail[64];
     uint8_t *to = lanes == 16 ? out : tail;
     if (job->y_dtype == DTYPE_F32)
         _mm512_storeu_ps(to, v);
     else
-        _mm256_storeu_si256((__m256i *)to, w4a8_bf16_bits(v));
+        _mm256_storeu_si256((__m256i *)to, w4a8_bf16_bits_vnni(v));
     if (lanes < 16)
         memcpy(out, tail, (size_t)(lanes * size));
 }
@@ -124,7 +84,7 @@ TARGET_AVX512VNNI static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w,
 }
 
 /* One activation row's int32 sums over a chunk (xr: its xq from the chunk's first input), two chains. */
-TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512i w4a8_row_sums(const __m512i *lo,
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512i w4a8_row_sums_vnni(const __m512i *lo,
                                                                                   const __m512i *hi,
                                                                                   const int8_t *xr,
                                                                                   int32_t seed, int nv) {
@@ -137,7 +97,7 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512i w4a8_row_
 }
 
 /* Tile t (output rows 16t ..) for activation rows [m0, m0 + mb): nv = C / 8 vectors per chunk. */
-TARGET_AVX512VNNI static inline __attribute__((always_inline)) void w4a8_tile(const W4A8Job *job, int64_t t,
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) void w4a8_tile_vnni(const W4A8Job *job, int64_t t,
                                                                            int64_t m0, int64_t mb, int nv) {
     const uint8_t *wt = job->w + t * job->chunks * nv * 64;
 
@@ -165,7 +125,7 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) void w4a8_tile(co
             for (int64_t i = 0; i < n; i++) {
                 const uint8_t *row = job->xp + (m0 + r + i) * job->xp_stride;
                 const int8_t *xr = (const int8_t *)(row + 8 * job->chunks) + c * job->C;
-                s[i] = w4a8_row_sums(lo, hi, xr, ((const int32_t *)(row + 4 * job->chunks))[c], nv);
+                s[i] = w4a8_row_sums_vnni(lo, hi, xr, ((const int32_t *)(row + 4 * job->chunks))[c], nv);
             }
             for (int64_t i = 0; i < n; i++) {
                 const float xs = ((const float *)(job->xp + (m0 + r + i) * job->xp_stride))[c];
@@ -175,85 +135,16 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) void w4a8_tile(co
         }
     }
     for (int64_t r = 0; r < mb; r++)
-        w4a8_store(job, m0 + r, t * W4A8_ROWS, acc[r]);
+        w4a8_store_vnni(job, m0 + r, t * W4A8_ROWS, acc[r]);
 }
 
-TARGET_AVX512VNNI static void w4a8_tiles(const W4A8Job *job, int64_t t0, int64_t t1) {
+TARGET_AVX512VNNI static void w4a8_tiles_vnni(const W4A8Job *job, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++)
         for (int64_t m0 = 0; m0 < job->M; m0 += W4A8_MB) {
             const int64_t mb = job->M - m0 < W4A8_MB ? job->M - m0 : W4A8_MB;
             if (job->C == 64)
-                w4a8_tile(job, t, m0, mb, 8);
+                w4a8_tile_vnni(job, t, m0, mb, 8);
             else
-                w4a8_tile(job, t, m0, mb, 4);
+                w4a8_tile_vnni(job, t, m0, mb, 4);
         }
-}
-
-static void w4a8_rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
-    const W4A8Job *job = (const W4A8Job *)ctx;
-    w4a8_tiles(job, job->tiles * chunk / num_chunks, job->tiles * (chunk + 1) / num_chunks);
-}
-
-/* AVX-512 F, BW, VL and VNNI (Ice Lake, Zen 4 and later): what the kernel above is compiled for. */
-static int w4a8_supported(void) {
-#if defined(KVQ_SIMDE_CHECK)
-    return 1;
-#else
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#endif
-}
-
-static PyObject *w4a8_runnable(PyObject *self, PyObject *unused) {
-    (void)self;
-    (void)unused;
-    return PyBool_FromLong(w4a8_supported());
-}
-
-static PyObject *gemm_w4a8(PyObject *self, PyObject *args) {
-    (void)self;
-    int threads, x_dtype, chunk, y_dtype, scale_dtype;
-    unsigned long long x, w, scales, y;
-    long long M, K, N;
-    if (!PyArg_ParseTuple(args, "iKiLLKKiLiKi", &threads, &x, &x_dtype, &M, &K, &w, &scales, &scale_dtype, &N,
-                          &chunk, &y, &y_dtype))
-        return NULL;
-    if (!w4a8_supported())
-        return PyErr_Format(PyExc_ValueError, "W4A8 needs AVX-512 VNNI, which this CPU lacks");
-    if ((chunk != 32 && chunk != 64) || M < 0 || N < 0 || K <= 0 || K % chunk)
-        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld chunk=%d", M, N, K, chunk);
-    if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16) ||
-        (scale_dtype != DTYPE_F32 && scale_dtype != DTYPE_BF16))
-        return PyErr_Format(PyExc_ValueError, "bad dtype codes x=%d scale=%d y=%d", x_dtype, scale_dtype,
-                            y_dtype);
-    if (M == 0 || N == 0)
-        Py_RETURN_NONE;
-    const int64_t chunks = K / chunk;
-    W4A8Job job = {
-        .M = M, .K = K, .N = N, .tiles = (N + W4A8_ROWS - 1) / W4A8_ROWS, .chunks = chunks,
-        .xp_stride = w4a8_xp_stride(K, chunks), .C = chunk, .x_dtype = x_dtype, .y_dtype = y_dtype,
-        .x = (const void *)(uintptr_t)x, .w = (const uint8_t *)(uintptr_t)w,
-        .scales = (const void *)(uintptr_t)scales, .scale_bf16 = scale_dtype == DTYPE_BF16,
-        .y = (void *)(uintptr_t)y,
-    };
-    int status = 0;
-    Py_BEGIN_ALLOW_THREADS;
-    pthread_mutex_lock(&call_lock);
-    job.xp = (uint8_t *)scratch_of((size_t)(M * job.xp_stride / 4));
-    if (job.xp == NULL)
-        status = -1;
-    else {
-        int64_t useful = M * N * K / MIN_WORK_PER_THREAD;
-        int nt = threads < 1 ? 1 : threads;
-        nt = useful < nt ? (int)(useful > 1 ? useful : 1) : nt;
-        int64_t parts = nt > 1 ? (int64_t)nt * CHUNKS_PER_THREAD : 1;
-        run_parallel(w4a8_convert_task, &job, parts < M ? parts : M, nt);
-        run_parallel(w4a8_rows_task, &job, parts < job.tiles ? parts : job.tiles, nt);
-    }
-    pthread_mutex_unlock(&call_lock);
-    Py_END_ALLOW_THREADS;
-    if (status < 0)
-        return PyErr_NoMemory();
-    Py_RETURN_NONE;
 }

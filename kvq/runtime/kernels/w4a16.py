@@ -17,7 +17,7 @@ import torch
 
 from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
 from kvq.formats.shapes import GROUP_SIZES
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_runnable
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_path
 from kvq.runtime.kernels.w4a16_cpu import NativeW4A16, native_scale, resolve_cpu_isa, w4a16_native
 
 LAYOUT_COMPRESSED_TENSORS = "compressed-tensors"
@@ -145,11 +145,11 @@ def prepare_w4a16_torch(
 ) -> W4A16Weight:
     """Torch-path weight on CPU: for the native kernel of $KVQ_CPU_ISA (kept as loaded) or repacked for
     the CPU int4 op (KVQ_CPU_ISA=torch, or no native path); with int8_activations, a plain weight in the
-    W4A8 kernel's layout (where it runs: `w4a8_runnable`); kept as loaded on other devices."""
+    W4A8 kernel's layout (where one runs: `w4a8_path`); kept as loaded on other devices."""
     loaded = compressed_tensors_weight("torch", weight_packed, weight_scale, group_size)
     if weight_packed.device.type != "cpu":
         return loaded
-    if int8_activations and weight_packed.dim() == 2 and w4a8_runnable():
+    if int8_activations and weight_packed.dim() == 2 and w4a8_path() is not None:
         w4a8 = NativeW4A8(weight_packed.contiguous(), weight_scale, group_size)
         return replace(loaded, layout=LAYOUT_W4A8_CPU, weight_packed=None, weight_scale=None, native=w4a8)
     isa = resolve_cpu_isa()

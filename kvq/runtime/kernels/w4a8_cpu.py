@@ -1,6 +1,6 @@
-"""W4A8 on CPU (opt-in, `EngineConfig.cpu_int8_activations`): a compressed-tensors INT4 weight times
+"""W4A8 on CPU (opt-in, `EngineConfig.int4_compute="w4a8"`): a compressed-tensors INT4 weight times
 activations quantized to int8 per row and chunk of `w4a8_chunk(group_size)` inputs, in exact integer sums on
-AVX-512 VNNI (`_w4a8_cpu_vnni.h`, which says why and how).
+AVX-512 VNNI or AVX2 (`_w4a8_cpu.h`, which says why and how).
 
 `w4a8_pack` lays a weight out for the kernel once, at load (the same 4 bits a weight, in tiles of 16 output
 rows); `NativeW4A8` runs it; `w4a8_reference` is the same arithmetic in torch: the oracle of the tests.
@@ -18,15 +18,24 @@ TILE_ROWS = 16  # output rows per tile: one per 32-bit lane of a 512-bit vector
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # activations and outputs the kernel reads and writes
 
 
-def w4a8_runnable() -> bool:
-    """Whether this CPU and build run the W4A8 kernel (AVX-512 F/BW/VL/VNNI: Ice Lake, Zen 4 and later)."""
-    return _ext is not None and hasattr(_ext, "w4a8_runnable") and bool(_ext.w4a8_runnable())
+W4A8_PATHS = ("vnni", "avx2")  # the kernels: AVX-512 VNNI's vpdpbusd, AVX2's vpmaddubsw
 
 
-def w4a8_usable() -> bool:
-    """Whether `int4_compute="w4a8"` can run: the kernel is runnable and the CPU path ($KVQ_CPU_ISA) is an
-    AVX-512 one (a held AVX2 or scalar path keeps the CPU it stands for)."""
-    return w4a8_runnable() and resolve_cpu_isa() in ("amx", "avx512bf16", "avx512")
+def w4a8_runnable() -> tuple[str, ...]:
+    """The W4A8 kernels this CPU and build run (`W4A8_PATHS`' names; empty without the extension)."""
+    if _ext is None or not hasattr(_ext, "w4a8_paths"):
+        return ()
+    return tuple(name for name, ok in zip(W4A8_PATHS, _ext.w4a8_paths(), strict=True) if ok)
+
+
+def w4a8_path() -> str | None:
+    """The kernel `int4_compute="w4a8"` runs, by the CPU path ($KVQ_CPU_ISA): vnni on an AVX-512 one where
+    the CPU has VNNI, else avx2 on any SIMD one (a held avx2 path stands for a CPU without AVX-512);
+    None on scalar and torch."""
+    isa, runnable = resolve_cpu_isa(), w4a8_runnable()
+    if isa in ("amx", "avx512bf16", "avx512") and "vnni" in runnable:
+        return "vnni"
+    return "avx2" if isa in ("amx", "avx512bf16", "avx512", "avx2") and "avx2" in runnable else None
 
 
 def w4a8_chunk(group_size: int) -> int:
@@ -57,13 +66,22 @@ def w4a8_pack(
 
 
 class NativeW4A8:
-    """One weight's W4A8 kernel call, its packed layout bound (`w4a8_pack`)."""
+    """One weight's W4A8 kernel call, its packed layout bound (`w4a8_pack`); path: "vnni" or "avx2"
+    (default: `w4a8_path()`)."""
 
-    __slots__ = ("w", "scale", "out_features", "chunk", "_ptrs")
+    __slots__ = ("w", "scale", "out_features", "chunk", "path", "_ptrs")
 
-    def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> None:
+    def __init__(
+        self,
+        weight_packed: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_size: int,
+        path: str | None = None,
+    ) -> None:
         self.w, self.scale = w4a8_pack(weight_packed, weight_scale, group_size)
         self.out_features, self.chunk = weight_packed.shape[0], w4a8_chunk(group_size)
+        self.path = path or w4a8_path()
+        assert self.path in w4a8_runnable(), f"the W4A8 {self.path} kernel does not run here"
         self._ptrs = (self.w.data_ptr(), self.scale.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,11 +99,11 @@ class NativeW4A8:
         """The C call of `self(x)` into y `[M, N]` (both contiguous), or None for dtypes it does not take."""
         if x.dtype not in KERNEL_DTYPES or y.dtype not in KERNEL_DTYPES:
             return None
-        assert _ext is not None, "w4a8_runnable() is checked before a NativeW4A8 is made"
+        assert _ext is not None, "w4a8_runnable() was checked when this NativeW4A8 was made"
         (num_rows, in_features), threads = x.shape, torch.get_num_threads()
         return _ext.gemm_w4a8, (
-            threads, x.data_ptr(), _DTYPE_CODES[x.dtype], num_rows, in_features, *self._ptrs,
-            _DTYPE_CODES[self.scale.dtype], self.out_features, self.chunk, y.data_ptr(),
+            int(self.path == "avx2"), threads, x.data_ptr(), _DTYPE_CODES[x.dtype], num_rows, in_features,
+            *self._ptrs, _DTYPE_CODES[self.scale.dtype], self.out_features, self.chunk, y.data_ptr(),
             _DTYPE_CODES[y.dtype],
         )  # fmt: skip
 

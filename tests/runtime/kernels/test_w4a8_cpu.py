@@ -1,7 +1,8 @@
-"""The W4A8 CPU kernel (`kernels.w4a8_cpu`, `_w4a8_cpu_vnni.h`): its sums are the exact integer sums of q
-times the quantized activations, times the scales, on irregular shapes, every group size, batches across its
-four-row groups and its 64-row passes, every activation dtype; its activations are `quantize_activations`';
-and it stays within int8 rounding of the W4A16 product."""
+"""The W4A8 CPU kernels (`kernels.w4a8_cpu`, `_w4a8_cpu.h`), each that runs here (AVX-512 VNNI, AVX2): their
+sums are the exact integer sums of q times the quantized activations, times the scales, on irregular shapes,
+every group size, batches across their row groups and 64-row passes, every activation dtype; both paths give
+the same bits; the activations are `quantize_activations`'; the result stays within int8 rounding of the
+W4A16 product."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from kvq.runtime.kernels.w4a8_cpu import (
 from kvq.runtime.kernels.w4a16 import w4a16_reference
 from tests.runtime.kernels.kernel_cases import random_w4a16
 
-pytestmark = pytest.mark.skipif(not w4a8_runnable(), reason="the W4A8 kernel needs AVX-512 VNNI")
+PATHS = w4a8_runnable()
+pytestmark = pytest.mark.skipif(not PATHS, reason="no W4A8 kernel runs here (AVX2 and kvq's CPU extension)")
 
 SHAPES = [  # (N, K, group): N off the 16-row tiles, K one chunk to many
     (1, 32, 32),
@@ -46,11 +48,12 @@ def _fp32_bound(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, grou
     return terms.sum(-1) * chunks * 2.0**-23
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("num_rows,in_features,group", SHAPES)
-def test_fp32_output_is_the_exact_integer_sums_times_the_scales(num_rows, in_features, group) -> None:
+def test_fp32_output_is_the_exact_integer_sums_times_the_scales(num_rows, in_features, group, path) -> None:
     gen = torch.Generator().manual_seed(num_rows * 7 + in_features)
     packed, scale = random_w4a16(num_rows, in_features, group, gen)
-    kernel = NativeW4A8(packed, scale, group)
+    kernel = NativeW4A8(packed, scale, group, path)
     for m in ROWS:
         x = torch.randn(m, in_features, generator=gen) * 3
         y = kernel(x)
@@ -60,12 +63,13 @@ def test_fp32_output_is_the_exact_integer_sums_times_the_scales(num_rows, in_fea
         assert ((y.double() - expected).abs() <= bound).all(), (m, (y.double() - expected).abs().max())
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype,half_ulp", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)])
-def test_16_bit_activations_and_outputs(dtype, half_ulp) -> None:
+def test_16_bit_activations_and_outputs(dtype, half_ulp, path) -> None:
     gen = torch.Generator().manual_seed(1)
     packed, scale = random_w4a16(40, 192, 64, gen)
     x = torch.randn(6, 192, generator=gen).to(dtype)
-    y = NativeW4A8(packed, scale, 64)(x)
+    y = NativeW4A8(packed, scale, 64, path)(x)
     assert y.dtype == dtype
     expected = w4a8_reference(x, packed, scale, 64)  # the same activations, read from 16 bits
     # the fp32 result rounded once to the output dtype
@@ -73,23 +77,28 @@ def test_16_bit_activations_and_outputs(dtype, half_ulp) -> None:
     assert ((y.double() - expected).abs() <= bound).all()
 
 
-def test_threads_give_the_same_bits() -> None:
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_paths_and_threads_give_the_same_bits(group) -> None:
     gen = torch.Generator().manual_seed(2)
-    packed, scale = random_w4a16(300, 512, 64, gen)
-    kernel = NativeW4A8(packed, scale, 64)
-    x = torch.randn(9, 512, generator=gen).bfloat16()
-    threads = torch.get_num_threads()
+    packed, scale = random_w4a16(300, 512, group, gen)
+    xs = (torch.randn(9, 512, generator=gen).bfloat16(), torch.randn(67, 512, generator=gen))
+    threads, results = torch.get_num_threads(), []
     try:
-        torch.set_num_threads(1)
-        one = kernel(x)
-        torch.set_num_threads(2)
-        two = kernel(x)
+        for path in PATHS:
+            kernel = NativeW4A8(packed, scale, group, path)
+            for x in xs:
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    results.append((x.shape[0], kernel(x)))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    for rows in (9, 67):
+        ys = [y for m, y in results if m == rows]
+        assert all(torch.equal(ys[0], y) for y in ys) and len(ys) == 2 * len(PATHS)
 
 
-def test_activations_per_chunk() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_activations_per_chunk(path) -> None:
     x = torch.zeros(3, 128)
     x[0, :64] = torch.linspace(-2, 1, 64)
     x[0, 64:] = 1e-3
@@ -99,7 +108,7 @@ def test_activations_per_chunk() -> None:
     assert (xq[2] == 0).all() and (xs[2] == 0).all()
     gen = torch.Generator().manual_seed(3)
     packed, scale = random_w4a16(20, 128, 64, gen)
-    y = NativeW4A8(packed, scale, 64)(x)
+    y = NativeW4A8(packed, scale, 64, path)(x)
     assert torch.isnan(y[1]).all() and (y[2] == 0).all() and torch.isfinite(y[0]).all()
     expected = w4a8_reference(x[:1], packed, scale, 64)
     assert (y[0].double() - expected[0]).abs().max() <= _fp32_bound(x[:1], packed, scale, 64).max() + 1e-30
@@ -127,14 +136,15 @@ def test_within_int8_rounding_of_the_w4a16_product(group) -> None:
     assert (y - exact).norm() / exact.norm() < 0.01
 
 
-def test_fp32_scales_bf16_cannot_hold() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_fp32_scales_bf16_cannot_hold(path) -> None:
     gen = torch.Generator().manual_seed(6)
     packed, scale = random_w4a16(24, 256, 128, gen)
     scale = scale.float() * (1 + 2.0**-12)  # off bf16's grid
     w, s = w4a8_pack(packed, scale, 128)
     assert s.dtype == torch.float32
     x = torch.randn(5, 256, generator=gen)
-    y = NativeW4A8(packed, scale, 128)(x)
+    y = NativeW4A8(packed, scale, 128, path)(x)
     expected = w4a8_reference(x, packed, scale, 128)
     assert ((y.double() - expected).abs() <= _fp32_bound(x, packed, scale, 128) + 1e-30).all()
-    assert not torch.equal(y, NativeW4A8(packed, scale.bfloat16(), 128)(x))
+    assert not torch.equal(y, NativeW4A8(packed, scale.bfloat16(), 128, path)(x))
