@@ -4,7 +4,8 @@
    FP8 KV; and with the opt-in INT8 and INT4 lm_head copies), and transformers `generate` (BF16) on the
    same chat prompt; decode tok/s = (N - 1) / (t(N) - t(1)), median (and range) over the repeats.
    Concurrency 32: the same prompt 32 times, decoded together, BF16 vs INT4 weights (and INT8 lm_head).
-   Both also run INT4 as W4A8 (`int4_compute="w4a8"`, opt-in) where a W4A8 kernel runs (AVX2 and up).
+   Both also run INT4 as W4A8 (`int4_compute="w4a8"`, opt-in; alone and with the INT8 lm_head) where a
+   W4A8 kernel runs (AVX2 and up).
    The CPU's ISA and the W4A16 path that ran (KVQ_CPU_ISA) are printed with the results.
 1b. Host time per token over one long completion (INT4, 2,048 tokens): each step's wall time minus its
    model forward (`Engine.stats`), early tokens vs late ones: flat when no per-token host cost grows.
@@ -76,7 +77,10 @@ class DecodeBenchResult:
 
 
 LM_HEAD_CONTENDERS = {mode: f"kvq int4 weights + {mode} lm_head, fp8 kv" for mode in ("int8", "int4")}
-W4A8 = "int4 weights as w4a8, fp8 kv"  # the opt-in int4_compute="w4a8", where the CPU runs it
+W4A8_CONTENDERS = {  # the opt-in int4_compute="w4a8", where the CPU runs it: alone, and with the int8 lm_head
+    "int4 weights as w4a8, fp8 kv": {"int4_compute": "w4a8"},
+    "int4 weights as w4a8 + int8 lm_head, fp8 kv": {"int4_compute": "w4a8", "lm_head_weights": "int8"},
+}
 _LOAD_SNIPPET = """
 import ctypes, gc, json, sys, psutil, torch
 torch.set_num_threads(1)
@@ -211,7 +215,11 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
             name: kvq_generate(one(int4, "fp8_e4m3", lm_head_weights=mode), 1)
             for mode, name in LM_HEAD_CONTENDERS.items()
         },
-        **({f"kvq {W4A8}": kvq_generate(one(int4, "fp8_e4m3", int4_compute="w4a8"), 1)} if w4a8 else {}),
+        **{
+            f"kvq {name}": kvq_generate(one(int4, "fp8_e4m3", **settings), 1)
+            for name, settings in W4A8_CONTENDERS.items()
+            if w4a8
+        },
         "transformers generate, bf16": transformers_generate(bf16),
     }
     runs = decode_tok_s(contenders, 1, config.new_tokens, config.repeats)
@@ -230,11 +238,11 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
         f"c={n}: {LM_HEAD_CONTENDERS['int8']}": kvq_generate(
             batch(int4, "fp8_e4m3", lm_head_weights="int8"), n
         ),
-        **(
-            {f"c={n}: kvq {W4A8}": kvq_generate(batch(int4, "fp8_e4m3", int4_compute="w4a8"), n)}
+        **{
+            f"c={n}: kvq {name}": kvq_generate(batch(int4, "fp8_e4m3", **settings), n)
+            for name, settings in W4A8_CONTENDERS.items()
             if w4a8
-            else {}
-        ),
+        },
     }
     batch_runs = decode_tok_s(contenders, n, config.batch_new_tokens, config.repeats)
     del contenders
@@ -300,10 +308,11 @@ def render(result: DecodeBenchResult) -> Table:
         / tok[f"c={n}: kvq {bf16}"],
         "c=1: kvq INT4 + FP8 kv / transformers": tok[f"kvq {fp8}"] / tok["transformers generate, bf16"],
         **{
-            f"{key}: INT4 as w4a8 + FP8 kv / BF16 weights": tok[f"{prefix}kvq {W4A8}"]
+            f"{key}: {name.replace('int4 weights', 'INT4')} / BF16 weights": tok[f"{prefix}kvq {name}"]
             / tok[f"{prefix}kvq {bf16}"]
             for key, prefix in (("c=1", ""), (f"c={n}", f"c={n}: "))
-            if f"{prefix}kvq {W4A8}" in tok
+            for name in W4A8_CONTENDERS
+            if f"{prefix}kvq {name}" in tok
         },
     }
     for name, ratio in ratios.items():
@@ -341,9 +350,10 @@ def render(result: DecodeBenchResult) -> Table:
                 f"{key}: vLLM bf16 weights", f"{median:.1f} tok/s ({min(v[key]):.1f}-{max(v[key]):.1f})"
             )
             table.add_row(f"{key}: kvq INT4 + FP8 kv / vLLM BF16", f"{tok[kvq_name] / median:.2f}x")
-            w4a8_name = kvq_name.replace(fp8, W4A8)
-            if w4a8_name in tok:
-                table.add_row(
-                    f"{key}: kvq INT4 as w4a8 + FP8 kv / vLLM BF16", f"{tok[w4a8_name] / median:.2f}x"
-                )
+            for name in W4A8_CONTENDERS:
+                if kvq_name.replace(fp8, name) in tok:
+                    ratio = tok[kvq_name.replace(fp8, name)] / median
+                    table.add_row(
+                        f"{key}: kvq {name.replace('int4 weights', 'INT4')} / vLLM BF16", f"{ratio:.2f}x"
+                    )
     return table
