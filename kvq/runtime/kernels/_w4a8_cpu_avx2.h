@@ -90,8 +90,8 @@ TARGET_AVX2 static inline __m256 w4a8_scales_avx2(const W4A8Job *job, int64_t t,
 }
 
 /* Tile t for activation rows [m0, m0 + mb): nv = C / 8 vectors per chunk. */
-TARGET_AVX2 static inline __attribute__((always_inline)) void w4a8_tile_avx2(const W4A8Job *job, int64_t t,
-                                                                          int64_t m0, int64_t mb, int nv) {
+TARGET_AVX2 static inline __attribute__((always_inline)) void
+w4a8_tile_avx2(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv) {
     const uint8_t *wt = job->w + t * job->chunks * nv * 64;
     __m256 acc[W4A8_MB][2];
     for (int64_t r = 0; r < mb; r++)

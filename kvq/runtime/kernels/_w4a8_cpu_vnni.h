@@ -48,7 +48,6 @@ TARGET_AVX512VNNI static void w4a8_convert_row_vnni(const W4A8Job *job, int64_t 
     }
 }
 
-
 /* 16 fp32 as bf16 bits, rounded to nearest even, NaN kept quiet. */
 TARGET_AVX512VNNI static inline __m256i w4a8_bf16_bits_vnni(__m512 v) {
     const __m512i u = _mm512_castps_si512(v), odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -70,6 +69,15 @@ TARGET_AVX512VNNI static inline void w4a8_store_vnni(const W4A8Job *job, int64_t
         memcpy(out, tail, (size_t)(lanes * size));
 }
 
+/* The 16 rows' fp32 scales for chunk c of tile t. */
+TARGET_AVX512VNNI static inline __m512 w4a8_scales_vnni(const W4A8Job *job, int64_t t, int64_t c) {
+    const int64_t i = (t * job->chunks + c) * 16;
+    if (!job->scale_bf16)
+        return _mm512_loadu_ps((const float *)job->scales + i);
+    __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)job->scales + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 /* acc + the lanes' u8 x s8 products of w and the 4 int8 at p broadcast to every lane: vpdpbusd with its
    broadcast folded into the instruction (GCC 12 loads it into a register first, an extra operation). */
 TARGET_AVX512VNNI static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t *p) {
@@ -84,10 +92,8 @@ TARGET_AVX512VNNI static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w,
 }
 
 /* One activation row's int32 sums over a chunk (xr: its xq from the chunk's first input), two chains. */
-TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512i w4a8_row_sums_vnni(const __m512i *lo,
-                                                                                  const __m512i *hi,
-                                                                                  const int8_t *xr,
-                                                                                  int32_t seed, int nv) {
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512i
+w4a8_row_sums_vnni(const __m512i *lo, const __m512i *hi, const int8_t *xr, int32_t seed, int nv) {
     __m512i a = _mm512_set1_epi32(seed), b = _mm512_setzero_si512();
     for (int v = 0; v < nv; v++) {
         a = dpbusd_broadcast(a, lo[v], xr + 4 * v);
@@ -97,10 +103,9 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) __m512i w4a8_row_
 }
 
 /* Tile t (output rows 16t ..) for activation rows [m0, m0 + mb): nv = C / 8 vectors per chunk. */
-TARGET_AVX512VNNI static inline __attribute__((always_inline)) void w4a8_tile_vnni(const W4A8Job *job, int64_t t,
-                                                                           int64_t m0, int64_t mb, int nv) {
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) void
+w4a8_tile_vnni(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv) {
     const uint8_t *wt = job->w + t * job->chunks * nv * 64;
-
     __m512 acc[W4A8_MB];
     for (int64_t r = 0; r < mb; r++)
         acc[r] = _mm512_setzero_ps();
@@ -113,12 +118,7 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) void w4a8_tile_vn
             hi[v] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
         }
         __builtin_prefetch(wt + (c * nv + nv) * 64 + GEMV_PREFETCH_BYTES, 0, 3);
-        const int64_t sc = (t * job->chunks + c) * 16;
-        const __m512 ws = job->scale_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                                    (const __m256i *)((const uint16_t *)job->scales + sc))),
-                                                16))
-                                          : _mm512_loadu_ps((const float *)job->scales + sc);
+        const __m512 ws = w4a8_scales_vnni(job, t, c);
         for (int64_t r = 0; r < mb; r += 4) { /* four rows' chains side by side (a short last group) */
             __m512i s[4];
             const int64_t n = mb - r < 4 ? mb - r : 4;

@@ -16,8 +16,6 @@ from kvq.runtime.kernels.w4a16_cpu import _DTYPE_CODES, Call, _ext, native_scale
 
 TILE_ROWS = 16  # output rows per tile: one per 32-bit lane of a 512-bit vector
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # activations and outputs the kernel reads and writes
-
-
 W4A8_PATHS = ("vnni", "avx2")  # the kernels: AVX-512 VNNI's vpdpbusd, AVX2's vpmaddubsw
 
 

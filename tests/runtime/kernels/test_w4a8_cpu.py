@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvq.formats.pack_quantized import unpack_int4
 from kvq.runtime.kernels.w4a8_cpu import (
     NativeW4A8,
     quantize_activations,
@@ -38,8 +39,6 @@ def _fp32_bound(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, grou
     """|the per-chunk terms| summed, times the chunks: a bound on fp32's rounding of their sum."""
     chunk = w4a8_chunk(group)
     xq, xs = quantize_activations(x, chunk)
-    from kvq.formats.pack_quantized import unpack_int4
-
     q = unpack_int4(packed).double().abs()
     chunks = q.shape[1] // chunk
     sums = torch.einsum("mcj,ncj->mnc", xq.double().abs().view(-1, chunks, chunk), q.view(-1, chunks, chunk))
