@@ -56,12 +56,15 @@ TARGET_AVX2 static void w4a8_convert_row_avx2(const W4A8Job *job, int64_t m) {
     }
 }
 
-/* 8 fp32 as bf16 bits in the low 16 bits of each 32-bit lane, rounded to nearest even, NaN kept quiet. */
+/* 8 fp32 as bf16 bits in the low 16 bits of each 32-bit lane, rounded to nearest even, a NaN kept and made
+   quiet (as f32_to_bf16 does). */
 TARGET_AVX2 static inline __m256i w4a8_bf16_bits_avx2(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v), odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i bits = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+    const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    const __m256i bits = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_castps_si256(v), _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC0), nan);
+    return _mm256_blendv_epi8(bits, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
 }
 
 /* y[m, n0 .. n0 + lanes) = the tile's rows 0-7 (a) and 8-15 (b) in fp32 or bf16 (rows past N not stored). */

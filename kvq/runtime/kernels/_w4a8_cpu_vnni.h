@@ -48,12 +48,11 @@ TARGET_AVX512VNNI static void w4a8_convert_row_vnni(const W4A8Job *job, int64_t 
     }
 }
 
-/* 16 fp32 as bf16 bits, rounded to nearest even, NaN kept quiet. */
+/* 16 fp32 as bf16 bits: bf16_bits_avx512's rounding, a NaN kept and made quiet (as f32_to_bf16 does). */
 TARGET_AVX512VNNI static inline __m256i w4a8_bf16_bits_vnni(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v), odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(bits);
+    const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+    const __m256i quiet = _mm512_cvtepi32_epi16(_mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    return _mm256_mask_mov_epi16(bf16_bits_avx512(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
 }
 
 /* y[m, n0 .. n0 + lanes) = v in fp32 or bf16 (lanes <= 16: the last tile's rows past N are not stored). */

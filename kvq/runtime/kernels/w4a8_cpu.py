@@ -67,7 +67,7 @@ class NativeW4A8:
     """One weight's W4A8 kernel call, its packed layout bound (`w4a8_pack`); path: "vnni" or "avx2"
     (default: `w4a8_path()`)."""
 
-    __slots__ = ("w", "scale", "out_features", "chunk", "path", "_ptrs")
+    __slots__ = ("w", "scale", "out_features", "chunk", "path", "_weight_args")
 
     def __init__(
         self,
@@ -80,7 +80,8 @@ class NativeW4A8:
         self.out_features, self.chunk = weight_packed.shape[0], w4a8_chunk(group_size)
         self.path = path or w4a8_path()
         assert self.path in w4a8_runnable(), f"the W4A8 {self.path} kernel does not run here"
-        self._ptrs = (self.w.data_ptr(), self.scale.data_ptr())
+        pointers = (self.w.data_ptr(), self.scale.data_ptr())  # the call's weight arguments, bound once
+        self._weight_args = (*pointers, _DTYPE_CODES[self.scale.dtype], self.out_features, self.chunk)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[M, K]` -> `[M, N]` in x.dtype (bf16 and fp32 as they are, another dtype through fp32)."""
@@ -101,8 +102,7 @@ class NativeW4A8:
         (num_rows, in_features), threads = x.shape, torch.get_num_threads()
         return _ext.gemm_w4a8, (
             int(self.path == "avx2"), threads, x.data_ptr(), _DTYPE_CODES[x.dtype], num_rows, in_features,
-            *self._ptrs, _DTYPE_CODES[self.scale.dtype], self.out_features, self.chunk, y.data_ptr(),
-            _DTYPE_CODES[y.dtype],
+            *self._weight_args, y.data_ptr(), _DTYPE_CODES[y.dtype],
         )  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
