@@ -31,6 +31,7 @@ tests = [
     "tests/runtime/kernels/test_w4a16.py",
     "tests/runtime/kernels/test_w8a16.py",
     "tests/runtime/kernels/test_w4a8_cpu.py",
+    "tests/runtime/kernels/test_w8a8_cpu.py",
 ]
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *tests, "-k", "not triton", *sys.argv[2:]]))
 PYTHON

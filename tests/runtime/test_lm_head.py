@@ -3,12 +3,15 @@ each holds, what it computes, and that the rest of the model is untouched."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvq.formats.pack_quantized import quantize_pack_int4
 from kvq.runtime.config import LM_HEAD_GROUP_SIZE, EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import w4a16_reference
+from kvq.runtime.kernels.w4a8_cpu import NativeW8A8, w4a8_path, w4a8_reference, w8a8_chunk, w8a8_reference
+from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
 from kvq.runtime.kernels.w8a16 import quantize_int8_rows, w8a16_reference
 from kvq.runtime.layers.linear import DenseLinear, Int4Linear, Int8Linear, onednn_prepack_available
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
@@ -71,3 +74,30 @@ def test_int8_lm_head_is_the_quantized_dense_one(tiny_checkpoint) -> None:
         assert packed is None and stored.weight_bytes == loaded_bytes[0]
     layers = zip(stored.model.layers[0].tensors(), quantized.model.layers[0].tensors(), strict=True)
     assert all(torch.equal(a, b) for a, b in layers)
+
+
+@pytest.mark.skipif(w4a8_path() is None, reason="int4_compute w4a8 needs AVX2 and kvq's CPU extension")
+def test_copies_follow_int4_compute_w4a8(tiny_checkpoint) -> None:
+    """Under int4_compute "w4a8" the INT8 copy runs as W8A8 (bf16 row scales) and the INT4 copy as W4A8: the
+    logits are their kernels' own results, the bytes held those of the copy."""
+    path = tiny_checkpoint("llama", "bf16")
+    stored = Engine(EngineConfig(model=str(path), kv_memory="4MiB"))
+    dense = stored.model.lm_head.weight  # [V, H]
+    vocab, hidden = dense.shape
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+    config = EngineConfig(model=str(path), kv_memory="4MiB", lm_head_weights="int8", int4_compute="w4a8")
+    w8a8 = Engine(config).model.lm_head
+    assert isinstance(w8a8, Int8Linear) and isinstance(w8a8.weight, NativeW8A8)
+    weight, weight_scale = quantize_int8_rows(dense, torch.bfloat16)
+    assert_close_rel(w8a8.matmul(x), w8a8_reference(x, weight, weight_scale), REL_TOL[torch.bfloat16])
+    held = sum(t.numel() * t.element_size() for t in w8a8.tensors())
+    tiles, chunks = -(-vocab // 16), hidden // w8a8_chunk(hidden)
+    assert held == tiles * 16 * (hidden + chunks * 2)  # a byte a weight, a bf16 scale per row and chunk
+
+    config = EngineConfig(model=str(path), kv_memory="4MiB", lm_head_weights="int4", int4_compute="w4a8")
+    w4a8 = Engine(config).model.lm_head
+    assert isinstance(w4a8, Int4Linear) and w4a8.weight.layout == LAYOUT_W4A8_CPU
+    weight_packed, weight_scale = quantize_pack_int4(dense, LM_HEAD_GROUP_SIZE)
+    expected = w4a8_reference(x, weight_packed, weight_scale, LM_HEAD_GROUP_SIZE)
+    assert_close_rel(w4a8.matmul(x), expected, REL_TOL[torch.bfloat16])

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_path
-from kvq.runtime.layers.linear import Int4Linear
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, NativeW8A8, w4a8_path
+from kvq.runtime.layers.linear import Int4Linear, Int8Linear
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.reference import engine_greedy, hf_greedy, hf_logits, hf_reference, teacher_forced_logits
 
@@ -134,26 +134,30 @@ def test_int4_compute_w4a8_agrees_with_transformers_and_holds_the_same_bytes(
     smollm2_int4, chat_prompts
 ) -> None:
     """The opt-in W4A8 mode on real weights: every INT4 Linear on the W4A8 kernel (its own layout, the same
-    bytes, no W4A16 copy kept), greedy tokens and logits close to transformers' fp32 forward."""
+    bytes, no W4A16 copy kept), greedy tokens and logits close to transformers' fp32 forward; with the INT8
+    lm_head copy (W8A8 on the same kernels) as well."""
     w4a16 = Engine(EngineConfig(model=str(smollm2_int4), kv_memory="64MiB", threads=2))
     w4a8 = Engine(EngineConfig(model=str(smollm2_int4), kv_memory="64MiB", threads=2, int4_compute="w4a8"))
     proj = w4a8.model.layers[0].mlp.down_proj
     assert isinstance(proj, Int4Linear) and isinstance(proj.weight.native, NativeW4A8)
     assert proj.weight.weight_packed is None  # the W4A8 layout replaces the loaded one
     assert abs(w4a8.weight_bytes / w4a16.weight_bytes - 1) < 0.001  # padding to 16-row tiles only
+    int8_head = EngineConfig(
+        model=str(smollm2_int4), kv_memory="64MiB", threads=2, int4_compute="w4a8", lm_head_weights="int8"
+    )
+    w8a8 = Engine(int8_head)
+    assert isinstance(w8a8.model.lm_head, Int8Linear) and isinstance(w8a8.model.lm_head.weight, NativeW8A8)
     hf = hf_reference(smollm2_int4)
-    agreements, kls = [], []
-    for prompt in chat_prompts[:2]:
-        continuation = hf_greedy(hf, prompt, NUM_TOKENS)
-        expected = hf_logits(hf, prompt + continuation)[len(prompt) - 1 :]
-        found = teacher_forced_logits(w4a8, prompt, continuation)
-        agreements.append((found.argmax(-1) == expected.argmax(-1)).float().mean())
-        kls.append(
-            F.kl_div(found.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none").sum(
-                -1
-            )
-        )
-    assert torch.stack(agreements).mean() >= 0.8, agreements
-    assert torch.cat(kls).median() < 0.05, kls
-    text = w4a8.generate([chat_prompts[0]], SamplingParams(max_tokens=12))[0].text
-    assert "Paris" in text
+    for engine in (w4a8, w8a8):
+        agreements, kls = [], []
+        for prompt in chat_prompts[:2]:
+            continuation = hf_greedy(hf, prompt, NUM_TOKENS)
+            expected = hf_logits(hf, prompt + continuation)[len(prompt) - 1 :]
+            found = teacher_forced_logits(engine, prompt, continuation)
+            agreements.append((found.argmax(-1) == expected.argmax(-1)).float().mean())
+            kl = F.kl_div(found.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none")
+            kls.append(kl.sum(-1))
+        assert torch.stack(agreements).mean() >= 0.8, agreements
+        assert torch.cat(kls).median() < 0.05, kls
+        text = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=12))[0].text
+        assert "Paris" in text

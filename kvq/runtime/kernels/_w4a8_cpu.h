@@ -1,5 +1,6 @@
 /* W4A8 on CPU (opt-in: EngineConfig.int4_compute = "w4a8"): the INT4 weight times activations quantized to
-   int8 per row and chunk of C = min(group, 64) inputs, in exact integer sums. Included by _w4a16_cpu.c
+   int8 per row and chunk of C = min(group, 64) inputs, in exact integer sums; and W8A8, the same kernels
+   over 8-bit weights (`wide`: the INT8 lm_head copy under int4_compute "w4a8"). Included by _w4a16_cpu.c
    after the W4A16 paths (their pool, scratch and stores); the kernels are _w4a8_cpu_vnni.h (AVX-512 VNNI)
    and _w4a8_cpu_avx2.h (AVX2: any x86-64 CPU of the last decade).
 
@@ -11,15 +12,20 @@
 
    Activations (w4a8_convert_row_*): per row m and chunk c, amax = max |x|, xq = rint(x * (127 / amax)) in
    -127..127, xs = amax / 127 (fp32; all zero for an all-zero chunk; NaN for a chunk holding inf or NaN),
-   and the chunk's seed -8 * sum(xq).
+   and the chunk's seed -z * sum(xq) (z: the weights' zero point, 8 or 128).
    Weights (kvq.runtime.kernels.w4a8_cpu.w4a8_pack, once at load): tiles of 16 output rows, one per 32-bit
    lane; per tile and chunk, C / 8 vectors of 64 bytes: byte 4l + j of vector v holds, for the tile's row
    l, u = q + 8 of input 4v + j (low nibble) and of input 4(v + C / 8) + j (high nibble) of the chunk. So
    a vector's low (high) nibbles times the 4 inputs of step v (v + C / 8), broadcast to every lane, sum to
    each row's u * xq over the step, and over the chunk to the row's int32 sum, seeded so that it is the
    sum of q * xq, exact (|sum| < 2^17). Then y[m, row] += float(sum) * (scale(row, c) * xs[m, c]) in
-   fp32: no horizontal sums, 16 outputs per tile. Results do not depend on the path or the thread count
-   (the same integer sums, the same fp32 operations in the same order). */
+   fp32: no horizontal sums, 16 outputs per tile.
+   8-bit weights (w8a8_pack, `wide`): u = q + 128, one byte a weight, C / 4 vectors per chunk: byte 4l + j
+   of vector v holds row l's input 4v + j; vpdpbusd takes a vector as it is (vectors v and v + C / 8 in the
+   places of the low and high nibbles above); AVX2's vpmaddubsw, whose int16 pairs 255 * 127 * 2 would
+   overflow, takes the two nibbles of u = 16h + l apart and adds 16 times the high ones' sums (|sum| <
+   2^20, exact in fp32 too). Results do not depend on the path or the thread count (the same integer sums,
+   the same fp32 operations in the same order). */
 
 #define W4A8_ROWS 16 /* output rows per tile: one per lane */
 #define W4A8_MB 64   /* activation rows per pass over a tile (their fp32 sums: 4 KiB on the stack) */
@@ -28,10 +34,11 @@ typedef struct {
     int64_t M, K, N, tiles, chunks, xp_stride;
     int C, x_dtype, y_dtype;
     const void *x;
-    const uint8_t *w;    /* [tiles][chunks][C / 8][64] */
+    const uint8_t *w;    /* [tiles][chunks][C / 8 or C / 4 (wide)][64] */
     const void *scales; /* [tiles][chunks][16], fp32 or bf16 (scale_bf16) as the checkpoint stores them */
     int scale_bf16;
     int avx2; /* the AVX2 kernel (_w4a8_cpu_avx2.h), else AVX-512 VNNI's */
+    int wide; /* 8-bit weights (zero point 128, C / 4 vectors per chunk), else 4-bit (zero point 8, C / 8) */
     void *y;
     uint8_t *xp; /* per row: xs [chunks] fp32, seeds [chunks] int32, xq [K] int8 */
 } W4A8Job;
@@ -84,11 +91,11 @@ static PyObject *w4a8_paths(PyObject *self, PyObject *unused) {
 
 static PyObject *gemm_w4a8(PyObject *self, PyObject *args) {
     (void)self;
-    int avx2, threads, x_dtype, chunk, y_dtype, scale_dtype;
+    int avx2, threads, x_dtype, wide, chunk, y_dtype, scale_dtype;
     unsigned long long x, w, scales, y;
     long long M, K, N;
-    if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKi", &avx2, &threads, &x, &x_dtype, &M, &K, &w, &scales, &scale_dtype,
-                          &N, &chunk, &y, &y_dtype))
+    if (!PyArg_ParseTuple(args, "iiKiLLiKKiLiKi", &avx2, &threads, &x, &x_dtype, &M, &K, &wide, &w, &scales,
+                          &scale_dtype, &N, &chunk, &y, &y_dtype))
         return NULL;
     if (!w4a8_supported(avx2))
         return PyErr_Format(PyExc_ValueError, "the W4A8 %s kernel does not run on this CPU (see w4a8_paths())",
@@ -107,7 +114,7 @@ static PyObject *gemm_w4a8(PyObject *self, PyObject *args) {
         .xp_stride = w4a8_xp_stride(K, chunks), .C = chunk, .x_dtype = x_dtype, .y_dtype = y_dtype,
         .x = (const void *)(uintptr_t)x, .w = (const uint8_t *)(uintptr_t)w,
         .scales = (const void *)(uintptr_t)scales, .scale_bf16 = scale_dtype == DTYPE_BF16,
-        .y = (void *)(uintptr_t)y, .avx2 = avx2 != 0,
+        .y = (void *)(uintptr_t)y, .avx2 = avx2 != 0, .wide = wide != 0,
     };
     int status = 0;
     Py_BEGIN_ALLOW_THREADS;

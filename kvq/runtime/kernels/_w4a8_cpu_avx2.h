@@ -1,9 +1,9 @@
 /* The W4A8 kernel on AVX2 (see _w4a8_cpu.h), for CPUs without AVX-512 VNNI: a 64-byte weight vector is two
-   256-bit halves, 8 rows each; vpmaddubsw multiplies a half's u8 weights by a step's 4 broadcast int8
+   256-bit halves, 8 rows each; vpmaddubsw multiplies a half's u8 nibbles by a step's 4 broadcast int8
    activations and adds pairs (|u * xq + u * xq| <= 3810), eight steps add up in int16 (<= 30480, no
-   saturation), and vpmaddwd by ones widens each row's pairs to its int32 sum. A tile's chunk is unpacked
-   once into 1 KiB of L1 (AVX2 has 16 registers: the VNNI kernel's 16 unpacked vectors do not fit) and
-   runs up to W4A8_MB activation rows, two at a time. */
+   saturation), and vpmaddwd by ones (16 for the high nibbles of 8-bit weights) widens each row's pairs to
+   its int32 sum. A tile's chunk is unpacked once into 1 KiB of L1 (2 KiB for 8-bit weights; AVX2 has 16
+   registers: the VNNI kernel's 16 unpacked vectors do not fit) and runs up to W4A8_MB activation rows. */
 
 /* 8 activations of row m from input k as fp32 (bf16 or fp32 activations). */
 TARGET_AVX2 static inline __m256 w4a8_load_x_avx2(const W4A8Job *job, int64_t m, int64_t k) {
@@ -52,7 +52,7 @@ TARGET_AVX2 static void w4a8_convert_row_avx2(const W4A8Job *job, int64_t m) {
         _mm256_storeu_si256((__m256i *)sums, sum);
         for (int i = 0; i < 8; i++)
             total += sums[i];
-        seeds[c] = -8 * total;
+        seeds[c] = (job->wide ? -128 : -8) * total;
     }
 }
 
@@ -92,45 +92,51 @@ TARGET_AVX2 static inline __m256 w4a8_scales_avx2(const W4A8Job *job, int64_t t,
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-/* Tile t for activation rows [m0, m0 + mb): nv = C / 8 vectors per chunk. */
+/* Tile t for activation rows [m0, m0 + mb): nv = C / 8 steps of 4 inputs in each half of a chunk. Its
+   vectors (nv, or 2 nv when wide) are unpacked by nibble into steps of `u8`: low nibbles of vector v at
+   step v, high ones at v + nv (4-bit: the chunk's second half) or v + 2 nv (wide: the high nibbles of
+   every step). Group g of nv steps pairs u8 steps g nv .. with the activations of half g % 2, and adds
+   its sums once (g < 2) or 16 times (g >= 2: high nibbles of 8-bit weights). */
 TARGET_AVX2 static inline __attribute__((always_inline)) void
-w4a8_tile_avx2(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv) {
-    const uint8_t *wt = job->w + t * job->chunks * nv * 64;
+w4a8_tile_avx2(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv, int wide) {
+    const int vectors = wide ? 2 * nv : nv, groups = wide ? 4 : 2;
+    const uint8_t *wt = job->w + t * job->chunks * vectors * 64;
     __m256 acc[W4A8_MB][2];
     for (int64_t r = 0; r < mb; r++)
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    __m256i u8[16][2] __attribute__((aligned(32))); /* [step][half]: a chunk's unpacked weights, 1 KiB */
-    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256i u8[32][2] __attribute__((aligned(32))); /* [step][half]: a chunk's unpacked weights, <= 2 KiB */
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
     for (int64_t c = 0; c < job->chunks; c++) {
-        for (int v = 0; v < nv; v++)
+        const uint8_t *wc = wt + c * vectors * 64;
+        for (int v = 0; v < vectors; v++)
             for (int h = 0; h < 2; h++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(wt + (c * nv + v) * 64 + 32 * h));
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wc + v * 64 + 32 * h));
                 u8[v][h] = _mm256_and_si256(w, nibble);
-                u8[v + nv][h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                u8[v + vectors][h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
             }
-        __builtin_prefetch(wt + (c * nv + nv) * 64 + GEMV_PREFETCH_BYTES, 0, 3);
+        __builtin_prefetch(wc + vectors * 64 + GEMV_PREFETCH_BYTES, 0, 3);
         const __m256 ws0 = w4a8_scales_avx2(job, t, c, 0), ws1 = w4a8_scales_avx2(job, t, c, 1);
         for (int64_t r = 0; r < mb; r++) {
             const uint8_t *row = job->xp + (m0 + r) * job->xp_stride;
             const int8_t *xr = (const int8_t *)(row + 8 * job->chunks) + c * job->C;
-            __m256i s[2][2]; /* [low steps, high steps][half]: int16 pair sums */
-            for (int j = 0; j < 2; j++) {
-                s[j][0] = s[j][1] = _mm256_setzero_si256();
+            const __m256i seed = _mm256_set1_epi32(((const int32_t *)(row + 4 * job->chunks))[c]);
+            __m256i sum[2] = {seed, seed};
+            for (int g = 0; g < groups; g++) {
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); /* int16 pair sums */
                 for (int v = 0; v < nv; v++) { /* nv <= 8 steps: within int16 */
                     int32_t four;
-                    memcpy(&four, xr + 4 * (v + j * nv), 4);
+                    memcpy(&four, xr + 4 * (v + (g & 1) * nv), 4);
                     const __m256i x4 = _mm256_set1_epi32(four);
-                    s[j][0] = _mm256_add_epi16(s[j][0], _mm256_maddubs_epi16(u8[v + j * nv][0], x4));
-                    s[j][1] = _mm256_add_epi16(s[j][1], _mm256_maddubs_epi16(u8[v + j * nv][1], x4));
+                    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(u8[g * nv + v][0], x4));
+                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(u8[g * nv + v][1], x4));
                 }
+                const __m256i times = g < 2 ? ones : sixteens;
+                sum[0] = _mm256_add_epi32(sum[0], _mm256_madd_epi16(s0, times));
+                sum[1] = _mm256_add_epi32(sum[1], _mm256_madd_epi16(s1, times));
             }
-            const __m256i seed = _mm256_set1_epi32(((const int32_t *)(row + 4 * job->chunks))[c]);
             const __m256 xs = _mm256_set1_ps(((const float *)row)[c]);
-            for (int h = 0; h < 2; h++) {
-                __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(s[0][h], ones), _mm256_madd_epi16(s[1][h], ones));
-                sum = _mm256_add_epi32(sum, seed);
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(h ? ws1 : ws0, xs), acc[r][h]);
-            }
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(ws0, xs), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[1]), _mm256_mul_ps(ws1, xs), acc[r][1]);
         }
     }
     for (int64_t r = 0; r < mb; r++)
@@ -142,8 +148,8 @@ TARGET_AVX2 static void w4a8_tiles_avx2(const W4A8Job *job, int64_t t0, int64_t 
         for (int64_t m0 = 0; m0 < job->M; m0 += W4A8_MB) {
             const int64_t mb = job->M - m0 < W4A8_MB ? job->M - m0 : W4A8_MB;
             if (job->C == 64)
-                w4a8_tile_avx2(job, t, m0, mb, 8);
+                job->wide ? w4a8_tile_avx2(job, t, m0, mb, 8, 1) : w4a8_tile_avx2(job, t, m0, mb, 8, 0);
             else
-                w4a8_tile_avx2(job, t, m0, mb, 4);
+                job->wide ? w4a8_tile_avx2(job, t, m0, mb, 4, 1) : w4a8_tile_avx2(job, t, m0, mb, 4, 0);
         }
 }

@@ -1,6 +1,7 @@
-/* The W4A8 kernel on AVX-512 VNNI (see _w4a8_cpu.h): a vector's nibbles times a step's 4 activations is
-   one vpdpbusd (64 products) with its broadcast folded in; the tile's chunk is unpacked into registers once
-   and runs up to W4A8_MB activation rows, four at a time, two chains each (vpdpbusd's latency). */
+/* The W4A8 kernel on AVX-512 VNNI (see _w4a8_cpu.h): a vector's nibbles (or, wide, its bytes) times a
+   step's 4 activations is one vpdpbusd (64 products) with its broadcast folded in; the tile's chunk is
+   unpacked into registers once and runs up to W4A8_MB activation rows, four at a time, two chains each
+   (vpdpbusd's latency). */
 
 /* 16 activations of row m from input k as fp32 (bf16 or fp32 activations). */
 TARGET_AVX512VNNI static inline __m512 w4a8_load_x_vnni(const W4A8Job *job, int64_t m, int64_t k) {
@@ -44,7 +45,7 @@ TARGET_AVX512VNNI static void w4a8_convert_row_vnni(const W4A8Job *job, int64_t 
         _mm512_storeu_si512(sums, sum);
         for (int i = 0; i < 16; i++)
             total += sums[i];
-        seeds[c] = -8 * total;
+        seeds[c] = (job->wide ? -128 : -8) * total;
     }
 }
 
@@ -101,22 +102,29 @@ w4a8_row_sums_vnni(const __m512i *lo, const __m512i *hi, const int8_t *xr, int32
     return _mm512_add_epi32(a, b);
 }
 
-/* Tile t (output rows 16t ..) for activation rows [m0, m0 + mb): nv = C / 8 vectors per chunk. */
+/* Tile t (output rows 16t ..) for activation rows [m0, m0 + mb): nv = C / 8 steps of 4 inputs in each half
+   of a chunk; its vectors: nv (4-bit weights) or 2 nv (wide: 8-bit, taken as they are). */
 TARGET_AVX512VNNI static inline __attribute__((always_inline)) void
-w4a8_tile_vnni(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv) {
-    const uint8_t *wt = job->w + t * job->chunks * nv * 64;
+w4a8_tile_vnni(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv, int wide) {
+    const int vectors = wide ? 2 * nv : nv;
+    const uint8_t *wt = job->w + t * job->chunks * vectors * 64;
     __m512 acc[W4A8_MB];
     for (int64_t r = 0; r < mb; r++)
         acc[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15);
     for (int64_t c = 0; c < job->chunks; c++) {
         __m512i lo[8], hi[8];
+        const uint8_t *wc = wt + c * vectors * 64;
         for (int v = 0; v < nv; v++) {
-            const __m512i w = _mm512_loadu_si512(wt + (c * nv + v) * 64);
-            lo[v] = _mm512_and_si512(w, nibble);
-            hi[v] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+            const __m512i w = _mm512_loadu_si512(wc + v * 64);
+            lo[v] = wide ? w : _mm512_and_si512(w, nibble);
+            hi[v] = wide ? _mm512_loadu_si512(wc + (v + nv) * 64) : _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
         }
-        __builtin_prefetch(wt + (c * nv + nv) * 64 + GEMV_PREFETCH_BYTES, 0, 3);
+        if (mb > 4) /* a long pass: the next tile's chunk c, line by line (the stream's prefetcher lags) */
+            for (int v = 0; v < vectors; v++)
+                __builtin_prefetch(wc + job->chunks * vectors * 64 + v * 64, 0, 3);
+        else
+            __builtin_prefetch(wc + vectors * 64 + GEMV_PREFETCH_BYTES, 0, 3);
         const __m512 ws = w4a8_scales_vnni(job, t, c);
         for (int64_t r = 0; r < mb; r += 4) { /* four rows' chains side by side (a short last group) */
             __m512i s[4];
@@ -142,8 +150,8 @@ TARGET_AVX512VNNI static void w4a8_tiles_vnni(const W4A8Job *job, int64_t t0, in
         for (int64_t m0 = 0; m0 < job->M; m0 += W4A8_MB) {
             const int64_t mb = job->M - m0 < W4A8_MB ? job->M - m0 : W4A8_MB;
             if (job->C == 64)
-                w4a8_tile_vnni(job, t, m0, mb, 8);
+                job->wide ? w4a8_tile_vnni(job, t, m0, mb, 8, 1) : w4a8_tile_vnni(job, t, m0, mb, 8, 0);
             else
-                w4a8_tile_vnni(job, t, m0, mb, 4);
+                job->wide ? w4a8_tile_vnni(job, t, m0, mb, 4, 1) : w4a8_tile_vnni(job, t, m0, mb, 4, 0);
         }
 }

@@ -1,10 +1,11 @@
 """W4A8 on CPU (opt-in, `EngineConfig.int4_compute="w4a8"`): a compressed-tensors INT4 weight times
 activations quantized to int8 per row and chunk of `w4a8_chunk(group_size)` inputs, in exact integer sums on
-AVX-512 VNNI or AVX2 (`_w4a8_cpu.h`, which says why and how).
+AVX-512 VNNI or AVX2 (`_w4a8_cpu.h`, which says why and how); and W8A8, the same kernels over an INT8
+weight with a scale per row (the INT8 lm_head copy, `lm_head_weights="int8"`, in that mode).
 
-`w4a8_pack` lays a weight out for the kernel once, at load (the same 4 bits a weight, in tiles of 16 output
-rows); `NativeW4A8` runs it; `w4a8_reference` is the same arithmetic in torch: the oracle of the tests.
-Imports torch and kvq.runtime.kernels.w4a16_cpu.
+`w4a8_pack` / `w8a8_pack` lay a weight out for the kernel once, at load (the same 4 / 8 bits a weight, in
+tiles of 16 output rows); `NativeW4A8` / `NativeW8A8` run it; `w4a8_reference` / `w8a8_reference` are the
+same arithmetic in torch: the oracles of the tests. Imports torch and kvq.runtime.kernels.w4a16_cpu.
 """
 
 from __future__ import annotations
@@ -63,11 +64,37 @@ def w4a8_pack(
     return w, scale.view(tiles, TILE_ROWS, chunks).transpose(1, 2).contiguous()
 
 
+def w8a8_chunk(in_features: int) -> int | None:
+    """Inputs per activation scale for an INT8 weight of `in_features` columns: 64, else 32 (the kernel's
+    two), or None when neither divides it (the W8A16 kernel runs)."""
+    return next((chunk for chunk in (64, 32) if in_features % chunk == 0), None)
+
+
+def w8a8_pack(
+    weight: torch.Tensor, weight_scale: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight `[N, K]` with its scale per row `[N]` (`kernels.w8a16.quantize_int8_rows`) as the
+    kernel reads it: uint8 `[tiles, chunks, C/4, 64]` (byte 4l + j of vector v: u = q + 128 of the tile's row
+    l, chunk input 4v + j) and the row scales per chunk `[tiles, chunks, 16]` (`native_scale`'s dtype). Rows
+    past N (the last tile's) have q = 0 and scale 0."""
+    num_rows, in_features = weight.shape
+    chunks, tiles = in_features // chunk, -(-num_rows // TILE_ROWS)
+    u = torch.full((tiles * TILE_ROWS, in_features), 128, dtype=torch.uint8)
+    u[:num_rows] = (weight.to(torch.int16) + 128).to(torch.uint8)
+    steps = u.view(tiles, TILE_ROWS, chunks, chunk // 4, 4).permute(0, 2, 3, 1, 4)  # [t, c, v, l, j]
+    w = steps.contiguous().view(tiles, chunks, chunk // 4, 64)
+    stored = native_scale(weight_scale)
+    scale = torch.zeros(tiles * TILE_ROWS, chunks, dtype=stored.dtype)
+    scale[:num_rows] = stored[:, None]
+    return w, scale.view(tiles, TILE_ROWS, chunks).transpose(1, 2).contiguous()
+
+
 class NativeW4A8:
-    """One weight's W4A8 kernel call, its packed layout bound (`w4a8_pack`); path: "vnni" or "avx2"
+    """One INT4 weight's W4A8 kernel call, its packed layout bound (`w4a8_pack`); path: "vnni" or "avx2"
     (default: `w4a8_path()`)."""
 
     __slots__ = ("w", "scale", "out_features", "chunk", "path", "_weight_args")
+    wide = False  # 8-bit weights (NativeW8A8)
 
     def __init__(
         self,
@@ -76,12 +103,19 @@ class NativeW4A8:
         group_size: int,
         path: str | None = None,
     ) -> None:
-        self.w, self.scale = w4a8_pack(weight_packed, weight_scale, group_size)
-        self.out_features, self.chunk = weight_packed.shape[0], w4a8_chunk(group_size)
+        w, scale = w4a8_pack(weight_packed, weight_scale, group_size)
+        self._bind(w, scale, weight_packed.shape[0], w4a8_chunk(group_size), path)
+
+    def _bind(
+        self, w: torch.Tensor, scale: torch.Tensor, out_features: int, chunk: int, path: str | None
+    ) -> None:
+        self.w, self.scale, self.out_features, self.chunk = w, scale, out_features, chunk
         self.path = path or w4a8_path()
         assert self.path in w4a8_runnable(), f"the W4A8 {self.path} kernel does not run here"
         pointers = (self.w.data_ptr(), self.scale.data_ptr())  # the call's weight arguments, bound once
-        self._weight_args = (*pointers, _DTYPE_CODES[self.scale.dtype], self.out_features, self.chunk)
+        self._weight_args = (
+            int(self.wide), *pointers, _DTYPE_CODES[self.scale.dtype], self.out_features, self.chunk,
+        )  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[M, K]` -> `[M, N]` in x.dtype (bf16 and fp32 as they are, another dtype through fp32)."""
@@ -109,6 +143,19 @@ class NativeW4A8:
         return [self.w, self.scale]
 
 
+class NativeW8A8(NativeW4A8):
+    """One INT8 weight's W8A8 call (`w8a8_pack`): int8 `[N, K]` with a scale per row `[N]`, K a multiple of 32
+    (`w8a8_chunk`); path as NativeW4A8's."""
+
+    __slots__ = ()
+    wide = True
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, path: str | None = None) -> None:
+        chunk = w8a8_chunk(weight.shape[1])
+        assert chunk is not None, f"W8A8 takes K a multiple of 32, got {weight.shape[1]}"
+        self._bind(*w8a8_pack(weight, weight_scale, chunk), weight.shape[0], chunk, path)
+
+
 def quantize_activations(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activations: x `[M, K]` as int8 values `[M, K]` (in an int32 tensor) and fp32 scales
     `[M, K/chunk]`: per chunk amax = max |x|, xq = rint(x * (127 / amax)), xs = amax / 127, in fp32."""
@@ -131,4 +178,17 @@ def w4a8_reference(
     sums = torch.einsum("mcj,ncj->mnc", xq.double().view(-1, chunks, chunk), q.view(num_rows, chunks, chunk))
     ws = native_scale(weight_scale).float().repeat_interleave(group_size // chunk, dim=1)  # [N, chunks]
     factors = (ws.unsqueeze(0) * xs.unsqueeze(1)).double()  # fp32 products, [M, N, chunks]
+    return (sums * factors).sum(dim=-1)
+
+
+def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """NativeW8A8's result in fp64: per chunk, the exact integer sum of q * xq times weight_scale * xs (both
+    fp32, their product rounded to fp32), summed over chunks. `[M, N]` fp64."""
+    chunk = w8a8_chunk(weight.shape[1])
+    assert chunk is not None
+    xq, xs = quantize_activations(x, chunk)
+    num_rows, chunks = weight.shape[0], weight.shape[1] // chunk
+    q = weight.double().view(num_rows, chunks, chunk)
+    sums = torch.einsum("mcj,ncj->mnc", xq.double().view(-1, chunks, chunk), q)
+    factors = (native_scale(weight_scale).float()[None, :, None] * xs.unsqueeze(1)).double()  # [M, N, chunks]
     return (sums * factors).sum(dim=-1)

@@ -20,14 +20,21 @@ INT8_MAX = 127
 _INT8PACK_K_MULTIPLE = 16  # `aten._weight_int8pack_mm` is right only for K % 16 == 0 (test_w8a16.py)
 
 
-def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense `[N, K]` -> (`weight` int8 `[N, K]`, `weight_scale` fp32 `[N]`): symmetric, round to nearest
-    even, scale = max |row| / 127 (an all-zero row gets scale 1)."""
+def quantize_int8_rows(
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense `[N, K]` -> (`weight` int8 `[N, K]`, `weight_scale` `[N]` in scale_dtype): symmetric, round to
+    nearest even, scale = max |row| / 127 (an all-zero row gets scale 1); a bf16 scale is that fp32 one
+    rounded up to the next bf16 (so that |w / scale| <= 127 still), the weights rounded against it."""
     w = weight.float()
     absmax = w.abs().amax(dim=1)
     scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+    if scale_dtype == torch.bfloat16:
+        near = scale.bfloat16()
+        up = (near.view(torch.int16) + 1).view(torch.bfloat16)  # positive: the next bf16 up
+        scale = torch.where(near.float() < scale, up, near).float()
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
+    return q.contiguous(), scale.to(scale_dtype).contiguous()
 
 
 def w8a16_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

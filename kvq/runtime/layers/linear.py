@@ -17,7 +17,7 @@ from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
 from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
 from kvq.runtime.kernels.dense_cpu import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, NativeW8A8, w4a8_path, w8a8_chunk
 from kvq.runtime.kernels.w4a16_cpu import Call, gemm_dense_call
 from kvq.runtime.kernels.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
 
@@ -183,29 +183,39 @@ class Int4Linear(Linear):
         return [t for t in held if t is not None] + native
 
 
-def int4_copy(weight: torch.Tensor, group_size: int) -> Int4Linear:
+def int4_copy(weight: torch.Tensor, group_size: int, int8_activations: bool = False) -> Int4Linear:
     """A W4A16 runtime copy of a dense weight `[N, K]`: symmetric round-to-nearest INT4 groups, the
-    arithmetic of `kvq compress` (compressed-tensors'), prepared for the kernels on weight's device."""
+    arithmetic of `kvq compress` (compressed-tensors'), prepared for the kernels on weight's device (for the
+    W4A8 kernel with int8_activations, as a checkpoint's INT4 Linears under int4_compute "w4a8")."""
     weight_packed, weight_scale = quantize_pack_int4(weight, group_size)
-    return Int4Linear(prepare_w4a16(weight_packed, weight_scale, group_size), None)
+    prepared = prepare_w4a16(weight_packed, weight_scale, group_size, int8_activations=int8_activations)
+    return Int4Linear(prepared, None)
 
 
 class Int8Linear(Linear):
-    """INT8 weight with a scale per output row (W8A16) through `kernels.w8a16.w8a16_linear`."""
+    """INT8 weight with a scale per output row: W8A16 through `kernels.w8a16.w8a16_linear`, or W8A8
+    (`kernels.w4a8_cpu.NativeW8A8`, activations in int8 as W4A8's)."""
 
-    def __init__(self, weight: W8A16Weight) -> None:
+    def __init__(self, weight: W8A16Weight | NativeW8A8) -> None:
         self.weight, self.bias = weight, None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return w8a16_linear(x, self.weight)
+        if isinstance(self.weight, W8A16Weight):
+            return w8a16_linear(x, self.weight)
+        return self.weight(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.weight.out_features)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.weight.weight, self.weight.weight_scale]
+        w = self.weight
+        return [w.weight, w.weight_scale] if isinstance(w, W8A16Weight) else w.tensors()
 
 
-def int8_copy(weight: torch.Tensor) -> Int8Linear:
-    """A W8A16 runtime copy of a dense weight `[N, K]`: symmetric round-to-nearest INT8 rows, one fp32
-    scale per row (`kernels.w8a16.quantize_int8_rows`), on weight's device."""
+def int8_copy(weight: torch.Tensor, int8_activations: bool = False) -> Int8Linear:
+    """An INT8 runtime copy of a dense weight `[N, K]`: symmetric round-to-nearest INT8 rows, one scale per
+    row (`kernels.w8a16.quantize_int8_rows`), on weight's device. With int8_activations (int4_compute
+    "w4a8"), W8A8 where its kernel runs (a CPU path with one, K a multiple of 32; the scales in bf16, as
+    W4A8 reads its own), else W8A16."""
+    if int8_activations and weight.device.type == "cpu" and w4a8_path() and w8a8_chunk(weight.shape[1]):
+        return Int8Linear(NativeW8A8(*quantize_int8_rows(weight, torch.bfloat16)))
     return Int8Linear(prepare_w8a16(*quantize_int8_rows(weight)))
 
 

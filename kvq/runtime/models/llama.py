@@ -215,10 +215,11 @@ class LlamaForCausalLM:
             self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
         else:
             self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)], split=ROWS)
+        int8_activations = loader.config.int4_compute == "w4a8"
         if isinstance(self.lm_head, DenseLinear) and loader.config.lm_head_weights == "int4":
-            self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE)
+            self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE, int8_activations)
         elif isinstance(self.lm_head, DenseLinear) and loader.config.lm_head_weights == "int8":
-            self.lm_head = int8_copy(self.lm_head.weight)
+            self.lm_head = int8_copy(self.lm_head.weight, int8_activations)
         self.decode_plans = DecodePlans.of(self, loader.config.enforce_eager)
 
     def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
