@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs the CPU W4A16, W8A16 and W4A8 kernel tests on every path, AVX-512 included, on a CPU that lacks some of
-# them: builds the kernel with SIMDe's portable intrinsics (Debian/Ubuntu: apt-get install libsimde-dev) and
-# loads that build in place of the installed one. It checks the intrinsics code's arithmetic, not its speed
-# or the compiler's instruction selection. Usage: scripts/check_cpu_paths.sh [pytest args]
+# Runs the CPU W4A16, W8A16, W4A8 and W8A8 kernel tests on every path, AVX-512 included, on a CPU that lacks
+# some of them: builds the kernel with SIMDe's portable intrinsics (Debian/Ubuntu: apt-get install
+# libsimde-dev) and loads that build in place of the installed one. It checks the intrinsics code's
+# arithmetic, not its speed or the compiler's instruction selection. Usage: scripts/check_cpu_paths.sh [pytest args]
 set -euo pipefail
 PY=${PYTHON:-python}
 out=$(mktemp -d)

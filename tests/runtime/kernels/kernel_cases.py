@@ -30,6 +30,24 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float) -
     assert err <= bound, f"max abs error {err:.3g} > {bound:.3g} (rel {rel})"
 
 
+def same_bits_on_every_path_and_thread_count(kernels: list, xs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether each kernel (a callable x -> y: one per path) gives bit-identical outputs for each x at 1 and
+    2 threads."""
+    threads = torch.get_num_threads()
+    try:
+        for x in xs:
+            ys = []
+            for kernel in kernels:
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    ys.append(kernel(x))
+            if not all(torch.equal(ys[0], y) for y in ys):
+                return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
 def random_w4a16(
     num_rows: int, in_features: int, group_size: int, gen: torch.Generator, num_experts: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

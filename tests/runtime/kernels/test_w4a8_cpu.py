@@ -19,7 +19,7 @@ from kvq.runtime.kernels.w4a8_cpu import (
     w4a8_runnable,
 )
 from kvq.runtime.kernels.w4a16 import w4a16_reference
-from tests.runtime.kernels.kernel_cases import random_w4a16
+from tests.runtime.kernels.kernel_cases import random_w4a16, same_bits_on_every_path_and_thread_count
 
 PATHS = w4a8_runnable()
 pytestmark = pytest.mark.skipif(not PATHS, reason="no W4A8 kernel runs here (AVX2 and kvq's CPU extension)")
@@ -81,19 +81,8 @@ def test_paths_and_threads_give_the_same_bits(group) -> None:
     gen = torch.Generator().manual_seed(2)
     packed, scale = random_w4a16(300, 512, group, gen)
     xs = (torch.randn(9, 512, generator=gen).bfloat16(), torch.randn(67, 512, generator=gen))
-    threads, results = torch.get_num_threads(), []
-    try:
-        for path in PATHS:
-            kernel = NativeW4A8(packed, scale, group, path)
-            for x in xs:
-                for n in (1, 2):
-                    torch.set_num_threads(n)
-                    results.append((x.shape[0], kernel(x)))
-    finally:
-        torch.set_num_threads(threads)
-    for rows in (9, 67):
-        ys = [y for m, y in results if m == rows]
-        assert all(torch.equal(ys[0], y) for y in ys) and len(ys) == 2 * len(PATHS)
+    kernels = [NativeW4A8(packed, scale, group, path) for path in PATHS]
+    assert same_bits_on_every_path_and_thread_count(kernels, xs)
 
 
 @pytest.mark.parametrize("path", PATHS)

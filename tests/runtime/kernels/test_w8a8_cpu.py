@@ -18,6 +18,7 @@ from kvq.runtime.kernels.w4a8_cpu import (
     w8a8_reference,
 )
 from kvq.runtime.kernels.w8a16 import quantize_int8_rows, w8a16_reference
+from tests.runtime.kernels.kernel_cases import same_bits_on_every_path_and_thread_count
 
 PATHS = w4a8_runnable()
 pytestmark = pytest.mark.skipif(not PATHS, reason="no W4A8 kernel runs here (AVX2 and kvq's CPU extension)")
@@ -77,20 +78,9 @@ def test_paths_and_threads_give_the_same_bits(in_features) -> None:
     gen = torch.Generator().manual_seed(2)
     weight, weight_scale = _int8(300, in_features, gen, torch.float32)  # fp32 scales as well
     xs = (torch.randn(9, in_features, generator=gen).bfloat16(), torch.randn(67, in_features, generator=gen))
-    threads, results = torch.get_num_threads(), []
-    try:
-        for path in PATHS:
-            kernel = NativeW8A8(weight, weight_scale, path)
-            for x in xs:
-                for n in (1, 2):
-                    torch.set_num_threads(n)
-                    results.append((x.shape[0], kernel(x)))
-    finally:
-        torch.set_num_threads(threads)
-    for rows in (9, 67):
-        ys = [y for m, y in results if m == rows]
-        assert all(torch.equal(ys[0], y) for y in ys) and len(ys) == 2 * len(PATHS)
-    assert results[0][1].dtype == torch.bfloat16
+    kernels = [NativeW8A8(weight, weight_scale, path) for path in PATHS]
+    assert same_bits_on_every_path_and_thread_count(kernels, xs)
+    assert kernels[0](xs[0]).dtype == torch.bfloat16
 
 
 def test_the_packed_layout_holds_every_weight_once() -> None:
