@@ -12,7 +12,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kvq.bench.decode import DecodeBenchConfig, int4_model, render, run_bench
+from kvq.bench.decode import DecodeBenchConfig, int4_model, run_bench
+from kvq.bench.decode_render import render
 from kvq.commands.engine_options import EnforceEagerOption
 from kvq.commands.render import console
 from kvq.errors import KvqError
