@@ -200,7 +200,10 @@ def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchR
 
     torch.set_num_threads(config.threads)
     w4a8 = w4a8_path() is not None
-    result = DecodeBenchResult(config=asdict(config), cpu_path=describe_cpu_path(resolve_cpu_isa()))
+    cpu_path = describe_cpu_path(
+        resolve_cpu_isa(), "w4a8" if w4a8 else "w4a16"
+    )  # W4A8 contenders: theirs too
+    result = DecodeBenchResult(config=asdict(config), cpu_path=cpu_path)
 
     def one(path: Path, kv: str, **kwargs) -> object:
         return engine(path, config, kv_cache_dtype=kv, kv_memory="64MiB", max_num_seqs=1, **kwargs)

@@ -85,7 +85,8 @@ class Engine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        cpu_path = describe_cpu_path(resolve_cpu_isa()) if config.torch_device.type == "cpu" else None
+        is_cpu = config.torch_device.type == "cpu"
+        cpu_path = describe_cpu_path(resolve_cpu_isa(), config.int4_compute) if is_cpu else None
         self.ckpt = Checkpoint.open(config.model)
         self.text_model = read_text_model(self.ckpt.root)  # the language model (Kimi: under text_config)
         cls = model_class(self.text_model)

@@ -9,7 +9,8 @@ import pytest
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels import CPU_ISA_ENV, describe_cpu_path
+from kvq.runtime.kernels import CPU_ISA_ENV, describe_cpu_path, resolve_cpu_isa
+from kvq.runtime.kernels.w4a8_cpu import w4a8_path
 from kvq.runtime.layers.linear import Int4Linear
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.cpu_isa import needs_amx
@@ -32,6 +33,16 @@ def test_every_int4_linear_runs_the_chosen_path(int4_checkpoint, cpu_isa: str, c
     reference = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB", dtype="float32"))
     expected = reference.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert out.token_ids == expected.token_ids
+
+
+@pytest.mark.skipif(w4a8_path() is None, reason="int4_compute w4a8 needs AVX2 and kvq's CPU extension")
+def test_the_w4a8_kernel_is_logged_once(int4_checkpoint, caplog) -> None:
+    config = EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB", int4_compute="w4a8")
+    with caplog.at_level(logging.INFO, logger="kvq"):
+        Engine(config)
+    logged = [r.getMessage() for r in caplog.records if "CPU W4A16 path" in r.getMessage()]
+    assert logged == [describe_cpu_path(resolve_cpu_isa(), "w4a8")]
+    assert f"INT4 as W4A8 (and an INT8 lm_head as W8A8) on the {w4a8_path()} kernel" in logged[0]
 
 
 def test_a_bad_choice_is_one_line(tiny_checkpoint, monkeypatch) -> None:

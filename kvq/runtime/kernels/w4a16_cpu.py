@@ -134,11 +134,12 @@ def cpu_flags() -> str:
     )
 
 
-def describe_cpu_path(isa: str) -> str:
+def describe_cpu_path(isa: str, int4_compute: str = "w4a16") -> str:
     """One line for logs and benchmarks: the CPU's features, the W4A16 path that runs (amx: dense BF16
-    Linears' decode batches too, `dense_cpu`) and the vector level of the C small ops (attention, norms,
-    rotary, store, argmax) under the same $KVQ_CPU_ISA."""
+    Linears' decode batches too, `dense_cpu`), the W4A8 kernel with int4_compute "w4a8", and the vector
+    level of the C small ops (attention, norms, rotary, store, argmax) under the same $KVQ_CPU_ISA."""
     from kvq.runtime.kernels.cpu_ops import describe_level  # imports this module: here, not at the top
+    from kvq.runtime.kernels.w4a8_cpu import w4a8_path  # imports this module too
 
     path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
     if isa in BF16_DOT_ISAS:
@@ -146,6 +147,8 @@ def describe_cpu_path(isa: str) -> str:
         path += f" (bf16 activations on {dot})"
     if isa == "amx":
         path += " (dense BF16 decode batches on AMX tiles too)"
+    if int4_compute == "w4a8":
+        path += f"; INT4 as W4A8 (and an INT8 lm_head as W8A8) on the {w4a8_path()} kernel"
     ops = describe_level()
     return f"CPU W4A16 path: {path}, small ops: {ops} (CPU: {cpu_flags()})"
 
