@@ -20,10 +20,11 @@ demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
 # Tests in TEST_WORKERS processes (pytest-xdist), a module's tests in one of them (its fixtures built once):
-# 14.6 min on a 2-core Zen 4 where one process took 20-23. TEST_WORKERS=0 runs them in this process.
+# 15.7 min on a 2-core Zen 4 where one process took 20-23. TEST_WORKERS=0 runs them in this process. The
+# 15 slowest are listed at the end (what to trim when the suite grows past CI's ~15 minute budget).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not vllm"
