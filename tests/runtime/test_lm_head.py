@@ -12,8 +12,8 @@ from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import w4a16_reference
 from kvq.runtime.kernels.w4a8_cpu import NativeW8A8, w4a8_path, w4a8_reference, w8a8_chunk, w8a8_reference
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
-from kvq.runtime.kernels.w8a16 import quantize_int8_rows, w8a16_reference
-from kvq.runtime.layers.linear import DenseLinear, Int4Linear, Int8Linear, onednn_prepack_available
+from kvq.runtime.kernels.w8a16 import W8A16Weight, quantize_int8_rows, w8a16_reference
+from kvq.runtime.layers.linear import DenseLinear, Int4Linear, Int8Linear, int8_copy, onednn_prepack_available
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
 
 
@@ -101,3 +101,15 @@ def test_copies_follow_int4_compute_w4a8(tiny_checkpoint) -> None:
     weight_packed, weight_scale = quantize_pack_int4(dense, LM_HEAD_GROUP_SIZE)
     expected = w4a8_reference(x, weight_packed, weight_scale, LM_HEAD_GROUP_SIZE)
     assert_close_rel(w4a8.matmul(x), expected, REL_TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(w4a8_path() is None, reason="int4_compute w4a8 needs AVX2 and kvq's CPU extension")
+def test_int8_copy_is_w8a8_only_where_the_kernel_takes_k() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for hidden, w8a8 in ((64, True), (96, True), (48, False)):  # K a multiple of 32, else W8A16
+        dense = torch.randn(50, hidden, generator=gen).bfloat16()
+        copy = int8_copy(dense, int8_activations=True)
+        assert isinstance(copy.weight, NativeW8A8) == w8a8
+        x = torch.randn(3, hidden, generator=gen).bfloat16()
+        assert copy.matmul(x).shape == (3, 50) and copy.matmul(x[None]).shape == (1, 3, 50)
+    assert isinstance(int8_copy(dense).weight, W8A16Weight)  # W4A16 mode: always W8A16
