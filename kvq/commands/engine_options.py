@@ -67,7 +67,8 @@ Int4ComputeOption = Annotated[
     typer.Option(
         help="How INT4 Linears multiply on CPU: w4a16 (the 16-bit activations, exact) or w4a8 (activations "
         "quantized to int8 per row and 64 inputs, exact integer sums on AVX-512 VNNI: faster batches and "
-        "decode for some quality; measure it with kvq eval). Stacked MoE experts stay w4a16."
+        "decode for some quality; measure it with kvq eval). Stacked MoE experts too; an INT8 lm_head copy "
+        "runs as w8a8."
     ),
 ]
 EnforceEagerOption = Annotated[

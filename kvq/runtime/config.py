@@ -50,8 +50,8 @@ class EngineConfig:
     int4_compute: how INT4 Linears multiply on CPU. "w4a16" (default) multiplies the 16-bit activations;
       "w4a8" quantizes them to int8 per row and 64 inputs (symmetric, round to nearest) and sums in exact
       integers on AVX-512 VNNI or AVX2 (`kernels.w4a8_cpu`): faster batches and GEMVs that keep up with
-      memory, for some quality (opt-in: `kvq eval --int4-compute w4a8` measures it). Plain INT4 Linears
-      only (stacked MoE experts stay W4A16); not in reference mode, nor off CPU. The lm_head's runtime
+      memory, for some quality (opt-in: `kvq eval --int4-compute w4a8` measures it). Every INT4 Linear,
+      stacked MoE experts too; not in reference mode, nor off CPU. The lm_head's runtime
       copies follow it: "int4" runs as W4A8, "int8" as W8A8 (bf16 row scales; K a multiple of 32).
     kv_integrity: checked KV pages (`kvq.runtime.integrity`). "off" builds no tracker and does no work;
       "tags" checks, once per step before any page is read, that every page a request reads or writes

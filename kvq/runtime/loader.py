@@ -213,6 +213,7 @@ class WeightLoader:
             self.device,
             is_reference=self.config.is_reference,
             fp8_weights=self.config.fp8_weights,
+            int4_compute=self.config.int4_compute,
         )
 
     def _int4(

@@ -13,7 +13,10 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.decode_plan import DecodePlan, linear_call, model_blocker
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import CPU_ISA_ENV
+from kvq.runtime.kernels.w4a8_cpu import w4a8_path
+from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
 from kvq.runtime.layers.linear import DenseLinear
+from kvq.runtime.layers.moe import Int4Experts
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.reference import batch_teacher_forced_logits
 from tests.test_cli_errors import run_kvq
@@ -156,3 +159,23 @@ def test_enforce_eager_flag(tiny_checkpoint) -> None:
     ]
     assert all(r.returncode == 0 for r in texts), [r.stderr for r in texts]
     assert texts[0].stdout == texts[1].stdout and texts[0].stdout.strip()
+
+
+@pytest.mark.skipif(w4a8_path() is None, reason="int4_compute w4a8 needs AVX2 and kvq's CPU extension")
+def test_w4a8_with_stacked_experts_plans_eager_and_w4a16(int4_checkpoint) -> None:
+    """glm4_moe under int4_compute "w4a8": its stacked INT4 experts in the W4A8 layout too; plans give the
+    eager logits; the logits stay within int8 rounding of W4A16's."""
+    path = str(int4_checkpoint("glm4_moe"))
+    planned, eager = _engines(path, int4_compute="w4a8")
+    moe = [
+        layer.mlp
+        for layer in planned.model.layers
+        if isinstance(getattr(layer.mlp, "experts", None), Int4Experts)
+    ]
+    assert moe and all(m.experts.w13.layout == m.experts.w2.layout == LAYOUT_W4A8_CPU for m in moe)
+    forced = _forced(6)
+    found = batch_teacher_forced_logits(planned, PROMPTS, forced)
+    assert torch.equal(found, batch_teacher_forced_logits(eager, PROMPTS, forced))
+    w4a16, _ = _engines(path)
+    expected = batch_teacher_forced_logits(w4a16, PROMPTS, forced)
+    assert (found - expected).norm() / expected.norm() < 0.08  # a tiny random model: 3.7% here

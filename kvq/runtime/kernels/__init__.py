@@ -43,7 +43,6 @@ from kvq.runtime.kernels.paged_attention import (
 )
 from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
 from kvq.runtime.kernels.w4a16 import (
-    LAYOUT_W4A8_CPU,
     W4A16Weight,
     check_w4a16_tensors,
     compressed_tensors_weight,
@@ -84,7 +83,7 @@ def prepare_w4a16(
     int8_activations: bool = False,
 ) -> W4A16Weight:
     """Check a pack-quantized weight and ready it for the backend chosen for its device (once, at load);
-    int8_activations: a plain weight on CPU for the W4A8 kernel (`w4a8_cpu`, where it runs)."""
+    int8_activations: on CPU, for the W4A8 kernel (`w4a8_cpu`, where it runs; stacked experts too)."""
     check_w4a16_tensors(weight_packed, weight_scale, group_size)
     if resolve_backend(weight_packed.device, backend) == "torch":
         return prepare_w4a16_torch(weight_packed, weight_scale, group_size, int8_activations)
@@ -93,13 +92,10 @@ def prepare_w4a16(
 
 def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     """y = x @ W^T for x `[..., K]` -> `[..., N]` in x.dtype, on the backend `w` was prepared for."""
-    if w.native is not None and x.dim() == 2 and x.shape[1] == w.in_features:
-        return w.native(x)  # the CPU kernel's short path (decode calls it ~100 times per token)
-    if w.layout == LAYOUT_W4A8_CPU and x.shape[-1] == w.in_features:
-        assert w.native is not None
-        return w.native(x.reshape(-1, w.in_features)).reshape(*x.shape[:-1], w.out_features)
     if w.num_experts is not None:
         raise ValueError(f"w holds {w.num_experts} stacked experts: use fused_moe_w4a16")
+    if w.native is not None and x.dim() == 2 and x.shape[1] == w.in_features:
+        return w.native(x)  # the CPU kernel's short path (decode calls it ~100 times per token)
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x has shape {tuple(x.shape)}, expected [..., {w.in_features}]")
     x2d = x.reshape(-1, w.in_features)

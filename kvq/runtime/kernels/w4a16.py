@@ -48,8 +48,8 @@ class W4A16Weight:
     - "native-cpu": `weight_packed` as loaded and `weight_scale` (bf16 as loaded, other dtypes as fp32)
       for kvq's CPU kernel; `cpu_isa` names its path ("amx", "avx512bf16", "avx512", "avx2" or "scalar") and
       `native` (plain weights only) is the kernel call with the weight's arguments bound.
-    - "w4a8-cpu": `native` only, the W4A8 kernel (`w4a8_cpu.NativeW4A8`) holding the weight in its own
-      layout (int8 activations, opt-in: `EngineConfig.int4_compute`); plain weights only.
+    - "w4a8-cpu": `native` only, the W4A8 kernel (`w4a8_cpu.NativeW4A8`) holding the weight (or stacked
+      experts) in its own layout (int8 activations, opt-in: `EngineConfig.int4_compute`).
     - "int4pack-cpu": `int4pack` uint8 `[(E,) N16, K/2]` for `aten._weight_int4pack_mm_for_cpu` and
       `scales_and_zeros` `[(E,) K/G, N16, 2]` (zeros are 0); N16 = N rounded up to a multiple of 16.
     """
@@ -144,12 +144,12 @@ def prepare_w4a16_torch(
     weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int, int8_activations: bool = False
 ) -> W4A16Weight:
     """Torch-path weight on CPU: for the native kernel of $KVQ_CPU_ISA (kept as loaded) or repacked for
-    the CPU int4 op (KVQ_CPU_ISA=torch, or no native path); with int8_activations, a plain weight in the
-    W4A8 kernel's layout (where one runs: `w4a8_path`); kept as loaded on other devices."""
+    the CPU int4 op (KVQ_CPU_ISA=torch, or no native path); with int8_activations, in the W4A8 kernel's
+    layout (where one runs: `w4a8_path`; stacked experts too); kept as loaded on other devices."""
     loaded = compressed_tensors_weight("torch", weight_packed, weight_scale, group_size)
     if weight_packed.device.type != "cpu":
         return loaded
-    if int8_activations and weight_packed.dim() == 2 and w4a8_path() is not None:
+    if int8_activations and w4a8_path() is not None:
         w4a8 = NativeW4A8(weight_packed.contiguous(), weight_scale, group_size)
         return replace(loaded, layout=LAYOUT_W4A8_CPU, weight_packed=None, weight_scale=None, native=w4a8)
     isa = resolve_cpu_isa()
@@ -185,6 +185,9 @@ def w4a16_linear_torch(x: torch.Tensor, w: W4A16Weight, expert: int | None = Non
     op's slow path (fp16 is ~35x slower than bf16 there).
     """
     assert (expert is None) == (w.num_experts is None), "pass expert= exactly for stacked experts"
+    if w.layout == LAYOUT_W4A8_CPU:
+        assert isinstance(w.native, NativeW4A8)
+        return w.native(x, expert)
     if w.layout == LAYOUT_NATIVE_CPU:
         assert w.weight_packed is not None and w.weight_scale is not None and w.cpu_isa is not None
         packed = w.weight_packed if expert is None else w.weight_packed[expert]

@@ -90,10 +90,11 @@ def w8a8_pack(
 
 
 class NativeW4A8:
-    """One INT4 weight's W4A8 kernel call, its packed layout bound (`w4a8_pack`); path: "vnni" or "avx2"
+    """One INT4 weight's W4A8 kernel call, its packed layout bound (`w4a8_pack`): a plain `[N, K/8]` weight,
+    or stacked experts `[E, N, K/8]` (each packed alone; a call names its expert); path: "vnni" or "avx2"
     (default: `w4a8_path()`)."""
 
-    __slots__ = ("w", "scale", "out_features", "chunk", "path", "_weight_args")
+    __slots__ = ("w", "scale", "out_features", "chunk", "path", "num_experts", "_weight_args")
     wide = False  # 8-bit weights (NativeW8A8)
 
     def __init__(
@@ -103,8 +104,12 @@ class NativeW4A8:
         group_size: int,
         path: str | None = None,
     ) -> None:
-        w, scale = w4a8_pack(weight_packed, weight_scale, group_size)
-        self._bind(w, scale, weight_packed.shape[0], w4a8_chunk(group_size), path)
+        if weight_packed.dim() == 3:  # stacked experts
+            packs = [w4a8_pack(p, s, group_size) for p, s in zip(weight_packed, weight_scale, strict=True)]
+            w, scale = torch.stack([w for w, _ in packs]), torch.stack([s for _, s in packs])
+        else:
+            w, scale = w4a8_pack(weight_packed, weight_scale, group_size)
+        self._bind(w, scale, weight_packed.shape[-2], w4a8_chunk(group_size), path)
 
     def _bind(
         self, w: torch.Tensor, scale: torch.Tensor, out_features: int, chunk: int, path: str | None
@@ -112,31 +117,37 @@ class NativeW4A8:
         self.w, self.scale, self.out_features, self.chunk = w, scale, out_features, chunk
         self.path = path or w4a8_path()
         assert self.path in w4a8_runnable(), f"the W4A8 {self.path} kernel does not run here"
-        pointers = (self.w.data_ptr(), self.scale.data_ptr())  # the call's weight arguments, bound once
-        self._weight_args = (
-            int(self.wide), *pointers, _DTYPE_CODES[self.scale.dtype], self.out_features, self.chunk,
-        )  # fmt: skip
+        stacked = w.dim() == 5
+        self.num_experts = w.shape[0] if stacked else None
+        parts = list(zip(w, scale, strict=True)) if stacked else [(w, scale)]
+        self._weight_args = [  # each expert's (or the weight's) call arguments, bound once
+            (int(self.wide), a.data_ptr(), b.data_ptr(), _DTYPE_CODES[b.dtype], out_features, chunk)
+            for a, b in parts
+        ]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[M, K]` -> `[M, N]` in x.dtype (bf16 and fp32 as they are, another dtype through fp32)."""
+    def __call__(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+        """x `[M, K]` -> `[M, N]` in x.dtype (bf16 and fp32 as they are, another dtype through fp32); expert:
+        which of stacked experts (exactly for stacked ones)."""
         if x.dtype not in KERNEL_DTYPES:
-            return self(x.float()).to(x.dtype)
+            return self(x.float(), expert).to(x.dtype)
         x = x.contiguous()
         y = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
-        call = self.call(x, y)
+        call = self.call(x, y, expert)
         assert call is not None
         call[0](*call[1])
         return y
 
-    def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
-        """The C call of `self(x)` into y `[M, N]` (both contiguous), or None for dtypes it does not take."""
+    def call(self, x: torch.Tensor, y: torch.Tensor, expert: int | None = None) -> Call | None:
+        """The C call of `self(x, expert)` into y `[M, N]` (both contiguous), or None for dtypes it does not
+        take."""
         if x.dtype not in KERNEL_DTYPES or y.dtype not in KERNEL_DTYPES:
             return None
         assert _ext is not None, "w4a8_runnable() was checked when this NativeW4A8 was made"
+        assert (expert is None) == (self.num_experts is None), "pass expert= exactly for stacked experts"
         (num_rows, in_features), threads = x.shape, torch.get_num_threads()
         return _ext.gemm_w4a8, (
             int(self.path == "avx2"), threads, x.data_ptr(), _DTYPE_CODES[x.dtype], num_rows, in_features,
-            *self._weight_args, y.data_ptr(), _DTYPE_CODES[y.dtype],
+            *self._weight_args[expert or 0], y.data_ptr(), _DTYPE_CODES[y.dtype],
         )  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq.runtime.kernels import fused_moe_w4a16, prepare_w4a16
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8
 from kvq.runtime.layers.linear import INT4, Linear, StoredLinear, build_linear, merge_stored
 
 
@@ -36,7 +37,10 @@ class Int4Experts(Experts):
             for w in (self.w13, self.w2)
             for name in ("weight_packed", "weight_scale", "int4pack", "scales_and_zeros")
         ]
-        return [t for t in held if t is not None]
+        native = [
+            t for w in (self.w13, self.w2) if isinstance(w.native, NativeW4A8) for t in w.native.tensors()
+        ]
+        return [t for t in held if t is not None] + native
 
 
 class LoopExperts(Experts):
@@ -65,8 +69,10 @@ def build_experts(
     *,
     is_reference: bool,
     fp8_weights: str,
+    int4_compute: str = "w4a16",
 ) -> Experts:
-    """Stack all-INT4 experts for the fused kernel; otherwise build one Linear pair per expert."""
+    """Stack all-INT4 experts for the fused kernel (on CPU under int4_compute "w4a8", in the W4A8 kernel's
+    layout); otherwise build one Linear pair per expert."""
     merged = [merge_stored(parts) for parts in gate_up]
     group_sizes = {s.group_size for s in (*merged, *down) if s is not None and s.kind == INT4}
     is_all_int4 = all(s is not None and s.kind == INT4 and s.bias is None for s in (*merged, *down))
@@ -76,11 +82,26 @@ def build_experts(
         def stack(stored: list, key: str) -> torch.Tensor:
             return torch.stack([s.tensors[key] for s in stored]).to(device)
 
-        w13 = prepare_w4a16(stack(merged, "weight_packed"), stack(merged, "weight_scale"), group_size)
-        w2 = prepare_w4a16(stack(down, "weight_packed"), stack(down, "weight_scale"), group_size)
+        int8_activations = int4_compute == "w4a8"
+        w13, w2 = (
+            prepare_w4a16(
+                stack(stored, "weight_packed"),
+                stack(stored, "weight_scale"),
+                group_size,
+                int8_activations=int8_activations,
+            )
+            for stored in (merged, down)
+        )
         return Int4Experts(w13, w2)
 
     def build(parts: list[StoredLinear]) -> Linear:
-        return build_linear(parts, dtype, device, is_reference=is_reference, fp8_weights=fp8_weights)
+        return build_linear(
+            parts,
+            dtype,
+            device,
+            is_reference=is_reference,
+            fp8_weights=fp8_weights,
+            int4_compute=int4_compute,
+        )
 
     return LoopExperts([build(parts) for parts in gate_up], [build([d]) for d in down])

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq.runtime.kernels import fused_moe_reference, fused_moe_w4a16, prepare_w4a16
+from kvq.runtime.kernels import fused_moe_reference, fused_moe_w4a16, prepare_w4a16, w4a16_linear
 from kvq.runtime.kernels.fused_moe_triton import moe_align_block_size
+from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_path
+from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
 
 # (T, E, H, I, top_k, group_size, dtype): decode (T=1) and prefill-like T, experts unused and repeated
@@ -106,3 +108,33 @@ def test_fused_moe_rejects_mismatched_experts() -> None:
     w2 = prepare_w4a16(w2_packed[:2], w2_scale[:2], 32, backend="torch")
     with pytest.raises(ValueError, match="same E"):
         fused_moe_w4a16(x, topk_ids, topk_weights, w13, w2)
+
+
+@pytest.mark.skipif(w4a8_path() is None, reason="int4_compute w4a8 needs AVX2 and kvq's CPU extension")
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "hidden", "intermediate", "top_k", "group_size", "dtype"), MOE_CASES
+)
+def test_w4a8_experts_are_each_experts_w4a8_product(
+    num_tokens, num_experts, hidden, intermediate, top_k, group_size, dtype
+) -> None:
+    """Stacked experts in the W4A8 layout (int4_compute "w4a8"): each expert's call is that expert's own
+    W4A8 kernel, bit for bit, and the MoE within int8 rounding of the reference."""
+    x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale = _moe_inputs(
+        num_tokens, num_experts, hidden, intermediate, top_k, group_size, dtype, seed=num_tokens + 7
+    )
+    w13 = prepare_w4a16(w13_packed, w13_scale, group_size, int8_activations=True)
+    w2 = prepare_w4a16(w2_packed, w2_scale, group_size, int8_activations=True)
+    assert w13.layout == w2.layout == LAYOUT_W4A8_CPU and w13.native.num_experts == num_experts
+    assert w13.weight_packed is None  # the W4A8 layout replaces the loaded one
+    for e in range(num_experts):
+        alone = NativeW4A8(w13_packed[e], w13_scale[e], group_size)
+        assert torch.equal(w13.native(x, e), alone(x))
+    with pytest.raises(ValueError, match="stacked experts"):
+        w4a16_linear(x, w13)
+    y = fused_moe_w4a16(x, topk_ids, topk_weights, w13, w2)
+    assert y.dtype == dtype
+    expected = fused_moe_reference(
+        x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale, group_size
+    ).double()
+    # two int8 roundings of the activations (x, then the SiLU product): ~1% of the output's norm
+    assert (y.double() - expected).norm() / expected.norm() < 0.02
