@@ -18,7 +18,7 @@
    l, u = q + 8 of input 4v + j (low nibble) and of input 4(v + C / 8) + j (high nibble) of the chunk. So
    a vector's low (high) nibbles times the 4 inputs of step v (v + C / 8), broadcast to every lane, sum to
    each row's u * xq over the step, and over the chunk to the row's int32 sum, seeded so that it is the
-   sum of q * xq, exact (|sum| < 2^17). Then y[m, row] += float(sum) * (scale(row, c) * xs[m, c]) in
+   sum of q * xq, exact (|sum| < 2^17). Then y[m, row] += float(sum) * (scale(row, g) * xs[m, c]) in
    fp32: no horizontal sums, 16 outputs per tile.
    8-bit weights (w8a8_pack, `wide`): u = q + 128, one byte a weight, C / 4 vectors per chunk: byte 4l + j
    of vector v holds row l's input 4v + j; vpdpbusd takes a vector as it is (vectors v and v + C / 8 in the
@@ -31,11 +31,11 @@
 #define W4A8_MB 64   /* activation rows per pass over a tile (their fp32 sums: 4 KiB on the stack) */
 
 typedef struct {
-    int64_t M, K, N, tiles, chunks, xp_stride;
+    int64_t M, K, N, tiles, chunks, xp_stride, groups, chunks_per_group; /* groups: scale columns */
     int C, x_dtype, y_dtype;
     const void *x;
     const uint8_t *w;    /* [tiles][chunks][C / 8 or C / 4 (wide)][64] */
-    const void *scales; /* [tiles][chunks][16], fp32 or bf16 (scale_bf16) as the checkpoint stores them */
+    const void *scales; /* [tiles][groups][16], fp32 or bf16 (scale_bf16) as the checkpoint stores them */
     int scale_bf16;
     int avx2; /* the AVX2 kernel (_w4a8_cpu_avx2.h), else AVX-512 VNNI's */
     int wide; /* 8-bit weights (zero point 128, C / 4 vectors per chunk), else 4-bit (zero point 8, C / 8) */
@@ -93,15 +93,17 @@ static PyObject *gemm_w4a8(PyObject *self, PyObject *args) {
     (void)self;
     int avx2, threads, x_dtype, wide, chunk, y_dtype, scale_dtype;
     unsigned long long x, w, scales, y;
-    long long M, K, N;
-    if (!PyArg_ParseTuple(args, "iiKiLLiKKiLiKi", &avx2, &threads, &x, &x_dtype, &M, &K, &wide, &w, &scales,
-                          &scale_dtype, &N, &chunk, &y, &y_dtype))
+    long long M, K, N, groups;
+    if (!PyArg_ParseTuple(args, "iiKiLLiKKiLLiKi", &avx2, &threads, &x, &x_dtype, &M, &K, &wide, &w, &scales,
+                          &scale_dtype, &groups, &N, &chunk, &y, &y_dtype))
         return NULL;
     if (!w4a8_supported(avx2))
         return PyErr_Format(PyExc_ValueError, "the W4A8 %s kernel does not run on this CPU (see w4a8_paths())",
                             avx2 ? "AVX2" : "AVX-512 VNNI");
-    if ((chunk != 32 && chunk != 64) || M < 0 || N < 0 || K <= 0 || K % chunk)
-        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld chunk=%d", M, N, K, chunk);
+    if ((chunk != 32 && chunk != 64) || M < 0 || N < 0 || K <= 0 || K % chunk || groups <= 0 ||
+        (K / chunk) % groups)
+        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld chunk=%d groups=%lld", M, N, K, chunk,
+                            groups);
     if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16) ||
         (scale_dtype != DTYPE_F32 && scale_dtype != DTYPE_BF16))
         return PyErr_Format(PyExc_ValueError, "bad dtype codes x=%d scale=%d y=%d", x_dtype, scale_dtype,
@@ -111,7 +113,8 @@ static PyObject *gemm_w4a8(PyObject *self, PyObject *args) {
     const int64_t chunks = K / chunk;
     W4A8Job job = {
         .M = M, .K = K, .N = N, .tiles = (N + W4A8_ROWS - 1) / W4A8_ROWS, .chunks = chunks,
-        .xp_stride = w4a8_xp_stride(K, chunks), .C = chunk, .x_dtype = x_dtype, .y_dtype = y_dtype,
+        .xp_stride = w4a8_xp_stride(K, chunks), .groups = groups, .chunks_per_group = chunks / groups,
+        .C = chunk, .x_dtype = x_dtype, .y_dtype = y_dtype,
         .x = (const void *)(uintptr_t)x, .w = (const uint8_t *)(uintptr_t)w,
         .scales = (const void *)(uintptr_t)scales, .scale_bf16 = scale_dtype == DTYPE_BF16,
         .y = (void *)(uintptr_t)y, .avx2 = avx2 != 0, .wide = wide != 0,

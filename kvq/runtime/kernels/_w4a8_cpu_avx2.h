@@ -83,9 +83,9 @@ TARGET_AVX2 static inline void w4a8_store_avx2(const W4A8Job *job, int64_t m, in
         memcpy(out, tail, (size_t)(lanes * size));
 }
 
-/* A half's 8 lanes of fp32 scales for chunk c of tile t (h: rows 8h..8h+7). */
+/* A half's 8 lanes of fp32 scales for chunk c of tile t (its group's; h: rows 8h..8h+7). */
 TARGET_AVX2 static inline __m256 w4a8_scales_avx2(const W4A8Job *job, int64_t t, int64_t c, int h) {
-    const int64_t i = (t * job->chunks + c) * 16 + 8 * h;
+    const int64_t i = (t * job->groups + c / job->chunks_per_group) * 16 + 8 * h;
     if (!job->scale_bf16)
         return _mm256_loadu_ps((const float *)job->scales + i);
     __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)job->scales + i));

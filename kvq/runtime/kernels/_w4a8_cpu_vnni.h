@@ -69,9 +69,9 @@ TARGET_AVX512VNNI static inline void w4a8_store_vnni(const W4A8Job *job, int64_t
         memcpy(out, tail, (size_t)(lanes * size));
 }
 
-/* The 16 rows' fp32 scales for chunk c of tile t. */
+/* The 16 rows' fp32 scales for chunk c of tile t (its group's: one column per groups' worth of chunks). */
 TARGET_AVX512VNNI static inline __m512 w4a8_scales_vnni(const W4A8Job *job, int64_t t, int64_t c) {
-    const int64_t i = (t * job->chunks + c) * 16;
+    const int64_t i = (t * job->groups + c / job->chunks_per_group) * 16;
     if (!job->scale_bf16)
         return _mm512_loadu_ps((const float *)job->scales + i);
     __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)job->scales + i));

@@ -47,9 +47,9 @@ def w4a8_pack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' `weight_packed` int32 `[N, K/8]` and `weight_scale` `[N, K/G]` as the kernel reads
     them: uint8 `[tiles, chunks, C/8, 64]` (byte 4l + j of vector v: u = q + 8 of the tile's row l, chunk
-    input 4v + j in the low nibble and 4(v + C/8) + j in the high one) and the scales `[tiles, chunks, 16]`
-    (a chunk's group scale per row; bf16 as stored, another dtype as fp32: `native_scale`). Rows past N (the
-    last tile's) have q = 0 and scale 0."""
+    input 4v + j in the low nibble and 4(v + C/8) + j in the high one) and the scales `[tiles, K/G, 16]`
+    (`tile_scales`; bf16 as stored, another dtype as fp32: `native_scale`). Rows past N (the last tile's)
+    have q = 0 and scale 0."""
     num_rows, in_features = weight_packed.shape[0], weight_packed.shape[1] * 8
     chunk = w4a8_chunk(group_size)
     chunks, vectors = in_features // chunk, chunk // 8
@@ -58,10 +58,14 @@ def w4a8_pack(
     u[:num_rows] = (unpack_int4(weight_packed) + 8).to(torch.uint8)
     steps = u.view(tiles, TILE_ROWS, chunks, 2, vectors, 4).permute(0, 2, 4, 1, 5, 3)  # [t, c, v, l, j, half]
     w = (steps[..., 0] | (steps[..., 1] << 4)).contiguous().view(tiles, chunks, vectors, 64)
-    stored = native_scale(weight_scale)
-    scale = torch.zeros(tiles * TILE_ROWS, chunks, dtype=stored.dtype)
-    scale[:num_rows] = stored.repeat_interleave(group_size // chunk, dim=1)
-    return w, scale.view(tiles, TILE_ROWS, chunks).transpose(1, 2).contiguous()
+    return w, tile_scales(native_scale(weight_scale), tiles)
+
+
+def tile_scales(stored: torch.Tensor, tiles: int) -> torch.Tensor:
+    """Scales `[N, columns]` as the kernel reads them: `[tiles, columns, 16]`, rows past N zero."""
+    scale = torch.zeros(tiles * TILE_ROWS, stored.shape[1], dtype=stored.dtype)
+    scale[: stored.shape[0]] = stored
+    return scale.view(tiles, TILE_ROWS, -1).transpose(1, 2).contiguous()
 
 
 def w8a8_chunk(in_features: int) -> int | None:
@@ -75,18 +79,15 @@ def w8a8_pack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 weight `[N, K]` with its scale per row `[N]` (`kernels.w8a16.quantize_int8_rows`) as the
     kernel reads it: uint8 `[tiles, chunks, C/4, 64]` (byte 4l + j of vector v: u = q + 128 of the tile's row
-    l, chunk input 4v + j) and the row scales per chunk `[tiles, chunks, 16]` (`native_scale`'s dtype). Rows
-    past N (the last tile's) have q = 0 and scale 0."""
+    l, chunk input 4v + j) and the row scales `[tiles, 1, 16]` (`native_scale`'s dtype). Rows past N (the
+    last tile's) have q = 0 and scale 0."""
     num_rows, in_features = weight.shape
     chunks, tiles = in_features // chunk, -(-num_rows // TILE_ROWS)
     u = torch.full((tiles * TILE_ROWS, in_features), 128, dtype=torch.uint8)
     u[:num_rows] = (weight.to(torch.int16) + 128).to(torch.uint8)
     steps = u.view(tiles, TILE_ROWS, chunks, chunk // 4, 4).permute(0, 2, 3, 1, 4)  # [t, c, v, l, j]
     w = steps.contiguous().view(tiles, chunks, chunk // 4, 64)
-    stored = native_scale(weight_scale)
-    scale = torch.zeros(tiles * TILE_ROWS, chunks, dtype=stored.dtype)
-    scale[:num_rows] = stored[:, None]
-    return w, scale.view(tiles, TILE_ROWS, chunks).transpose(1, 2).contiguous()
+    return w, tile_scales(native_scale(weight_scale)[:, None], tiles)
 
 
 class NativeW4A8:
@@ -121,7 +122,15 @@ class NativeW4A8:
         self.num_experts = w.shape[0] if stacked else None
         parts = list(zip(w, scale, strict=True)) if stacked else [(w, scale)]
         self._weight_args = [  # each expert's (or the weight's) call arguments, bound once
-            (int(self.wide), a.data_ptr(), b.data_ptr(), _DTYPE_CODES[b.dtype], out_features, chunk)
+            (
+                int(self.wide),
+                a.data_ptr(),
+                b.data_ptr(),
+                _DTYPE_CODES[b.dtype],
+                b.shape[-2],
+                out_features,
+                chunk,
+            )
             for a, b in parts
         ]
 

@@ -87,11 +87,11 @@ def test_the_packed_layout_holds_every_weight_once() -> None:
     gen = torch.Generator().manual_seed(4)
     weight, weight_scale = _int8(20, 192, gen)
     w, s = w8a8_pack(weight, weight_scale, 64)
-    assert w.shape == (2, 3, 16, 64) and s.shape == (2, 3, 16)  # 2 tiles (rows 20..31 padding), 3 chunks
+    assert w.shape == (2, 3, 16, 64) and s.shape == (2, 1, 16)  # 2 tiles (rows 20..31 padding), 3 chunks
     # byte 4l + j of tile 0, chunk 1, vector 5: row l's input 64 + 20 + j, plus 128
     assert torch.equal(w[0, 1, 5].view(16, 4).to(torch.int16) - 128, weight[:16, 84:88].to(torch.int16))
     assert (w[1, :, :, 16:] == 128).all()  # the 12 padding rows are q = 0
-    assert s.dtype == torch.bfloat16 and (s[1, :, 4:] == 0).all() and torch.equal(s[0, 2], weight_scale[:16])
+    assert s.dtype == torch.bfloat16 and (s[1, :, 4:] == 0).all() and torch.equal(s[0, 0], weight_scale[:16])
 
 
 def test_bf16_row_scales_are_rounded_up() -> None:
