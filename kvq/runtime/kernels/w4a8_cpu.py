@@ -105,9 +105,12 @@ class NativeW4A8:
         group_size: int,
         path: str | None = None,
     ) -> None:
-        if weight_packed.dim() == 3:  # stacked experts
-            packs = [w4a8_pack(p, s, group_size) for p, s in zip(weight_packed, weight_scale, strict=True)]
-            w, scale = torch.stack([w for w, _ in packs]), torch.stack([s for _, s in packs])
+        if weight_packed.dim() == 3:  # stacked experts, packed one at a time into the stacked layout
+            w0, s0 = w4a8_pack(weight_packed[0], weight_scale[0], group_size)
+            w = w0.new_empty((weight_packed.shape[0], *w0.shape))
+            scale = s0.new_empty((weight_packed.shape[0], *s0.shape))
+            for e in range(weight_packed.shape[0]):
+                w[e], scale[e] = w4a8_pack(weight_packed[e], weight_scale[e], group_size)
         else:
             w, scale = w4a8_pack(weight_packed, weight_scale, group_size)
         self._bind(w, scale, weight_packed.shape[-2], w4a8_chunk(group_size), path)
