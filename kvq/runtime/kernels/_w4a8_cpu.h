@@ -19,7 +19,8 @@
    a vector's low (high) nibbles times the 4 inputs of step v (v + C / 8), broadcast to every lane, sum to
    each row's u * xq over the step, and over the chunk to the row's int32 sum, seeded so that it is the
    sum of q * xq, exact (|sum| < 2^17). Then y[m, row] += float(sum) * (scale(row, g) * xs[m, c]) in
-   fp32: no horizontal sums, 16 outputs per tile.
+   fp32 (g: chunk c's group; the scales kept one column per group, as stored): no horizontal sums, 16
+   outputs per tile. Stacked experts are one such layout per expert (the caller passes the expert's).
    8-bit weights (w8a8_pack, `wide`): u = q + 128, one byte a weight, C / 4 vectors per chunk: byte 4l + j
    of vector v holds row l's input 4v + j; vpdpbusd takes a vector as it is (vectors v and v + C / 8 in the
    places of the low and high nibbles above); AVX2's vpmaddubsw, whose int16 pairs 255 * 127 * 2 would
