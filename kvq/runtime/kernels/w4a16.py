@@ -75,6 +75,13 @@ class W4A16Weight:
         assert tensor is not None
         return tensor.device
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this weight keeps resident (a W4A8 layout's own; a W4A16 kernel call shares the
+        loaded ones)."""
+        held = [self.weight_packed, self.weight_scale, self.int4pack, self.scales_and_zeros]
+        native = self.native.tensors() if isinstance(self.native, NativeW4A8) else []
+        return [t for t in held if t is not None] + native
+
 
 def check_w4a16_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> None:
     """Raise ValueError/TypeError naming the tensor when the pair breaks the pack-quantized contract."""

@@ -17,7 +17,7 @@ from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
 from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
 from kvq.runtime.kernels.dense_cpu import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, NativeW8A8, w4a8_path, w8a8_chunk
+from kvq.runtime.kernels.w4a8_cpu import NativeW8A8, w4a8_path, w8a8_chunk
 from kvq.runtime.kernels.w4a16_cpu import Call, gemm_dense_call
 from kvq.runtime.kernels.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
 
@@ -177,10 +177,7 @@ class Int4Linear(Linear):
         return native.call(x, y)  # w4a16_linear's short path
 
     def tensors(self) -> list[torch.Tensor]:
-        w = self.weight
-        held = (w.weight_packed, w.weight_scale, w.int4pack, w.scales_and_zeros, self.bias)
-        native = w.native.tensors() if isinstance(w.native, NativeW4A8) else []
-        return [t for t in held if t is not None] + native
+        return self.weight.tensors() + ([self.bias] if self.bias is not None else [])
 
 
 def int4_copy(weight: torch.Tensor, group_size: int, int8_activations: bool = False) -> Int4Linear:

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from kvq.runtime.kernels import fused_moe_w4a16, prepare_w4a16
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8
 from kvq.runtime.layers.linear import INT4, Linear, StoredLinear, build_linear, merge_stored
 
 
@@ -32,15 +31,7 @@ class Int4Experts(Experts):
         return fused_moe_w4a16(x, topk_ids, topk_weights, self.w13, self.w2)
 
     def tensors(self) -> list[torch.Tensor]:
-        held = [
-            getattr(w, name)
-            for w in (self.w13, self.w2)
-            for name in ("weight_packed", "weight_scale", "int4pack", "scales_and_zeros")
-        ]
-        native = [
-            t for w in (self.w13, self.w2) if isinstance(w.native, NativeW4A8) for t in w.native.tensors()
-        ]
-        return [t for t in held if t is not None] + native
+        return self.w13.tensors() + self.w2.tensors()
 
 
 class LoopExperts(Experts):
