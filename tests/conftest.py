@@ -29,17 +29,22 @@ Compressed = Callable[..., Path]
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
-    """`tiny_checkpoint(arch, fmt, *, seed=0, num_layers=None) -> Path`, each built once per session.
+    """`tiny_checkpoint(arch, fmt, *, seed=0, num_layers=None, vocab_size=None) -> Path`, each built once
+    per session; `vocab_size` pads the embedding past the tokenizer's 2000 tokens, as real checkpoints do.
 
     Treat the directory as read-only: other tests share it.
     """
     built: dict[tuple, Path] = {}
 
-    def get(arch: str, fmt: str, *, seed: int = 0, num_layers: int | None = None) -> Path:
-        key = (arch, fmt, seed, num_layers)
+    def get(
+        arch: str, fmt: str, *, seed: int = 0, num_layers: int | None = None, vocab_size: int | None = None
+    ) -> Path:
+        key = (arch, fmt, seed, num_layers, vocab_size)
         if key not in built:
-            parent = tmp_path_factory.mktemp(f"{arch}-{fmt}-s{seed}-l{num_layers}")
-            built[key] = build_fixture(arch, fmt, parent / "model", seed=seed, num_layers=num_layers)
+            parent = tmp_path_factory.mktemp(f"{arch}-{fmt}-s{seed}-l{num_layers}-v{vocab_size}")
+            built[key] = build_fixture(
+                arch, fmt, parent / "model", seed=seed, num_layers=num_layers, vocab_size=vocab_size
+            )
         return built[key]
 
     return get

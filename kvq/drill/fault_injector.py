@@ -21,6 +21,7 @@ import torch
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.block_manager import ROOT_HASH, chain_hash
+from kvq.runtime.model_runner import ForwardOutput
 from kvq.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ class FaultInjector:
             state["rows"] = [] if is_prefill else [s.seq_id for s in seqs]
             return prepare(seqs, is_prefill)
 
-        def late(batch: ForwardBatch) -> torch.Tensor:
+        def late(batch: ForwardBatch) -> ForwardOutput:
             if state["late"] is None:
                 logits = forward(batch)
                 if request_id in state["rows"]:

@@ -27,7 +27,8 @@ class WriteGuard:
 class StepInputs:
     """A step's batch as plain lists (what tensor-parallel rank 0 broadcasts; each rank makes its
     `ForwardBatch` from it): the new tokens' ids, positions and slots, per sequence its query length,
-    context length, prompt length and page table (padded with -1)."""
+    context length, prompt length and page table (padded with -1); in a prefill, the top log-probabilities
+    each sequence wants of its prompt's tokens (-1: none; empty: none in the batch)."""
 
     is_prefill: bool
     input_ids: list[int]
@@ -37,6 +38,7 @@ class StepInputs:
     context_lens: list[int]
     prompt_lens: list[int]
     block_tables: list[list[int]]
+    prompt_logprobs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

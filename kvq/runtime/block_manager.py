@@ -94,10 +94,12 @@ class BlockManager:
 
         Only full pages before the last token can be shared (the last token must be computed for its
         logits). New full pages are sealed now: their K/V is written in this same step, before any
-        later step can read them.
+        later step can read them. A sequence that still needs its prompt's log-probabilities takes no hits
+        (every prompt row must be computed); its pages are shared with later requests all the same.
         """
         assert not seq.block_table, f"sequence {seq.seq_id} already has pages"
-        previous, is_hitting, num_cached = ROOT_HASH, self.enable_prefix_caching, 0
+        previous, num_cached = ROOT_HASH, 0
+        is_hitting = self.enable_prefix_caching and not seq.needs_prompt_logprobs
         num_shareable = (seq.num_tokens - 1) // self.page_size
         for i in range(self.pages_for(seq.num_tokens)):
             token_ids = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])

@@ -2,7 +2,9 @@
 
 `Engine.generate(prompts, params)` runs requests to completion; `add_request` + `step` is the streaming
 API (each step returns what changed). With `kv_integrity` on, each step's batch is checked before the
-model reads a page, and a request whose pages fail ends alone with finish reason "error".
+model reads a page, and a request whose pages fail ends alone with finish reason "error". So does a
+request whose own output handling fails (its sampling, a token hook, its text, stop strings, logprobs):
+the error is logged and names the request; the others in the step go on.
 Imports torch, transformers (config, tokenizer) and kvq.
 """
 
@@ -37,8 +39,9 @@ from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
 from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool, page_bytes
 from kvq.runtime.loader import WeightLoader
-from kvq.runtime.logprobs import LogprobRecorder, TokenLogprob
-from kvq.runtime.model_runner import ModelRunner
+from kvq.runtime.logits_processors import needs_processing, process_row
+from kvq.runtime.logprobs import LogprobRecorder, TokenLogprob, TokenTexts, prompt_entries
+from kvq.runtime.model_runner import ForwardOutput, ModelRunner
 from kvq.runtime.models.registry import model_class
 from kvq.runtime.prompt_encoding import encode_messages, encode_text
 from kvq.runtime.sampling import SamplingParams, make_generator, sample
@@ -67,6 +70,7 @@ class RequestOutput:
     finish_reason: str | None
     error: str | None
     logprobs: list[TokenLogprob] | None = None  # tokens new since the previous output (if asked)
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's (first output; if asked)
 
 
 @dataclass
@@ -121,7 +125,9 @@ class Engine:
         self.runner.rank_checks = self.rank_checks
         self._ids = itertools.count()
         self._texts: dict[int, CompletionText] = {}  # request id -> its text (requests with text only)
-        self.logprobs = LogprobRecorder(self.tokenizer)
+        self._prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # request id -> not yet output
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.logprobs = LogprobRecorder(self.token_texts)
         self.token_hooks: list[TokenHook] = [self.logprobs]
         self.stats = EngineStats()
         if not self.tp.is_leader:  # a rank past 0 runs rank 0's steps until it stops, then ends
@@ -208,6 +214,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise KvqError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
+        if any(not 0 <= t < vocab for t in (*params.logit_bias, *params.stop_token_ids)):
+            raise KvqError(f"logit_bias and stop_token_ids take token ids in the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise KvqError(
                 f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
@@ -220,7 +228,9 @@ class Engine:
                 f"a request of {max_len} tokens needs {num_pages} KV pages but the pool has "
                 f"{self.block_manager.num_pages}; raise --kv-memory or lower --max-tokens"
             )
-        return Sequence(next(self._ids), token_ids, len(token_ids), params, max_len, make_generator(params))
+        seq = Sequence(next(self._ids), token_ids, len(token_ids), params, max_len, make_generator(params))
+        seq.needs_prompt_logprobs = params.prompt_logprobs is not None
+        return seq
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> int:
         """Queue one request (validated first); its id names its outputs."""
@@ -230,10 +240,18 @@ class Engine:
 
     def _queue(self, seq: Sequence) -> None:
         """Queue a request whose tokens become text (scored sequences are queued without)."""
-        self._texts[seq.seq_id] = CompletionText(self.tokenizer, seq.params.stop)
+        self._texts[seq.seq_id] = self.completion_text(seq.params)
         if seq.params.logprobs is not None:
             self.logprobs.watch(seq.seq_id, seq.params.logprobs)
         self.scheduler.add(seq)
+
+    def completion_text(self, params: SamplingParams) -> CompletionText:
+        return CompletionText(
+            self.tokenizer,
+            params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
 
     def abort(self, request_id: int) -> bool:
         """Stop a queued or running request now (its client went away) and free its pages; False if the
@@ -242,6 +260,7 @@ class Engine:
         if seq is not None:
             seq.finish_reason = "abort"
             self._texts.pop(request_id, None)
+            self._prompt_logprobs.pop(request_id, None)
             self.logprobs.forget(request_id)
         return seq is not None
 
@@ -260,35 +279,90 @@ class Engine:
         stats.num_steps += 1
         outputs: list[RequestOutput] = []
         if self.tracker is None:
-            logits = self._timed_forward(lambda: self.runner.run(seqs, is_prefill))
+            result = self._timed_forward(lambda: self.runner.run(seqs, is_prefill))
         else:
-            seqs, checked_logits, outputs = self._run_checked(seqs, is_prefill)
-            if checked_logits is None:  # every request of the step was stopped
+            seqs, checked, outputs = self._run_checked(seqs, is_prefill)
+            if checked is None:  # every request of the step was stopped
                 stats.step_seconds += time.perf_counter() - start
                 return outputs
-            logits = checked_logits
-        token_ids, is_finite = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for hook in self.token_hooks:
-            hook(seqs, logits, token_ids)
-        for seq, token_id, ok in zip(seqs, token_ids, is_finite, strict=True):
+            result = checked
+        self._keep_prompt_logprobs(seqs, result)
+        logits = result.logits
+        token_ids, errors = self._sample(seqs, logits)
+        self._run_token_hooks(seqs, logits, token_ids, errors)
+        for seq, token_id, error in zip(seqs, token_ids, errors, strict=True):
             if seq.status is Status.FINISHED:  # aborted during the step (by a token hook): already gone
                 continue
-            if ok:
-                self._append(seq, token_id)
-            else:
+            if error is None:
+                error = self._guarded(seq, lambda s=seq, t=token_id: self._append(s, t))
+            if error is not None:
                 seq.finish_reason = "error"
-                seq.error = f"non-finite logits at position {seq.num_tokens}; the request was stopped"
+                seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             outputs.append(self._output(seq))
         stats.step_seconds += time.perf_counter() - start
         return outputs
 
-    def _timed_forward(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[str | None]]:
+        """Each request's next token, or the error that ends it (its penalties or sampling failed)."""
+        processed: dict[int, torch.Tensor] = {}
+        failed: dict[int, str] = {}
+        for row, seq in enumerate(seqs):
+            if needs_processing(seq.params):
+                prompt = seq.token_ids[: seq.num_prompt_tokens]
+                error = self._guarded(
+                    seq,
+                    lambda r=row, s=seq, p=prompt: processed.__setitem__(
+                        r, process_row(logits[r], s.params, p, s.completion_token_ids, self.eos_token_ids)
+                    ),
+                )
+                if error is not None:
+                    failed[row] = error
+        token_ids, errors = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], processed)
+        return token_ids, [failed.get(row, e) for row, e in enumerate(errors)]
+
+    def _run_token_hooks(
+        self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]
+    ) -> None:
+        """Every hook over the step; a hook that fails is run again request by request, so that only the
+        requests it fails on end (their error set in `errors`)."""
+        for hook in self.token_hooks:
+            try:
+                hook(seqs, logits, token_ids)
+                continue
+            except Exception:
+                pass
+            for row, seq in enumerate(seqs):
+                one = [token_ids[row]]
+                error = self._guarded(seq, lambda h=hook, r=row, s=seq, o=one: h([s], logits[r : r + 1], o))
+                token_ids[row] = one[0]
+                if error is not None and errors[row] is None:
+                    errors[row] = error
+
+    def _guarded(self, seq: Sequence, work: Callable[[], object]) -> str | None:
+        """Run one request's share of the step's output handling; the error that ends it, or None."""
+        try:
+            work()
+        except Exception as e:
+            logger.exception("request %d: its output handling failed; it is stopped", seq.seq_id)
+            return f"output handling failed ({type(e).__name__}: {e})"
+        return None
+
+    def _keep_prompt_logprobs(self, seqs: list[Sequence], result: ForwardOutput) -> None:
+        """A prefill's prompt scores, as entries for each request's first output."""
+        for row, scores in result.prompt_scores.items():
+            seq = seqs[row]
+            seq.needs_prompt_logprobs = False
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            entries = prompt_entries(self.token_texts, prompt, scores)
+            self._prompt_logprobs[seq.seq_id] = entries
+
+    def _timed_forward(self, forward: Callable[[], ForwardOutput]) -> ForwardOutput:
         start = time.perf_counter()
-        logits = forward()
+        result = forward()
         self.stats.forward_seconds += time.perf_counter() - start
-        return logits
+        return result
 
     def generate(
         self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
@@ -328,7 +402,7 @@ class Engine:
 
     def _run_checked(
         self, seqs: list[Sequence], is_prefill: bool
-    ) -> tuple[list[Sequence], torch.Tensor | None, list[RequestOutput]]:
+    ) -> tuple[list[Sequence], ForwardOutput | None, list[RequestOutput]]:
         """Check the step's requests (their state before the batch is made, then the batch itself), stop
         the ones hit, run the rest: (seqs run, logits, outputs of the stopped ones). Rechecked after each
         removal, as the batch is rebuilt. Nothing the tracker finds is raised: it stops requests."""
@@ -347,23 +421,29 @@ class Engine:
             seqs, hit = remove_hit(mismatches, seqs, self.scheduler, tracker)
             stopped += hit
             self.stats.integrity_aborts += len(hit)
-        logits = None
+        result = None
         if seqs:
             guarded = tracker.guard(batch)
-            logits = self._timed_forward(lambda: self.runner.forward(guarded))
+            result = self._timed_forward(lambda: self.runner.forward(guarded))
         tracker.after_step(is_forward_run=bool(seqs))
-        return seqs, logits, [self._output(s) for s in stopped]
+        return seqs, result, [self._output(s) for s in stopped]
 
     # -- tokens to text -------------------------------------------------------------------------------
     def _append(self, seq: Sequence, token_id: int) -> None:
-        seq.token_ids.append(token_id)
         params = seq.params
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if params.max_tokens == 0:  # a prompt scored, nothing generated
+            seq.finish_reason = "length"
+            return
+        seq.token_ids.append(token_id)
+        num_generated = seq.num_tokens - seq.num_prompt_tokens
+        can_stop = num_generated >= params.min_tokens
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if can_stop and (is_eos or token_id in params.stop_token_ids):
             seq.finish_reason = "stop"
-        elif seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens or seq.num_tokens >= seq.max_len:
+        elif num_generated >= params.max_tokens or seq.num_tokens >= seq.max_len:
             seq.finish_reason = "length"
         text = self._texts.get(seq.seq_id)
-        if text is not None and text.add(token_id, is_last=seq.finish_reason is not None):
+        if text is not None and text.add(token_id, is_last=seq.finish_reason is not None, can_stop=can_stop):
             seq.finish_reason = "stop"
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -383,6 +463,7 @@ class Engine:
             seq.finish_reason,
             seq.error,
             logprobs,
+            self._prompt_logprobs.pop(seq.seq_id, None),
         )
 
     def _max_model_len(self, max_positions: int) -> int:

@@ -2,9 +2,11 @@
 
 `LogprobRecorder` is an engine token hook: for the requests that asked (`SamplingParams.logprobs`), it
 takes log_softmax of the step's logits in fp32 (the model's own distribution, before temperature, top-k and
-top-p, as vLLM's default `raw_logprobs`) and keeps the sampled token's log-probability and the most likely
-tokens', each with its text. Requests that did not ask cost one dict lookup per step.
-Imports torch and kvq.runtime.sequence.
+top-p, as vLLM's default `raw_logprobs`) and keeps the sampled token's log-probability and rank and the
+most likely tokens', each with its text. Requests that did not ask cost one dict lookup per step.
+`prompt_entries` turns a prefill's `PromptScores` into the same entries (the first prompt token: None).
+A token's text is its decode alone ("" for an id the tokenizer lacks), cached per id (`TokenTexts`).
+Imports torch and kvq.runtime.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvq.runtime.prompt_logprobs import PromptScores
 from kvq.runtime.sequence import Sequence
 
 
@@ -31,16 +34,48 @@ class TokenLogprob:
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing came before it)
     top: tuple[TopLogprob, ...]
+    rank: int | None = 1  # 1 + how many tokens were more likely
+
+
+class TokenTexts:
+    """Each token id's text alone (what OpenAI's `token` fields show), decoded once and cached; an id the
+    tokenizer lacks (an embedding padded past the tokenizer) is ""."""
+
+    def __init__(self, tokenizer: Any) -> None:  # anything with batch_decode(list of id lists)
+        self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}
+
+    def __call__(self, token_ids: list[int]) -> list[str]:
+        new = sorted({t for t in token_ids if t not in self.texts})
+        if new:
+            self.texts.update(zip(new, self.tokenizer.batch_decode([[t] for t in new]), strict=True))
+        return [self.texts[t] for t in token_ids]
+
+
+def prompt_entries(
+    texts: TokenTexts, prompt_ids: list[int], scores: PromptScores
+) -> list[TokenLogprob]:
+    """One entry per prompt token; the first has no log-probability (nothing came before it), as OpenAI
+    and vLLM show it (`null`)."""
+    logprobs, ranks = scores.token_logprobs.tolist(), scores.ranks.tolist()
+    top_ids, top_values = scores.top_ids.tolist(), scores.top_logprobs.tolist()
+    token_texts = texts(prompt_ids)
+    entries = [TokenLogprob(prompt_ids[0], token_texts[0], None, (), None)]
+    for i, (logprob, rank) in enumerate(zip(logprobs, ranks, strict=True)):
+        ids = top_ids[i]
+        top = tuple(map(TopLogprob, ids, texts(ids), top_values[i]))
+        entries.append(TokenLogprob(prompt_ids[i + 1], token_texts[i + 1], logprob, top, rank))
+    return entries
 
 
 class LogprobRecorder:
     """Token hook; `watch(seq_id, num_top)` when a request that asked is queued, `take(seq_id)` gives the
     entries new since the last take, `forget(seq_id)` when the request is gone."""
 
-    def __init__(self, tokenizer: Any) -> None:  # anything with decode(ids) -> str
-        self.tokenizer = tokenizer
+    def __init__(self, texts: TokenTexts) -> None:
+        self.texts = texts
         self.num_top: dict[int, int] = {}  # request id -> top log-probabilities it wants per token
         self.entries: dict[int, list[TokenLogprob]] = {}  # request id -> not yet taken
 
@@ -68,13 +103,16 @@ class LogprobRecorder:
         log_probs = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
         k = max(self.num_top[seqs[i].seq_id] for i in rows)
         top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
+        chosen_ids = torch.tensor([token_ids[row] for row in rows])
+        chosen = log_probs.gather(1, chosen_ids[:, None])  # [R, 1]
+        ranks = ((log_probs > chosen).sum(dim=1) + 1).tolist()
         for r, row in enumerate(rows):
             seq_id, token_id = seqs[row].seq_id, token_ids[row]
             n = self.num_top[seq_id]
+            ids = top_ids[r, :n].tolist()
             top = tuple(
-                TopLogprob(t, self.tokenizer.decode([t]), v)
-                for t, v in zip(top_ids[r, :n].tolist(), top_values[r, :n].tolist(), strict=True)
+                TopLogprob(t, text, v)
+                for t, text, v in zip(ids, self.texts(ids), top_values[r, :n].tolist(), strict=True)
             )
-            self.entries[seq_id].append(
-                TokenLogprob(token_id, self.tokenizer.decode([token_id]), float(log_probs[r, token_id]), top)
-            )
+            text = self.texts([token_id])[0]
+            self.entries[seq_id].append(TokenLogprob(token_id, text, float(chosen[r, 0]), top, ranks[r]))

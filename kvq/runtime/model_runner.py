@@ -7,7 +7,7 @@ Imports torch and kvq.runtime.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,10 +17,19 @@ from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.kernels import PagedDecodePlan, plan_paged_decode
 from kvq.runtime.kernels.step_check import guard_slot_mapping
 from kvq.runtime.models.llama import LlamaForCausalLM
+from kvq.runtime.prompt_logprobs import PromptScores, score_prompt
 from kvq.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvq.runtime.integrity.ranks import RankLeader
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """A step's logits `[B, V]` and, in a prefill, the prompt scores of the rows that asked (by row)."""
+
+    logits: torch.Tensor
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -60,8 +69,17 @@ class ModelRunner:
         block_tables = [seq.block_table + [-1] * (max_pages - len(seq.block_table)) for seq in seqs]
         context_lens = [seq.num_tokens for seq in seqs]
         prompt_lens = [seq.num_prompt_tokens for seq in seqs]
+        wanted = [s.params.prompt_logprobs if is_prefill and s.needs_prompt_logprobs else -1 for s in seqs]
         return StepInputs(
-            is_prefill, input_ids, positions, slots, query_lens, context_lens, prompt_lens, block_tables
+            is_prefill,
+            input_ids,
+            positions,
+            slots,
+            query_lens,
+            context_lens,
+            prompt_lens,
+            block_tables,
+            tuple(wanted) if any(n is not None and n >= 0 for n in wanted) else (),
         )
 
     def batch_of(self, inputs: StepInputs) -> ForwardBatch:
@@ -107,11 +125,11 @@ class ModelRunner:
             has_empty=min(context_lens_list) == 0,
         )
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Logits `[B, V]` of each sequence's next token (the lm_head's dtype)."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> ForwardOutput:
+        """Logits `[B, V]` of each sequence's next token (the lm_head's dtype), and prompt scores."""
         return self.forward(self.prepare(seqs, is_prefill))
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Logits `[B, V]` of a prepared batch. With --kv-integrity on, `Engine` checks this very batch
         (its block tables, lengths, positions and slot mapping, as the kernels will use them) between
         `prepare` and here, and its write guard, applied here on the device before the first layer
@@ -128,7 +146,24 @@ class ModelRunner:
         return self.forward_local(batch)
 
     @torch.inference_mode()
-    def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_local(self, batch: ForwardBatch) -> ForwardOutput:
         """This rank's part of the forward (the model's collectives join the other ranks')."""
         hidden = self.model.forward(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        wanted = batch.inputs.prompt_logprobs if batch.inputs is not None else ()
+        return ForwardOutput(logits, self._score_prompts(hidden, batch, wanted) if wanted else {})
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, batch: ForwardBatch, wanted: tuple[int, ...]
+    ) -> dict[int, PromptScores]:
+        """Each prompt that asked, prefilled whole: its rows of `hidden` `[T, H]` through the lm_head."""
+        scores: dict[int, PromptScores] = {}
+        start = 0
+        for row, (num_top, query_len) in enumerate(zip(wanted, batch.query_lens, strict=True)):
+            if num_top >= 0:
+                rows = slice(start, start + query_len)
+                vocab_size = self.model.config.vocab_size
+                compute = self.model.compute_logits
+                scores[row] = score_prompt(compute, hidden[rows], batch.input_ids[rows], num_top, vocab_size)
+            start += query_len
+        return scores

@@ -22,7 +22,6 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.engine import Engine, Prompt, RequestOutput
 from kvq.runtime.kv_transfer import (
     KVHandoff,
@@ -97,7 +96,7 @@ class PDEngine(Engine):
         (`KvTransferError` names the page: only this request is refused)."""
         seq = self.make_sequence(handoff.prompt_token_ids, params)
         verify_handoff(handoff, self.kv_identity, f"request {seq.seq_id}", self.kv_pool)
-        self._texts[seq.seq_id] = CompletionText(self.tokenizer, seq.params.stop)
+        self._texts[seq.seq_id] = self.completion_text(seq.params)
         self._arrived.append((seq, handoff))
         return seq.seq_id
 

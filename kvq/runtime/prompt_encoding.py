@@ -10,15 +10,37 @@ from typing import Any
 
 from kvq.errors import KvqError
 
+# apply_chat_template's own arguments: not for a request's chat_template_kwargs to set
+TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer.encode(text, verbose=False)  # length is checked by Engine.make_sequence, not here
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    # length is checked by Engine.make_sequence, not here
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False)
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]], where: str) -> list[int]:
-    """A conversation (`role`/`content` dicts) through the chat template, ready for the assistant's turn;
-    `KvqError` if the tokenizer (of checkpoint `where`) has no chat template."""
+def encode_messages(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    where: str,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """A conversation (`role`/`content` dicts) through the chat template, ready for the assistant's turn
+    (unless `add_generation_prompt` is False); `template_kwargs` are the template's own variables (e.g.
+    `enable_thinking`). `KvqError` if the tokenizer (of checkpoint `where`) has no chat template, or if the
+    template refuses the conversation (e.g. roles that do not alternate)."""
     if not tokenizer.chat_template:
         raise KvqError(f"{where}: the tokenizer has no chat template; send a plain prompt (/v1/completions)")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {k: v for k, v in (template_kwargs or {}).items() if k not in TEMPLATE_ARGUMENTS}
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
+    except Exception as e:  # jinja2's TemplateError and what a template raises on odd input
+        raise KvqError(f"the chat template refused the messages: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False, verbose=False)

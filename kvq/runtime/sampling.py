@@ -1,7 +1,9 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 A request with a seed draws from its own generator, so its tokens do not depend on what it is batched
-with. Rows with non-finite logits are reported, not sampled. Imports torch, kvq.errors and the C argmax
+with. Rows whose logits a request's penalties, bias or `min_tokens` change come in already processed
+(`kvq.runtime.logits_processors`). A row with non-finite logits, or one that cannot be sampled, is
+reported by its error, not sampled: only that request ends. Imports torch, kvq.errors and the C argmax
 (kvq.runtime.kernels.cpu_ops).
 """
 
@@ -15,39 +17,63 @@ from kvq.errors import KvqError
 from kvq.runtime.kernels.cpu_ops import argmax_finite
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
+GREEDY_BELOW = 1e-5  # a smaller temperature is greedy (vLLM's): dividing by it would overflow the logits
 
 
 @dataclass
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 are off; `stop` strings end the text (not included)."""
+    """temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 are off; `stop` strings end the text (not
+    included unless `include_stop_str_in_output`). The penalties, `logit_bias` and `min_tokens` are vLLM's
+    and OpenAI's: presence/frequency over the completion's tokens, repetition (x or / per token, as
+    transformers) over prompt and completion; `min_tokens` holds back EOS, `stop_token_ids` and stop
+    strings. `max_tokens` 0 generates nothing (with `prompt_logprobs`: score a prompt)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 256
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # log-probabilities of sampled tokens, with this many top ones (None: off)
+    prompt_logprobs: int | None = None  # the same over the prompt's tokens (None: off)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise KvqError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise KvqError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise KvqError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise KvqError(f"top_k must be >= 0 (0 is off), got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise KvqError("stop strings must not be empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise KvqError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (top tokens), got {self.logprobs}")
+        checks = [
+            (self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
+            (0 <= self.min_tokens, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 is off), got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
+        ]
+        for value, name in ((self.presence_penalty, "presence"), (self.frequency_penalty, "frequency")):
+            checks.append((-2.0 <= value <= 2.0, f"{name}_penalty must be in [-2, 2], got {value}"))
+        for top, name in ((self.logprobs, "logprobs"), (self.prompt_logprobs, "prompt_logprobs")):
+            in_range = top is None or 0 <= top <= MAX_TOP_LOGPROBS
+            checks.append((in_range, f"{name} must be in [0, {MAX_TOP_LOGPROBS}] (top tokens), got {top}"))
+        for is_valid, message in checks:
+            if not is_valid:
+                raise KvqError(message)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -68,17 +94,38 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def filter_min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """One row of probabilities `[V]`: tokens below `min_p` times the most likely one's set to 0."""
+    return probs.masked_fill(probs < min_p * probs.max(), 0.0) if min_p > 0 else probs
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> tuple[list[int], list[bool]]:
-    """Logits `[B, V]` (fp32 or bf16) -> (token id per row, whether the row's logits were all finite). The
-    greedy tokens come from the logits as they are (bf16 -> fp32 is exact); a sampled row is made fp32."""
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    processed: dict[int, torch.Tensor] | None = None,
+) -> tuple[list[int], list[str | None]]:
+    """Logits `[B, V]` (fp32 or bf16) -> (token id per row, the row's error or None). The greedy tokens
+    come from the logits as they are (bf16 -> fp32 is exact); a sampled row is made fp32. `processed`
+    replaces rows (row -> fp32 `[V]`) that a request's penalties or bias changed."""
     logits = logits.cpu()
     greedy, finite = argmax_finite(logits)
-    tokens, is_finite = greedy.tolist(), finite.tolist()
+    tokens = greedy.tolist()
+    errors: list[str | None] = [None if ok else "non-finite logits" for ok in finite.tolist()]
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.is_greedy or not is_finite[row]:
+        row_logits = (processed or {}).get(row)
+        if errors[row] is not None or (p.is_greedy and row_logits is None):
             continue
-        filtered = filter_logits(logits[row].float() / p.temperature, p.top_k, p.top_p)
-        tokens[row] = int(torch.multinomial(filtered.softmax(-1), 1, generator=gen))
-    return tokens, is_finite
+        try:
+            tokens[row] = _sample_row(logits[row] if row_logits is None else row_logits, p, gen)
+        except RuntimeError as e:  # e.g. every token filtered or masked out
+            errors[row] = f"sampling failed ({e})"
+    return tokens, errors
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    if p.is_greedy:
+        return int(logits.argmax())
+    filtered = filter_logits(logits.float() / p.temperature, p.top_k, p.top_p)
+    probs = filter_min_p(filtered.softmax(-1), p.min_p)
+    return int(torch.multinomial(probs, 1, generator=gen))

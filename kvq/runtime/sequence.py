@@ -42,6 +42,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
+    needs_prompt_logprobs: bool = False  # asked for them and not scored yet: prefilled whole, no cache hits
 
     @property
     def num_tokens(self) -> int:

@@ -82,12 +82,12 @@ def teacher_forced_logits(engine: Engine, prompt: list[int], forced: list[int]) 
     steps)."""
     seq = engine.make_sequence(prompt, SamplingParams(max_tokens=len(forced) + 1))
     engine.block_manager.allocate(seq)
-    rows = [engine.runner.run([seq], is_prefill=True)[0]]
+    rows = [engine.runner.run([seq], is_prefill=True).logits[0]]
     for token in forced:
         seq.token_ids.append(token)
         assert engine.block_manager.can_append(seq)
         engine.block_manager.may_append(seq)
-        rows.append(engine.runner.run([seq], is_prefill=False)[0])
+        rows.append(engine.runner.run([seq], is_prefill=False).logits[0])
     engine.block_manager.deallocate(seq)
     return torch.stack(rows).cpu()
 
@@ -100,12 +100,12 @@ def batch_teacher_forced_logits(
     seqs = [engine.make_sequence(p, SamplingParams(max_tokens=len(forced[0]) + 1)) for p in prompts]
     for seq in seqs:
         engine.block_manager.allocate(seq)
-    steps = [torch.stack([engine.runner.run([seq], is_prefill=True)[0] for seq in seqs])]
+    steps = [torch.stack([engine.runner.run([seq], is_prefill=True).logits[0] for seq in seqs])]
     for t in range(len(forced[0])):
         for seq, tokens in zip(seqs, forced, strict=True):
             seq.token_ids.append(tokens[t])
             engine.block_manager.may_append(seq)
-        steps.append(engine.runner.run(seqs, is_prefill=False))
+        steps.append(engine.runner.run(seqs, is_prefill=False).logits)
     for seq in seqs:
         engine.block_manager.deallocate(seq)
     return torch.stack(steps).float().cpu()

@@ -4,6 +4,7 @@ own request."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,11 +108,12 @@ def test_non_finite_logits_end_only_that_request(tiny_checkpoint, monkeypatch: p
     run = engine.runner.run
 
     def poisoned(seqs, is_prefill):
-        logits = run(seqs, is_prefill).clone()
+        out = run(seqs, is_prefill)
+        logits = out.logits.clone()
         for row, seq in enumerate(seqs):
             if seq.token_ids[: seq.num_prompt_tokens] == prompts[0] and seq.num_tokens > 5:
                 logits[row, 0] = float("nan")
-        return logits
+        return replace(out, logits=logits)
 
     monkeypatch.setattr(engine.runner, "run", poisoned)
     bad, good = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -128,8 +130,10 @@ def test_bad_requests_are_user_errors(tiny_checkpoint) -> None:
     )
     with pytest.raises(KvqError, match="prompt has 64 tokens but the context holds 64"):
         engine.generate([[5] * 64], SamplingParams())
-    with pytest.raises(KvqError, match="max_tokens must be >= 1"):
-        engine.generate([[5]], SamplingParams(max_tokens=0))
+    with pytest.raises(KvqError, match="max_tokens must be >= 0"):
+        engine.generate([[5]], SamplingParams(max_tokens=-1))
+    with pytest.raises(KvqError, match="logit_bias and stop_token_ids take token ids in the vocabulary"):
+        engine.generate([[5]], SamplingParams(logit_bias={99999: 1.0}))
     with pytest.raises(KvqError, match="empty"):
         engine.generate([[]], SamplingParams())
     with pytest.raises(KvqError, match="outside the vocabulary"):

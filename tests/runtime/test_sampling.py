@@ -18,8 +18,8 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     """On fp32 logits and on bf16 ones as the fast path's lm_head gives them (no fp32 copy)."""
     logits = logits_rows().to(dtype)
     params = [SamplingParams()] * 3
-    tokens, ok = sample(logits, params, [None] * 3)
-    assert tokens == logits.argmax(-1).tolist() and ok == [True] * 3
+    tokens, errors = sample(logits, params, [None] * 3)
+    assert tokens == logits.argmax(-1).tolist() and errors == [None] * 3
 
 
 def test_top_k_one_and_a_tiny_top_p_are_greedy() -> None:
@@ -64,14 +64,21 @@ def test_non_finite_rows_are_flagged(dtype: torch.dtype) -> None:
     logits[2, 0] = float("-inf")
     logits[3] = 3e38
     logits[3, 7] = 3.3e38
-    tokens, ok = sample(logits.to(dtype), [SamplingParams(temperature=1.0, seed=0)] * 4, [None] * 4)
-    assert ok == [True, False, False, True] and tokens[3] == 7
+    tokens, errors = sample(logits.to(dtype), [SamplingParams(temperature=1.0, seed=0)] * 4, [None] * 4)
+    assert errors == [None, "non-finite logits", "non-finite logits", None] and tokens[3] == 7
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": -1}, "max_tokens must be >= 0"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty must be in"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty must be in"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be in"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -2}, "top_k"),
