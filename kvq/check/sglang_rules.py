@@ -16,6 +16,7 @@ from kvq.check.ct_scheme import (
 )
 from kvq.check.kv_scales import check_kv_scales
 from kvq.check.report import ERROR, WARNING, EngineVerdict
+from kvq.check.tp_rules import check_engine_tp
 from kvq.check.view import FP8, INT4, MOE, CheckpointView, EngineLayer
 
 SOURCE = "sglang compressed_tensors/compressed_tensors.py"
@@ -52,6 +53,7 @@ MATCHING = Matching("sglang", should_ignore_layer, find_matched_target, per_grou
 
 def check(view: CheckpointView, tp: int) -> EngineVerdict:
     verdict = EngineVerdict("sglang", tp)
+    check_engine_tp(view, verdict, tp)
     if not is_checked_format(view, verdict):
         return verdict
     if view.quant.get("config_groups"):

@@ -64,6 +64,7 @@ class CheckpointView:
     tensors: dict[str, TensorInfo]
     linears: dict[str, StoredLinear]
     layers: list[EngineLayer] = field(default_factory=list)
+    file_config: dict = field(default_factory=dict)  # config.json as stored (a wrapper's included)
 
     @property
     def model_type(self) -> str:
@@ -93,7 +94,7 @@ def open_view(path: str | Path) -> CheckpointView:
     quant = ckpt.config.get("quantization_config") or config.get("quantization_config") or {}
     linears = _stored_linears(ckpt.tensors)
     num_layers = int(config.get("num_hidden_layers", 1 << 30))
-    view = CheckpointView(ckpt.root, config, quant, ckpt.tensors, linears)
+    view = CheckpointView(ckpt.root, config, quant, ckpt.tensors, linears, file_config=ckpt.config)
     view.layers = engine_layers(
         [m for m in linears if not _is_mtp(m, num_layers)]  # MTP layers load only for speculative decoding
     )

@@ -17,6 +17,7 @@ from kvq.check.ct_layers import (
 from kvq.check.ct_scheme import PACK_QUANTIZED, WNA16, first_match, match_fused_layer, shard_names
 from kvq.check.kv_scales import check_kv_scales
 from kvq.check.report import ERROR, NOTE, WARNING, EngineVerdict
+from kvq.check.tp_rules import check_engine_tp
 from kvq.check.view import INT4, LINEAR, MOE, CheckpointView, EngineLayer
 
 SOURCE = "vllm compressed_tensors/compressed_tensors.py"
@@ -53,6 +54,7 @@ MATCHING = Matching("vllm", should_ignore_layer, find_matched_target, per_group_
 
 def check(view: CheckpointView, tp: int) -> EngineVerdict:
     verdict = EngineVerdict("vllm", tp)
+    check_engine_tp(view, verdict, tp)
     if not is_checked_format(view, verdict):
         return verdict
     resolved = check_linear_layers(view, verdict, MATCHING, SOURCE) if view.quant.get("config_groups") else {}

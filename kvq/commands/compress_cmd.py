@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvq.byte_sizes import format_bytes
+from kvq.checkpoint.validate import validate_dir
 from kvq.commands.gptq_options import (
     CALIBRATED_METHODS,
     CalibrateKvOption,
@@ -105,11 +107,12 @@ def compress_command(
         true_sequential,
     )
     loaded = load_recipe(recipe, group_size)
+    validate_dir(src)  # before any work: the weights are what config.json describes
     if options.method_for(loaded) in CALIBRATED_METHODS:
         written = gptq_compress(src, out, loaded, target, options, max(1, workers), quiet)
         _print_tensors("kept at source precision", written.kept)
         _print_tensors("FP8-block written as BF16", written.dequantized)
-        _print_check(written.out)
+        _print_check(written.out, target)
         return
     job = prepare(src, out, loaded, target)
     workers = max(1, workers)  # a few shards are cut into parts, so every worker has work
@@ -128,14 +131,23 @@ def compress_command(
         )
         raise typer.Exit(130) from None
     _print_report(report, job.input_bytes)
-    _print_check(job.out)
+    _print_check(job.out, target)
 
 
-def _print_check(out: Path) -> None:
+def _print_check(out: Path, target: str) -> None:
+    """`kvq check` of OUT; exit code 1 when the `--target` engine would not load it."""
     from kvq.check import check_checkpoint
     from kvq.commands.check_cmd import print_report
 
-    print_report(check_checkpoint(out))
+    report = check_checkpoint(out)
+    print_report(report)
+    if not report.loads(target):
+        print(
+            f"kvq: error: {out}: written, but --target {target} does not load it (the errors above); "
+            "fix what they name in SRC or the recipe, or pick the --target that loads it",
+            file=sys.stderr,
+        )
+        raise typer.Exit(1)
 
 
 def _run(job: PreparedJob, workers: int, quiet: bool) -> CompressReport:
