@@ -21,9 +21,12 @@ from kvq.calibrate.layer_stream import embed, meta_model, run_layers
 from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.samples import CalibrationSamples, build_samples
 from kvq.calibrate.scales import layer_scales
-from kvq.calibrate.write_scales import SCALES_FILE, apply_update, plan_update
+from kvq.calibrate.scales_record import SCALES_FILE, UNIT_FILES
+from kvq.calibrate.write_scales import apply_update, plan_update
+from kvq.checkpoint.file_commit import recover
 from kvq.checkpoint.model_config import TextModel, pretrained_config, text_model
 from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint
+from kvq.checkpoint.writable import check_writable_dir
 from kvq.data.texts import load_texts, source_name
 from kvq.errors import KvqError
 
@@ -52,6 +55,7 @@ def calibrate(
     on_start: Callable[[int], None] | None = None,
 ) -> CalibrationResult:
     """Calibrate FP8 KV scales for the checkpoint at `path` and write them into it."""
+    prepare_to_write(Path(path))
     ckpt = Checkpoint.open(path)
     model = text_model(ckpt.config, str(ckpt.root / CONFIG_NAME))
     lm = ckpt.under(model.weight_prefix)  # the language model, in transformers' tensor names
@@ -73,6 +77,14 @@ def calibrate(
     scales = {model.checkpoint_name(name): scale for name, scale in scales.items()}
     apply_update(ckpt, scales, plan_update(ckpt, scales, config.strategy, record))
     return CalibrationResult(layout, samples, recorder, scales, record)
+
+
+def prepare_to_write(root: Path) -> None:
+    """Before any work: the checkpoint must take new files, and a calibration a kill left half-written
+    is rolled back (the run then writes it whole)."""
+    if root.is_dir():
+        check_writable_dir(root, "checkpoint directory (kvq calibrate adds its scales to it)")
+        recover(root, UNIT_FILES)
 
 
 def check_run(layout: KvLayout, config: CalibrationConfig, where: str) -> None:

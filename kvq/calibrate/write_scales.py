@@ -1,10 +1,11 @@
 """Add calibrated KV scales to a checkpoint in place: extra shard, index, config.json, manifest.
 
 `plan_update` checks everything and builds every JSON document before anything is written; `apply_update`
-then writes `kv_scales.safetensors` (temp + rename), the index (created if the checkpoint had a single
-`model.safetensors` and no index), config.json and `kvq_manifest.json`, each atomically and in that
-order. Re-calibrating replaces the previous `kv_scales.safetensors` and its index entries.
-Imports kvq.checkpoint, compressed_tensors (schema validation) and torch.
+then writes `kv_scales.safetensors`, the index (created if the checkpoint had a single
+`model.safetensors` and no index), config.json and `kvq_manifest.json` as one unit
+(`kvq.checkpoint.file_commit`: staged, then renamed in that order, the manifest last; a failure or a
+kill leaves the checkpoint as it was). Re-calibrating replaces the previous `kv_scales.safetensors` and
+its index entries. Imports kvq.checkpoint, compressed_tensors (schema validation) and torch.
 """
 
 from __future__ import annotations
@@ -15,14 +16,21 @@ import torch
 from compressed_tensors.quantization import QuantizationConfig
 from pydantic import ValidationError
 
+from kvq.calibrate.scales_record import (
+    FILE_KEY,
+    MANIFEST_KEY,
+    MANIFEST_NAME,
+    SCALES_FILE,
+    UNIT_FILES,
+    file_record,
+)
+from kvq.checkpoint.file_commit import commit_files
 from kvq.checkpoint.model_config import with_quantization_config
 from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint, read_json
-from kvq.checkpoint.write import save_safetensors_atomic, write_index, write_json_atomic
+from kvq.checkpoint.write import index_document, write_bytes_atomic, write_json_atomic
 from kvq.errors import KvqError
 
-SCALES_FILE = "kv_scales.safetensors"
-MANIFEST_NAME = "kvq_manifest.json"
-MANIFEST_KEY = "kv_calibration"
+__all__ = ["MANIFEST_KEY", "SCALES_FILE", "apply_update", "plan_update"]
 _SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
@@ -105,10 +113,18 @@ def plan_update(
 
 
 def apply_update(ckpt: Checkpoint, scales: dict[str, torch.Tensor], update: CheckpointUpdate) -> None:
-    """Write the scales shard, then the index, config.json and the manifest (each atomically)."""
+    """Write the scales shard, the index, config.json and the manifest as one unit, the manifest last."""
+    from safetensors.torch import save
+
     # One metadata key ("format"): safetensors writes several in a random order (a Rust HashMap), which made
     # two writes of the same scales differ in bytes. Who wrote the file is in the manifest.
-    save_safetensors_atomic(scales, ckpt.root / SCALES_FILE)
-    write_index(ckpt.root, update.weight_map, update.total_size)
-    write_json_atomic(update.config, ckpt.root / CONFIG_NAME)
-    write_json_atomic(update.manifest, ckpt.root / MANIFEST_NAME)
+    data = save({k: v.contiguous() for k, v in scales.items()}, metadata={"format": "pt"})
+    manifest = {**update.manifest, FILE_KEY: file_record(data)}
+    index = index_document(update.weight_map, update.total_size)
+    writers = (
+        lambda path: write_bytes_atomic(data, path),
+        lambda path: write_json_atomic(index, path),
+        lambda path: write_json_atomic(update.config, path),
+        lambda path: write_json_atomic(manifest, path),
+    )
+    commit_files(ckpt.root, list(zip(UNIT_FILES, writers, strict=True)))

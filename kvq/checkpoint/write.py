@@ -63,7 +63,22 @@ def write_text_atomic(text: str, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def index_document(weight_map: Mapping[str, str], total_size: int) -> dict:
+    """`model.safetensors.index.json`'s content, tensors in sorted order."""
+    return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+
+
 def write_index(root: Path, weight_map: Mapping[str, str], total_size: int) -> None:
     """Write `model.safetensors.index.json` with tensors in sorted order."""
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    write_json_atomic(index, Path(root) / INDEX_NAME)
+    write_json_atomic(index_document(weight_map, total_size), Path(root) / INDEX_NAME)
+
+
+def write_bytes_atomic(data: bytes, path: Path) -> None:
+    """Write `data` under a temporary name, fsync, rename."""
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        tmp.write_bytes(data)
+        _replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

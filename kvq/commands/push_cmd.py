@@ -1,10 +1,11 @@
 """`kvq push DIR REPO_ID`: publish a kvq output to the Hugging Face Hub with a model card of measured numbers.
 
-Order: verify the folder against its manifest (every shard's size and sha256), check the engines asked
-for (`--require-engine`), build the card (README.md) from the manifest, config and `--eval` report, then
-either print card and file list (`--dry-run`: no connection) or upload the files and the card with
-huggingface_hub (a re-run resumes). DIR is never written to: the card goes up from memory. Imports
-huggingface_hub's card classes, never torch.
+Order: check REPO_ID, verify the folder against its manifest (every shard's size and sha256, a
+calibration whole), check the engines asked for (`--require-engine`), build the card (README.md) from
+the manifest, config and `--eval` report, choose the files (the checkpoint's own, `kvq.push.files`;
+others only by `--include`, dotfiles never), then either print card and file list (`--dry-run`: no
+connection) or upload those files and the card with huggingface_hub (a re-run resumes). DIR is never
+written to: the card goes up from memory. Imports huggingface_hub's card classes; torch only through the checkpoint validation (transformers' meta model).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Annotated
 import typer
 
 from kvq.byte_sizes import format_bytes
+from kvq.checkpoint.validate import validate_dir
 from kvq.commands.render import console
 from kvq.errors import KvqError
 
@@ -47,18 +49,33 @@ def push_command(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the card and the file list; write and send nothing.")
     ] = False,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include",
+            help="Also upload the files this glob matches, relative to DIR, e.g. 'docs/*.md' (repeatable). "
+            "Without it only the checkpoint goes: the files its manifest and index list, config, "
+            "tokenizer, generation config, chat template, license. Dotfiles are never uploaded.",
+        ),
+    ] = None,
 ) -> None:
-    """Verify DIR against its manifest, write its model card, and upload it to the Hugging Face Hub."""
+    """Verify DIR against its manifest, write its model card, and upload the checkpoint to the Hugging Face
+    Hub."""
     from kvq.push.card import CARD_NAME, build_card
-    from kvq.push.upload import hub_token, upload, upload_files
-    from kvq.push.verify import verify_output
+    from kvq.push.files import select_files
+    from kvq.push.upload import check_repo_id, hub_token, upload
+    from kvq.push.verify import index_weight_map, verify_output
 
+    check_repo_id(repo_id)
     manifest = verify_output(path)
+    validate_dir(path)  # the tensors are what config.json describes (the card's commands rely on it)
     if require_engine:
         _require_engines(path, require_engine, tp)
     report = _read_report(eval_report) if eval_report is not None else None
     card = build_card(path, manifest, repo_id, report, base_model, license)
-    files = sorted(set(upload_files(path)) | {CARD_NAME})
+    selection = select_files(path, manifest, index_weight_map(path), include or ())
+    _print_left_out(selection.left_out, selection.dotfiles)
+    files = sorted(set(selection.files) | {CARD_NAME})
     if dry_run:
         typer.echo(card.content)
         console.print(f"would upload {len(files)} files to {repo_id}:")
@@ -73,6 +90,7 @@ def push_command(
     )
     url = upload(
         path,
+        files,
         repo_id,
         (CARD_NAME, card.content),
         private=private,
@@ -81,6 +99,17 @@ def push_command(
         commit_message=message,
     )
     console.print(f"uploaded {len(files)} files to {repo_id}: {url}")
+
+
+def _print_left_out(left_out: list[str], dotfiles: list[str]) -> None:
+    """Name what stays home, on stderr (stdout of --dry-run is the card and the list)."""
+    if left_out:
+        typer.echo(
+            f"not uploaded (not part of the checkpoint; --include PATTERN sends one): {', '.join(left_out)}",
+            err=True,
+        )
+    if dotfiles:
+        typer.echo(f"not uploaded (dotfiles never are): {', '.join(dotfiles)}", err=True)
 
 
 def _read_report(path: Path) -> dict:

@@ -4,30 +4,29 @@ which re-run after an interruption skips what already arrived (huggingface_hub's
 
 The endpoint is `HF_ENDPOINT` (read here, not only when huggingface_hub is first imported), the token is
 `HF_TOKEN` or the stored `hf auth login` one; it is passed to huggingface_hub and never printed (it is
-masked in any error message). `upload_files` is the list of the folder's files that are sent (what
-`upload_folder` would send), computed without a connection. Imports huggingface_hub lazily.
+masked in any error message). Which files go is `kvq.push.files`' choice. Imports huggingface_hub lazily.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
-from kvq.checkpoint.write import TMP_SUFFIX
 from kvq.errors import KvqError
 
-IGNORE_PATTERNS = [f"*{TMP_SUFFIX}"]
 
+def check_repo_id(repo_id: str) -> None:
+    """`KvqError` for a name the Hub would refuse (huggingface_hub's own rule), before any work."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-def upload_files(root: Path) -> list[str]:
-    """The paths (relative, posix) `upload_folder` uploads from `root`: its files except .git and
-    huggingface_hub's cache folders (its DEFAULT_IGNORE_PATTERNS) and kvq's temporary files."""
-    from huggingface_hub.utils import filter_repo_objects
-    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
-
-    root = Path(root).resolve()
-    files = sorted(p.relative_to(root).as_posix() for p in root.glob("**/*") if p.is_file())
-    return list(filter_repo_objects(files, ignore_patterns=IGNORE_PATTERNS + DEFAULT_IGNORE_PATTERNS))
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise KvqError(
+            f"REPO_ID {repo_id!r} is not a Hub repository id: {str(e).split(':')[0]}; use e.g. "
+            "my-org/SmolLM2-135M-w4a16"
+        ) from e
 
 
 def hub_token() -> str:
@@ -44,6 +43,7 @@ def hub_token() -> str:
 
 def upload(
     root: Path,
+    files: Sequence[str],
     repo_id: str,
     card: tuple[str, str],
     *,
@@ -52,14 +52,14 @@ def upload(
     token: str,
     commit_message: str,
 ) -> str:
-    """Create `repo_id` if needed and commit `root`'s files to it (at `revision`), with `card` (name,
+    """Create `repo_id` if needed and commit `files` of `root` to it (at `revision`), with `card` (name,
     text) in place of any file of that name in `root`; the commit URL."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     card_name, card_text = card
     operations = [
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(Path(root) / name))
-        for name in upload_files(root)
+        for name in files
         if name != card_name
     ]
     operations.append(CommitOperationAdd(path_in_repo=card_name, path_or_fileobj=card_text.encode()))

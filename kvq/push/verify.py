@@ -1,6 +1,7 @@
 """Is a folder a complete kvq output? Its manifest says so, and every shard has the size and sha256 the
 manifest recorded when `kvq compress` wrote it; every file of the index has a valid header (the KV scales
-file `kvq calibrate` adds included). Reads only; imports kvq.checkpoint and kvq.compress.
+file `kvq calibrate` adds included), and a calibration is there whole or not at all. Reads only; imports
+kvq.checkpoint, kvq.compress and kvq.calibrate.scales_record.
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvq.checkpoint.reader import Checkpoint
+from kvq.calibrate.scales_record import check_calibrated
+from kvq.checkpoint.reader import INDEX_NAME, Checkpoint, read_json
 from kvq.checkpoint.write import TMP_SUFFIX
 from kvq.compress.manifest import MANIFEST_NAME, read_manifest
 from kvq.compress.shard_files import file_sha256
@@ -37,8 +39,15 @@ def verify_output(root: Path) -> dict:
         )
     for name, record in sorted(manifest["shards"].items()):
         check_shard(root / name, record["bytes"], record["sha256"])
-    Checkpoint.open(root)  # every shard of the index present with a valid header, sizes consistent
+    ckpt = Checkpoint.open(root)  # every shard of the index present with a valid header, sizes consistent
+    check_calibrated(root, manifest, index_weight_map(root), ckpt.config)
     return manifest
+
+
+def index_weight_map(root: Path) -> dict[str, str]:
+    """The index's tensor -> file map ({} for a single-file checkpoint without an index)."""
+    path = Path(root) / INDEX_NAME
+    return dict(read_json(path, "index").get("weight_map") or {}) if path.exists() else {}
 
 
 def check_shard(path: Path, expected_bytes: int, expected_sha256: str) -> None:

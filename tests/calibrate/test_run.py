@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from kvq.calibrate.config import CalibrationConfig
 from kvq.calibrate.run import calibrate
-from kvq.calibrate.write_scales import MANIFEST_NAME, SCALES_FILE
+from kvq.calibrate.scales_record import FILE_KEY, MANIFEST_NAME, SCALES_FILE, file_record
 from kvq.checkpoint.reader import INDEX_NAME, Checkpoint
 from kvq.checkpoint.write import save_safetensors_atomic
 from tests.calibrate.conftest import writable
@@ -171,7 +171,8 @@ def test_compressed_checkpoint(
     assert qc["format"] in ("pack-quantized", "mixed-precision") and qc["config_groups"]
     assert qc["kv_cache_scheme"]["strategy"] == "tensor"
     manifest = json.loads((root / MANIFEST_NAME).read_text())
-    assert manifest == {**manifest_before, "kv_calibration": result.record}
+    written = file_record((root / SCALES_FILE).read_bytes())
+    assert manifest == {**manifest_before, "kv_calibration": result.record, FILE_KEY: written}
     if arch == "glm_moe_dsa":
         assert result.layout.is_mla and result.record["layers"][0]["amax"].keys() == {"kv_c", "k_pe"}
     assert all(s.item() > 0 for s in result.scales.values())
