@@ -147,8 +147,9 @@ def serve_command(
 
     Requests from all clients are batched together (continuous batching over the paged KV pool); a
     client that disconnects frees its pages. Listens on 127.0.0.1 unless --host says otherwise. SIGTERM
-    drains: running requests get --shutdown-timeout seconds, then the process exits 0. Needs the serve
-    extra (fastapi, uvicorn, prometheus-client).
+    drains: running requests get --shutdown-timeout seconds, then the process exits 0. Should the engine
+    itself stop, /health answers 503 and the process exits 1 (for a supervisor to restart it). Needs the
+    serve extra (fastapi, uvicorn, prometheus-client).
     """
     try:
         import uvicorn
@@ -197,10 +198,11 @@ def serve_command(
     child = None
     if role == "pd":
         child, pd_socket = start_decode_worker([str(decode_model or path), *engine_flags(engine_config)])
+    servers: list[DrainingServer] = []  # the one below, once made: the engine's death stops it
     try:
         front = Engine(engine_config) if role == "single" else PrefillFront(engine_config, pd_socket, pd_addr)
         metrics = ServeMetrics()
-        engine = AsyncEngine(front, metrics)
+        engine = AsyncEngine(front, metrics, on_death=lambda: [s.drain_now() for s in servers])
     except BaseException:
         stop_child(child)
         raise
@@ -212,6 +214,7 @@ def serve_command(
         make_app(served), host=server.host, port=server.port, log_level=server.log_level, access_log=False
     )
     uv = DrainingServer(uv_config, engine, state, server.shutdown_timeout)
+    servers.append(uv)
     print(_banner(served), file=sys.stderr, flush=True)
     try:
         uv.run()
@@ -219,6 +222,9 @@ def serve_command(
         engine.stop()
         served.encoder.close()
         stop_child(child)
+    if engine.dead_reason is not None:
+        print(f"kvq serve: exiting with status 1: the engine stopped ({engine.dead_reason})", file=sys.stderr)
+        raise SystemExit(1)
 
 
 def _banner(served: Served) -> str:

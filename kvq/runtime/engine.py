@@ -241,7 +241,7 @@ class Engine:
     def _queue(self, seq: Sequence) -> None:
         """Queue a request whose tokens become text (scored sequences are queued without)."""
         self._texts[seq.seq_id] = self.completion_text(seq.params)
-        if seq.params.logprobs is not None:
+        if seq.params.logprobs is not None and seq.params.max_tokens > 0:
             self.logprobs.watch(seq.seq_id, seq.params.logprobs)
         self.scheduler.add(seq)
 

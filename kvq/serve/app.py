@@ -3,15 +3,18 @@
 GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/completions and
 /v1/chat/completions (`stream: true` as server-sent events ending in `data: [DONE]`). A bad request gets
 400 (404 for another model name, 413 for a body too large, 429 when the queue is full, 401 without the
-key) and an OpenAI error body naming the problem; a request the engine stopped (a failed KV page check)
-gets 500 with the engine's message, or, when streaming, an error event after the text sent so far; one
-still running when the shutdown timeout passes gets 503 (or an error event). A client that goes away,
-streaming or not, aborts its request. Imports fastapi, prometheus_client and kvq.
+key) and an OpenAI error body naming the problem; a request the engine stopped (a failed KV page check,
+its own output handling failed) gets 500 with the engine's message, or, when streaming, its last chunk
+with finish reason "error" and an error event after the text sent so far; one still running when the
+shutdown timeout passes, or when the engine thread has stopped, gets 503 (or an error event). Every error
+body, 5xx included, is OpenAI's JSON. A client that goes away, streaming or not, aborts its request.
+Imports fastapi, prometheus_client and kvq.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,8 +35,10 @@ from kvq.serve.encoder import PromptEncoder
 from kvq.serve.limits import check_queue, max_tokens_for
 from kvq.serve.metrics import ServeMetrics
 from kvq.serve.protocol import ChatRequest, CompletionRequest, check_model
-from kvq.serve.responses import Reply, usage
+from kvq.serve.responses import PromptLogprobs, Reply, usage
 from kvq.serve.server_config import ServerConfig
+
+log = logging.getLogger("kvq.serve")
 
 
 @dataclass
@@ -76,8 +81,18 @@ def make_app(served: Served) -> AccessMiddleware:
             served.metrics.admission_rejections.inc()
         return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
-    @app.get("/health")
-    async def health() -> dict:
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s failed", request.url.path, exc_info=exc)
+        return JSONResponse(
+            error_body(f"the server failed: {type(exc).__name__}: {exc}", 500), status_code=500
+        )
+
+    @app.get("/health", response_model=None)
+    async def health() -> dict | JSONResponse:
+        dead = served.engine.dead_reason
+        if dead is not None:
+            return JSONResponse(error_body(f"the engine stopped: {dead}", 503), status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -98,39 +113,61 @@ def make_app(served: Served) -> AccessMiddleware:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, served.model_name)
-        encoded = [await served.encoder.encode(p) for p in body.prompts]
+        body.warn_ignored("/v1/completions")
+        encoded = [await served.encoder.encode(p, bool(body.add_special_tokens)) for p in body.prompts]
+        encoded = [
+            (body.truncated(ids), text if body.truncate_prompt_tokens is None else None)
+            for ids, text in encoded
+        ]
         max_len = served.engine.engine.max_model_len
+        num_prompt_logprobs = body.num_prompt_logprobs
         echoes: list[str] = []
         params: list[tuple[list[int], SamplingParams]] = []
         for ids, text in encoded:
-            max_tokens = max_tokens_for(len(ids), body.max_tokens, 16, max_len, served.config, "prompt")
+            max_tokens = max_tokens_for(len(ids), body.max_tokens, 16, max_len, served.config, "prompt", 0)
             echo = (text if text is not None else await served.encoder.decode(ids)) if body.echo else ""
-            for p in body.sampling_params(max_tokens, body.logprobs):
+            for p in body.sampling_params(max_tokens, body.logprobs, num_prompt_logprobs):
                 params.append((ids, p))
                 echoes.append(echo)
-        reply = Reply(f"cmpl-{uuid.uuid4().hex}", served.model_name, body.include_usage)
-        prompt_lens = [len(ids) for ids, _ in encoded]
+        prompt = PromptLogprobs(
+            bool(body.echo) and body.logprobs is not None, body.prompt_logprobs is not None
+        )
+        reply = Reply(
+            f"cmpl-{uuid.uuid4().hex}", served.model_name, body.include_usage, body.continuous_usage, prompt
+        )
+        prompt_lens = [len(ids) for ids, _ in params]
         choices = await _start(served, request, params)
         if body.stream:
 
             async def events() -> AsyncIterator[dict]:
                 seen: set[int] = set()
                 async for index, out in choices.merged():
-                    yield reply.completion_chunk(index, out, "" if index in seen else echoes[index])
+                    chunk_usage = usage([prompt_lens[index]], [out])
+                    yield reply.completion_chunk(
+                        index, out, "" if index in seen else echoes[index], chunk_usage
+                    )
                     seen.add(index)
                     if out.finish_reason == "error":
                         yield _stopped(out)
                 if body.include_usage:
-                    yield reply.usage_chunk("text_completion", usage(prompt_lens, choices.lasts))
+                    yield reply.usage_chunk(
+                        "text_completion", usage(_per_prompt(prompt_lens, body), choices.lasts)
+                    )
 
             return _sse(events(), choices)
         finals = await _answer(request, choices)
-        return _final(finals, reply.completion(finals, echoes, usage(prompt_lens, finals)))
+        return _final(finals, reply.completion(finals, echoes, usage(_per_prompt(prompt_lens, body), finals)))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Response:
         check_model(body.model, served.model_name)
-        ids = await served.encoder.encode_messages([m.as_template_message() for m in body.messages])
+        body.warn_ignored("/v1/chat/completions")
+        messages = [m.as_template_message() for m in body.messages]
+        ids = body.truncated(
+            await served.encoder.encode_messages(
+                messages, bool(body.add_generation_prompt), body.chat_template_kwargs
+            )
+        )
         max_tokens = max_tokens_for(
             len(ids),
             body.requested_max_tokens,
@@ -139,16 +176,21 @@ def make_app(served: Served) -> AccessMiddleware:
             served.config,
             "messages",
         )
-        params = [(ids, p) for p in body.sampling_params(max_tokens, body.num_logprobs)]
-        reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", served.model_name, body.include_usage)
+        params = [(ids, p) for p in body.sampling_params(max_tokens, body.num_logprobs, body.prompt_logprobs)]
+        reply = Reply(
+            f"chatcmpl-{uuid.uuid4().hex}", served.model_name, body.include_usage, body.continuous_usage
+        )
         choices = await _start(served, request, params)
         if body.stream:
 
             async def events() -> AsyncIterator[dict]:
                 for index in range(len(params)):
-                    yield reply.chat_chunk(index, {"role": "assistant", "content": ""})
+                    yield reply.chat_chunk(
+                        index, {"role": "assistant", "content": ""}, None, usage([len(ids)], [])
+                    )
                 async for index, out in choices.merged():
-                    yield reply.chat_chunk(index, {"content": out.delta} if out.delta else {}, out)
+                    delta = {"content": out.delta} if out.delta else {}
+                    yield reply.chat_chunk(index, delta, out, usage([len(ids)], [out]))
                     if out.finish_reason == "error":
                         yield _stopped(out)
                 if body.include_usage:
@@ -156,7 +198,7 @@ def make_app(served: Served) -> AccessMiddleware:
 
             return _sse(events(), choices)
         finals = await _answer(request, choices)
-        return _final(finals, reply.chat(finals, usage([len(ids)], finals)))
+        return _final(finals, reply.chat(finals, usage([len(ids)], finals), body.prompt_logprobs is not None))
 
     return AccessMiddleware(app, served.config, served.state)
 
@@ -171,6 +213,8 @@ async def _start(served: Served, request: Request, params: list[tuple[list[int],
         await choices.close()
         if isinstance(e, ServerShuttingDown):
             raise ApiError(503, f"the request was stopped: {e}") from e
+        if isinstance(e, RuntimeError):  # the engine failed this step's requests
+            raise ApiError(500, str(e)) from e
         raise
     return choices
 
@@ -181,6 +225,8 @@ async def _answer(request: Request, choices: Choices) -> list[RequestOutput]:
         return await until_disconnected(request, choices.finals())
     except ServerShuttingDown as e:
         raise ApiError(503, f"the request was stopped: {e}") from e
+    except RuntimeError as e:  # the engine failed this step's requests
+        raise ApiError(500, str(e)) from e
     finally:
         await choices.close()
 
@@ -188,6 +234,11 @@ async def _answer(request: Request, choices: Choices) -> list[RequestOutput]:
 def _stopped(out: RequestOutput) -> dict:
     """The error body of a request the engine stopped (finish reason "error": a failed KV page check)."""
     return error_body(f"generation stopped: {out.error}", 500)
+
+
+def _per_prompt(lens: list[int], body: CompletionRequest) -> list[int]:
+    """Each prompt's length once (its n choices share it, as vLLM counts)."""
+    return lens[:: body.num_choices]
 
 
 def _final(finals: list[RequestOutput], body: dict) -> Response:

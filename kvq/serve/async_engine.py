@@ -6,7 +6,10 @@ All engine work happens on the engine thread; handlers only exchange messages wi
 one way, `loop.call_soon_threadsafe` the other). A handler that stops listening (its client went away)
 aborts its request, which frees its KV pages. `num_waiting` (submitted, no output yet) is what
 back-pressure bounds; `abort_all` ends every request with `ServerShuttingDown` (graceful shutdown).
-Imports kvq.runtime and kvq.serve.metrics.
+Should the engine thread itself stop (an error outside any one request's step), that is said once in the
+log, every request in flight and every later one ends with `EngineDead` (a 503), `dead_reason` says why
+(`/health` answers 503) and `on_death` is called (`kvq serve` then exits non-zero, as vLLM does, so a
+supervisor restarts it). Imports kvq.runtime and kvq.serve.metrics.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class ServerShuttingDown(Exception):
     """The server stopped this request: it was still running when the shutdown timeout passed."""
 
 
+class EngineDead(ServerShuttingDown):
+    """The engine thread has stopped: no request can run on this server any more."""
+
+
 @dataclass(eq=False)
 class _Request:
     token_ids: list[int]
@@ -50,9 +57,13 @@ class _Request:
 class AsyncEngine:
     """`async for out in engine.generate(token_ids, params)`: outputs of one request as steps produce them."""
 
-    def __init__(self, engine: Engine, metrics: ServeMetrics | None = None) -> None:
+    def __init__(
+        self, engine: Engine, metrics: ServeMetrics | None = None, on_death: Callable[[], None] | None = None
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.on_death = on_death
+        self.dead_reason: str | None = None  # why the engine thread stopped (None: it runs)
         self.num_waiting = 0  # requests submitted that have no output yet (queued or being prefilled)
         self.num_running = 0  # requests with outputs, not finished
         self._lock = threading.Lock()
@@ -71,6 +82,9 @@ class AsyncEngine:
         Closing the iterator early aborts the request. Call on the event loop."""
         request = _Request(token_ids, params, asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
+            if self.dead_reason is not None:
+                request.queue.put_nowait(EngineDead(f"the engine stopped: {self.dead_reason}"))
+                return self._outputs(request)
             self._inbox.append(request)
             self.num_waiting += 1
             self._wake.notify()
@@ -121,6 +135,20 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         live: dict[int, _Request] = {}
+        try:
+            self._serve(live)
+        except BaseException as e:  # the thread ends: say so once, end every request, tell the server
+            log.critical("the engine thread stopped: %s: %s", type(e).__name__, e, exc_info=e)
+            with self._wake:
+                self.dead_reason = f"{type(e).__name__}: {e}"
+                waiting, self._inbox = self._inbox, []
+            error = EngineDead(f"the engine stopped: {self.dead_reason}")
+            for request in [*live.values(), *waiting]:
+                request.send(error)
+            if self.on_death is not None:
+                self.on_death()
+
+    def _serve(self, live: dict[int, _Request]) -> None:
         while True:
             with self._wake:
                 while not (self._inbox or self._abandoned or self._calls or self._is_stopping or live) and (
@@ -160,6 +188,10 @@ class AsyncEngine:
             except KvqError as e:
                 self._leave_waiting(request)
                 request.send(e)
+            except Exception as e:  # a bug in admitting this one request: it alone fails
+                log.exception("admitting a request failed")
+                self._leave_waiting(request)
+                request.send(RuntimeError(f"the engine could not take the request: {e}"))
 
     def _step(self, live: dict[int, _Request]) -> None:
         start = time.monotonic()

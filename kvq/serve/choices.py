@@ -90,11 +90,16 @@ class Choices:
 
 
 async def _last(first: RequestOutput, it: Outputs) -> RequestOutput:
+    """The final output, with every token's logprobs and the prompt's (which come with the first)."""
     last, logprobs = first, list(first.logprobs or [])
     while not last.finished:
         last = await it.__anext__()
         logprobs += last.logprobs or []
-    return last if first.logprobs is None else dataclasses.replace(last, logprobs=logprobs)
+    return dataclasses.replace(
+        last,
+        logprobs=None if first.logprobs is None else logprobs,
+        prompt_logprobs=first.prompt_logprobs,
+    )
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

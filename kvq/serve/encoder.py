@@ -24,17 +24,27 @@ class PromptEncoder:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
-    async def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    async def encode(
+        self, prompt: str | list[int], add_special_tokens: bool = True
+    ) -> tuple[list[int], str | None]:
         """(token ids, the prompt's text when it was given as text)."""
         if isinstance(prompt, str):
-            return await self._run(encode_text, self.tokenizer, prompt), prompt
+            return await self._run(encode_text, self.tokenizer, prompt, add_special_tokens), prompt
         return list(prompt), None
 
-    async def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
-        """`KvqError` (a 400) when the tokenizer has no chat template."""
-        return await self._run(encode_messages, self.tokenizer, messages, self.where)
+    async def encode_messages(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """`KvqError` (a 400) when the tokenizer has no chat template or the template refuses them."""
+        return await self._run(
+            encode_messages, self.tokenizer, messages, self.where, add_generation_prompt, template_kwargs
+        )
 
     async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids (an id the tokenizer lacks has none)."""
         return await self._run(lambda: self.tokenizer.decode(token_ids))
 
     def close(self) -> None:

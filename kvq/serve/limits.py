@@ -17,10 +17,11 @@ def max_tokens_for(
     max_model_len: int,
     config: ServerConfig,
     prompt_field: str,
+    minimum: int = 1,
 ) -> int:
     """The request's max_tokens: `requested`, else `default` capped by the context left after the prompt;
     `ApiError` 400 when the prompt or max_tokens is over the server's limits or the two overflow the
-    context."""
+    context. `minimum` 0 lets a completions request score its prompt only (`echo` with `logprobs`)."""
     if config.max_prompt_tokens is not None and num_prompt_tokens > config.max_prompt_tokens:
         raise ApiError(
             400,
@@ -30,8 +31,8 @@ def max_tokens_for(
         )
     if requested is None:
         requested = max(1, min(default, max_model_len - num_prompt_tokens))
-    elif requested < 1:
-        raise ApiError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
+    elif requested < minimum:
+        raise ApiError(400, f"max_tokens must be >= {minimum}, got {requested}", param="max_tokens")
     if config.max_completion_tokens is not None and requested > config.max_completion_tokens:
         raise ApiError(
             400,

@@ -66,5 +66,10 @@ class DrainingServer(uvicorn.Server):
         self._deadline.daemon = True
         self._deadline.start()
 
+    def drain_now(self) -> None:
+        """The engine stopped: take no more requests and exit (from any thread)."""
+        self.state.is_draining = True
+        self.should_exit = True
+
     def _end_the_rest(self) -> None:
         self.engine.abort_all(f"the server shut down and the {self.timeout:.0f} s shutdown timeout passed")
