@@ -182,15 +182,17 @@ def with_quantization_config(config: dict, quant: dict) -> dict:
 def pretrained_config(model: TextModel) -> PretrainedConfig:
     """The transformers config of the language model (DeepseekV3Config for kimi_k2), without its
     quantization_config: kvq's readers hand transformers dense weights."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 configs' own validators
     from transformers import AutoConfig
 
     fields = {k: v for k, v in model.fields.items() if k not in _NOT_MODEL_FIELDS}
     try:
         return AutoConfig.for_model(model.architecture, **fields)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:
         raise KvqError(
             f"{model.where}: transformers cannot build a {model.architecture} config from "
-            f"{model.field_path or 'the top level'} fields ({e}); fix the field it names"
+            f"{model.field_path or 'the top level'} fields ({' '.join(str(e).split())}); fix the field it "
+            "names"
         ) from e
 
 

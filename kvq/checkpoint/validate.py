@@ -51,10 +51,8 @@ def describe(root: Path, mismatches: list[Mismatch]) -> str:
     """One line: how many problems, the first few, and the fix of the first."""
     listed = "; ".join(f"{m.where} {m.message}" for m in mismatches[:_MAX_LISTED])
     more = f" (and {len(mismatches) - _MAX_LISTED} more)" if len(mismatches) > _MAX_LISTED else ""
-    return (
-        f"{root}: does not match its config.json ({len(mismatches)} problem(s)): {listed}{more}; "
-        f"{mismatches[0].fix}"
-    )
+    text = f"{root}: does not match its config.json ({len(mismatches)} problem(s)): {listed}{more}; "
+    return " ".join((text + mismatches[0].fix).split())  # one line, whatever a message quoted
 
 
 def checkpoint_mismatches(

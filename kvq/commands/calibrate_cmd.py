@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from kvq.calibrate.config import STRATEGIES, CalibrationConfig
+from kvq.checkpoint.validate import validate_dir
 from kvq.commands.render import console
 
 if TYPE_CHECKING:  # the run module imports transformers' model classes: only load it when calibrating
@@ -88,6 +89,7 @@ def calibrate_command(
     config = CalibrationConfig(
         dataset=dataset, num_samples=num_samples, seq_len=seq_len, strategy=strategy, seed=seed
     )
+    validate_dir(path)  # before the calibration run: the checkpoint is what its config.json says
     progress = LayerProgress()
     try:
         result = calibrate(path, config, on_start=progress.start, on_layer_done=progress.advance)

@@ -16,6 +16,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvq.checkpoint.validate import validate_dir
+from kvq.checkpoint.writable import check_writable_file
 from kvq.commands.engine_options import (
     DtypeOption,
     Int4ComputeOption,
@@ -28,7 +30,7 @@ from kvq.commands.render import console
 from kvq.errors import KvqError
 from kvq.eval.config import TASKS, EvalConfig
 from kvq.kv_cache_dtypes import KV_CACHE_DTYPES
-from kvq.runtime.config import EngineConfig
+from kvq.runtime.config import DTYPES, EngineConfig
 
 _DEFAULTS = EvalConfig()
 
@@ -46,6 +48,16 @@ def _ints(values: str, option: str) -> tuple[int, ...]:
         return tuple(int(v) for v in _split(values))
     except ValueError as e:
         raise KvqError(f"{option} {values!r}: expected comma-separated integers, e.g. 0,5") from e
+
+
+def _check_before_work(model: Path, json_out: Path | None, baseline_dtype: str, engine: dict) -> None:
+    """Every flag and the --json path, before a model or torch loads: a typo is refused in a moment, an
+    unwritable --json before an evaluation that would then have nowhere to go."""
+    EngineConfig(model=str(model), **engine)
+    if baseline_dtype not in DTYPES:
+        raise KvqError(f"--baseline-dtype {baseline_dtype!r}: pick one of {', '.join(DTYPES)}")
+    if json_out is not None:
+        check_writable_file(json_out, "--json")
 
 
 def eval_command(
@@ -114,9 +126,6 @@ def eval_command(
 ) -> None:
     """Perplexity, KL and top-1 agreement on held-out text, MMLU and GSM accuracy of MODEL (vs --baseline),
     each with a 95% interval, computed by the kvq runtime itself."""
-    from kvq.eval.report import rich_tables
-    from kvq.eval.run import EngineSettings, evaluate
-
     config = EvalConfig(
         tasks=_split(tasks),
         kv_cache_dtypes=_split(kv_cache_dtype) or _DEFAULTS.kv_cache_dtypes,
@@ -131,6 +140,15 @@ def eval_command(
         gsm_seed=gsm_seed,
         gsm_max_tokens=gsm_max_tokens,
     )
+    for checkpoint in (model, baseline):  # before any engine loads: each is what its config.json says
+        if checkpoint is not None:
+            validate_dir(checkpoint)
+    engine = {"dtype": dtype, "kv_memory": kv_memory, "threads": threads, "max_num_seqs": max_num_seqs}
+    engine |= {"lm_head_weights": lm_head_weights, "tp": tp, "int4_compute": int4_compute}
+    _check_before_work(model, json_out, baseline_dtype, engine)
+    from kvq.eval.report import rich_tables
+    from kvq.eval.run import EngineSettings, evaluate
+
     settings = EngineSettings(
         dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights, tp, int4_compute
     )

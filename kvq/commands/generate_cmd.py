@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from kvq.checkpoint.validate import validate_dir
 from kvq.commands.config_options import (
     ConfigOption,
     model_dir,
@@ -84,6 +85,7 @@ def generate_command(
         model = Path(model_or_prompt)
     path = model_dir(model, file)
     engine_settings = settings(ctx, file.engine if file else {}, ENGINE_OPTION_NAMES)
+    validate_dir(path)  # a checkpoint that contradicts its config.json is refused by name, before loading
     engine = Engine(EngineConfig(model=str(path), **{**engine_settings, "max_num_seqs": 1}))
     token_ids = engine.encode_chat(prompt) if chat else engine.encode(prompt)
     error = None

@@ -5,7 +5,8 @@ calibration whole), check the engines asked for (`--require-engine`), build the 
 the manifest, config and `--eval` report, choose the files (the checkpoint's own, `kvq.push.files`;
 others only by `--include`, dotfiles never), then either print card and file list (`--dry-run`: no
 connection) or upload those files and the card with huggingface_hub (a re-run resumes). DIR is never
-written to: the card goes up from memory. Imports huggingface_hub's card classes; torch only through the checkpoint validation (transformers' meta model).
+written to: the card goes up from memory. Imports huggingface_hub's card classes; torch only through
+the checkpoint validation (transformers' meta model).
 """
 
 from __future__ import annotations

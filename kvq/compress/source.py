@@ -16,6 +16,7 @@ from pathlib import Path
 from kvq.checkpoint.header import TensorInfo
 from kvq.checkpoint.model_config import TextModel, pretrained_config, text_model
 from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint, block_size, read_json
+from kvq.checkpoint.validate import validate_checkpoint
 from kvq.compress.safetensors_layout import shard_layout
 from kvq.compress.tensor_plan import OutputTensor, virtual_tensors
 from kvq.errors import KvqError
@@ -45,7 +46,7 @@ def open_source(path: str | Path) -> PlanSource:
     has_weights = path.is_dir() and ((path / INDEX_NAME).exists() or any(path.glob("*.safetensors")))
     if has_weights:
         ckpt = Checkpoint.open(path)
-        model = text_model(ckpt.config, str(ckpt.root / CONFIG_NAME))
+        model = validate_checkpoint(ckpt)  # what compress validates too: plan and compress accept alike
         file_bytes = sum(header.file_bytes for header in ckpt.shards.values())
         is_compressed = ckpt.format in COMPRESSED_FORMATS
         return PlanSource(

@@ -93,6 +93,7 @@ def heads_checkpoint(dst: Path, num_heads: int, num_kv_heads: int, vocab_size: i
     engine's --tp rules decide on."""
     config = tiny_config("llama", vocab_size=vocab_size)
     config.num_attention_heads, config.num_key_value_heads = num_heads, num_kv_heads
+    config.hidden_size = num_heads * config.head_dim  # transformers wants hidden divisible by heads
     return write_checkpoint(
         dst,
         checkpoint_specs(config),

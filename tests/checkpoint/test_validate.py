@@ -47,6 +47,13 @@ def test_each_spoiled_checkpoint_is_refused_by_its_rule(tiny_checkpoint, tmp_pat
     assert "\n" not in str(refused.value) and str(path) in str(refused.value)
 
 
+def test_hidden_size_transformers_cannot_split_is_one_line(tiny_checkpoint):
+    ckpt = Checkpoint.open(tiny_checkpoint("llama", "bf16"))
+    config = {**ckpt.config, "num_attention_heads": 6, "num_key_value_heads": 6}  # hidden 256
+    found = checkpoint_mismatches(config, ckpt.tensors, "config.json")[1]
+    assert [m.rule for m in found] == ["config"] and "not a multiple" in found[0].message
+
+
 def test_tied_embeddings_need_no_lm_head(tiny_checkpoint):
     ckpt = Checkpoint.open(tiny_checkpoint("llama", "bf16"))
     tensors = {n: i for n, i in ckpt.tensors.items() if n != "lm_head.weight"}
