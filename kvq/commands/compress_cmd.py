@@ -82,8 +82,9 @@ def compress_command(
     32 MiB, at least 64 MiB); printed at start.
     Target: vllm keeps FP8-block weights FP8, except those no engine runs in that form (a partial input
     block; a fused layer with partial output blocks), written as BF16; sglang writes every FP8 weight
-    not quantized as BF16. Both are listed. After writing, `kvq check` runs on OUT and prints which
-    engine loads it.
+    not quantized as BF16. Both are listed. Before any work SRC is checked against its config.json
+    (layers, experts, every tensor's presence, shape and dtype: exit code 2, nothing written). After
+    writing, `kvq check` runs on OUT and prints which engine loads it; exit code 1 when --target does not.
     Resume: re-run the same command on the same OUT; shards whose size and sha256 match the manifest are
     kept. SRC is never modified.
 

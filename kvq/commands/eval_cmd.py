@@ -140,12 +140,12 @@ def eval_command(
         gsm_seed=gsm_seed,
         gsm_max_tokens=gsm_max_tokens,
     )
-    for checkpoint in (model, baseline):  # before any engine loads: each is what its config.json says
-        if checkpoint is not None:
-            validate_dir(checkpoint)
     engine = {"dtype": dtype, "kv_memory": kv_memory, "threads": threads, "max_num_seqs": max_num_seqs}
     engine |= {"lm_head_weights": lm_head_weights, "tp": tp, "int4_compute": int4_compute}
     _check_before_work(model, json_out, baseline_dtype, engine)
+    for checkpoint in (model, baseline):  # before any engine loads: each is what its config.json says
+        if checkpoint is not None:
+            validate_dir(checkpoint)
     from kvq.eval.report import rich_tables
     from kvq.eval.run import EngineSettings, evaluate
 
