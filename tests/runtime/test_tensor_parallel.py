@@ -44,6 +44,8 @@ def test_reference_mode_greedy_at_tp2_is_tp1s(arch: str, tiny_checkpoint, tmp_pa
     one = run(tp=1, num_tokens=NUM_TOKENS, **case)  # type: ignore[arg-type]
     two = run_in_process(tmp_path / "tp2.pt", tp=2, num_tokens=NUM_TOKENS, **case)
     assert two["greedy"] == one["greedy"]
+    scores = torch.tensor(two["prompt_logprobs"]), torch.tensor(one["prompt_logprobs"])
+    torch.testing.assert_close(*scores, atol=1e-4, rtol=0)  # every rank joins the prompt's lm_head chunks
     rank0, rank1 = two["weight_bytes"]
     assert rank0 == rank1
     half = one["weight_bytes"][0] / 2

@@ -13,6 +13,7 @@ import torch
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
+from kvq.runtime.sampling import SamplingParams
 from tests.runtime.reference import engine_greedy, teacher_forced_logits
 
 TIMEOUT_S = 600  # two ranks loading torch on a shared 2-core machine; a hang still ends
@@ -26,18 +27,20 @@ def run(
     num_tokens: int,
     forced: list[list[int]] | None = None,
 ) -> dict:
-    """Greedy continuations of `prompts`, logits along `forced` (fp32 `[len + 1, V]` each), per-rank
-    stored bytes read and resident bytes."""
+    """Greedy continuations of `prompts`, logits along `forced` (fp32 `[len + 1, V]` each), the last
+    prompt's own log-probabilities, per-rank stored bytes read and resident bytes."""
     kv_cache_dtype = "auto" if dtype == "float32" else "bf16"
     config = EngineConfig(
         model=model, tp=tp, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_memory="4MiB", threads=1
     )
     engine = Engine(config)
+    scored = engine.generate(prompts[-1:], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
     result = {
         "greedy": engine_greedy(engine, prompts, num_tokens),
         "read_bytes": engine.rank_read_bytes,
         "weight_bytes": engine.rank_weight_bytes,
         "logits": [teacher_forced_logits(engine, p, f) for p, f in zip(prompts, forced or [], strict=False)],
+        "prompt_logprobs": [e.logprob for e in scored.prompt_logprobs[1:]],
     }
     engine.close()
     return result
