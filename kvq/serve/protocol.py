@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvq.errors import KvqError
 from kvq.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from kvq.serve.unsupported import refuse_unsupported
+from kvq.serve.unsupported import HARMLESS, refuse_unsupported
 
 log = logging.getLogger("kvq.serve")
 MAX_N = 16  # choices per request
@@ -105,7 +105,7 @@ class _Sampling(_Open):
 
     def warn_ignored(self, route: str) -> None:
         """One warning per request naming the fields it sent that this server does not know (vLLM's way)."""
-        ignored = self.ignored_fields()
+        ignored = [name for name in self.ignored_fields() if name not in HARMLESS]
         if ignored:
             log.warning("%s: ignoring fields kvq does not know: %s", route, ", ".join(sorted(ignored)))
 

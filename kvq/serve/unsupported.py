@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# fields of these APIs that change nothing in kvq's answer: accepted without a warning
+HARMLESS = frozenset(
+    {"spaces_between_special_tokens", "parallel_tool_calls", "metadata", "store", "service_tier",
+     "reasoning_effort", "include_reasoning"}
+)  # fmt: skip
 # field -> (values that ask for nothing, what to say)
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((None, ""), "kvq does not implement insertion (suffix)"),
