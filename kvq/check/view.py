@@ -90,10 +90,12 @@ class CheckpointView:
 def open_view(path: str | Path) -> CheckpointView:
     """Read config.json and every shard header of `path` (no tensor data)."""
     ckpt = Checkpoint.open(path)
-    config = ckpt.config.get("text_config") or ckpt.config
+    text_config = ckpt.config.get("text_config")
+    config = text_config if isinstance(text_config, dict) and text_config else ckpt.config
     quant = ckpt.config.get("quantization_config") or config.get("quantization_config") or {}
     linears = _stored_linears(ckpt.tensors)
-    num_layers = int(config.get("num_hidden_layers", 1 << 30))
+    num_layers = config.get("num_hidden_layers")  # checked by the checkpoint rules; any value reads here
+    num_layers = num_layers if isinstance(num_layers, int) else 1 << 30
     view = CheckpointView(ckpt.root, config, quant, ckpt.tensors, linears, file_config=ckpt.config)
     view.layers = engine_layers(
         [m for m in linears if not _is_mtp(m, num_layers)]  # MTP layers load only for speculative decoding

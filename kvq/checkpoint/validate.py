@@ -75,6 +75,15 @@ def checkpoint_mismatches(
     except KvqError as e:
         return None, [Mismatch("config", "config.json", str(e).removeprefix(f"{where}: "), "fix that field")]
     mismatches = size_mismatches(model)
+    if not isinstance(model.quantization_config, dict):
+        mismatches.append(
+            Mismatch(
+                "config",
+                "config.json quantization_config",
+                f"is {model.quantization_config!r}, not an object",
+                "restore the model's original config.json",
+            )
+        )
     if mismatches:
         return model, mismatches
     language = {hf: info for name, info in tensors.items() if (hf := model.hf_name(name)) is not None}

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvq.check import ENGINES, check_checkpoint
+from kvq.errors import KvqError
 from tests.check.edit import errors
-from tests.checkpoint.bad_checkpoints import CASES, heads_checkpoint, spoiled
+from tests.checkpoint.bad_checkpoints import CASES, FUZZ_FIELDS, FUZZ_VALUES, heads_checkpoint, spoiled
 from tests.test_cli_errors import run_kvq_in_process
 
 
@@ -65,3 +68,20 @@ def test_kvq_tp_refusal_says_what_does_not_split(six_heads):
         f.where == "config.json num_key_value_heads" and "3 does not split over 6" in f.message
         for f in kvq.findings
     ), kvq.findings
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.dictionaries(st.sampled_from(FUZZ_FIELDS), FUZZ_VALUES, max_size=3), tp=st.integers(1, 8))
+def test_any_config_gets_a_verdict_or_one_line(tiny_checkpoint, tmp_path_factory, edits, tp):
+    src, root = tiny_checkpoint("llama", "bf16"), tmp_path_factory.mktemp("fuzz")
+    for file in src.iterdir():
+        if file.name != "config.json":
+            (root / file.name).symlink_to(file)
+    config = {**json.loads((src / "config.json").read_text()), **edits}
+    (root / "config.json").write_text(json.dumps(config))
+    try:
+        report = check_checkpoint(root, tp=tp)
+    except KvqError as e:
+        assert "\n" not in str(e)
+        return
+    assert len(report.verdicts) == len(ENGINES)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from kvq.checkpoint.hf_checkpoint import write_checkpoint
@@ -70,6 +71,28 @@ CASES = {
     "unknown-model-type": BadCase(_unknown_model_type, "model-type", "'llama_next'"),
     "zero-heads": BadCase(_zero_heads, "config", "num_attention_heads is 0"),
 }
+
+
+# Values a hand-edited or hostile config.json holds where a size belongs.
+FUZZ_VALUES = st.one_of(
+    st.integers(min_value=-3, max_value=10**12),
+    st.sampled_from([None, True, "4", 2.5, [], {}]),
+)
+FUZZ_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "model_type",
+    "tie_word_embeddings",
+    "num_nextn_predict_layers",
+    "rope_scaling",
+    "quantization_config",
+    "text_config",
+)
 
 
 def spoiled(src: Path, dst: Path, case: str) -> Path:

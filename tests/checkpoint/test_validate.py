@@ -15,7 +15,7 @@ from kvq.checkpoint.header import TensorInfo
 from kvq.checkpoint.reader import Checkpoint
 from kvq.checkpoint.validate import checkpoint_mismatches, validate_dir, validate_tensors
 from kvq.errors import KvqError
-from tests.checkpoint.bad_checkpoints import CASES, spoiled
+from tests.checkpoint.bad_checkpoints import CASES, FUZZ_FIELDS, FUZZ_VALUES, spoiled
 
 
 def mismatches_of(path: Path) -> list:
@@ -63,26 +63,6 @@ def test_tied_embeddings_need_no_lm_head(tiny_checkpoint):
     assert checkpoint_mismatches(tied, tensors, "config.json")[1] == []
 
 
-# Values a hand-edited or hostile config.json holds where a size belongs.
-_VALUES = st.one_of(
-    st.integers(min_value=-3, max_value=10**12),
-    st.sampled_from([None, True, "4", 2.5, [], {}]),
-)
-_FIELDS = (
-    "num_hidden_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "model_type",
-    "tie_word_embeddings",
-    "num_nextn_predict_layers",
-    "rope_scaling",
-)
-
-
 @pytest.fixture(scope="module")
 def llama_headers(tiny_checkpoint) -> tuple[dict, dict[str, TensorInfo]]:
     ckpt = Checkpoint.open(tiny_checkpoint("llama", "bf16"))
@@ -91,7 +71,7 @@ def llama_headers(tiny_checkpoint) -> tuple[dict, dict[str, TensorInfo]]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    edits=st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=3),
+    edits=st.dictionaries(st.sampled_from(FUZZ_FIELDS), FUZZ_VALUES, max_size=3),
     shape_edit=st.tuples(st.integers(0, 20), st.lists(st.integers(0, 5000), max_size=3)),
 )
 def test_any_config_or_shape_is_refused_in_one_line_or_accepted(llama_headers, edits, shape_edit):
