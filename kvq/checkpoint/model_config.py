@@ -235,7 +235,8 @@ def _check_fields(model: TextModel) -> None:
         if model.model_type == "glm_moe_dsa":
             for name in _DSA_FIELDS:
                 positive_int(fields, name, at, "glm_moe_dsa has a DSA indexer")
-    if int(fields.get("n_routed_experts") or 0) > 0:
+    if fields.get("n_routed_experts") not in (None, 0):
+        positive_int(fields, "n_routed_experts", at, "it counts the routed experts of each MoE layer")
         _check_router(fields, at)
     _check_rope(fields, at, ROPE_TYPES_MLA if model.is_mla else ROPE_TYPES_GQA)
 
@@ -263,7 +264,8 @@ def _check_router(fields: dict, at: str) -> None:
         )
     num_experts = int(fields["n_routed_experts"])
     n_group, topk_group = fields.get("n_group") or 1, fields.get("topk_group") or 1
-    top_k = int(fields.get("num_experts_per_tok") or 0)
+    top_k = fields.get("num_experts_per_tok")
+    top_k = top_k if isinstance(top_k, int) and not isinstance(top_k, bool) else 0  # refused below
     if not (isinstance(n_group, int) and isinstance(topk_group, int) and 1 <= topk_group <= n_group):
         raise KvqError(
             f"{at}n_group {n_group!r} / topk_group {topk_group!r}: need 1 <= topk_group <= n_group"

@@ -144,13 +144,13 @@ def _expert_mismatches(model: TextModel, tensors: Mapping[str, TensorInfo]) -> l
     found = {int(m[1]) for name in tensors if (m := _EXPERT.search(name))}
     if found == set(range(expected)):
         return []
-    count = max(found) + 1 if found else 0
+    stored = f"experts 0..{max(found)}" if found else "no routed experts"
     return [
         Mismatch(
             "experts",
             f"config.json {model.field_path}n_routed_experts",
-            f"is {model.fields.get('n_routed_experts')!r}, the checkpoint stores {len(found)} routed "
-            f"expert(s) per layer (indexes up to {count - 1})",
+            f"is {model.fields.get('n_routed_experts')!r}, the checkpoint stores {stored} "
+            f"({len(found)} distinct)",
             "restore the missing expert shards, or the config.json the checkpoint was written with",
         )
     ]

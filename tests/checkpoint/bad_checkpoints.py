@@ -92,6 +92,17 @@ FUZZ_FIELDS = (
     "rope_scaling",
     "quantization_config",
     "text_config",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "first_k_dense_replace",
+    "n_group",
+    "topk_group",
+    "n_shared_experts",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "index_topk",
 )
 
 

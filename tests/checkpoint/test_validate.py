@@ -63,19 +63,19 @@ def test_tied_embeddings_need_no_lm_head(tiny_checkpoint):
     assert checkpoint_mismatches(tied, tensors, "config.json")[1] == []
 
 
-@pytest.fixture(scope="module")
-def llama_headers(tiny_checkpoint) -> tuple[dict, dict[str, TensorInfo]]:
-    ckpt = Checkpoint.open(tiny_checkpoint("llama", "bf16"))
+@pytest.fixture(scope="module", params=["llama", "glm4_moe", "glm_moe_dsa"])
+def headers(tiny_checkpoint, request) -> tuple[dict, dict[str, TensorInfo]]:
+    ckpt = Checkpoint.open(tiny_checkpoint(request.param, "bf16"))
     return ckpt.config, ckpt.tensors
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     edits=st.dictionaries(st.sampled_from(FUZZ_FIELDS), FUZZ_VALUES, max_size=3),
     shape_edit=st.tuples(st.integers(0, 20), st.lists(st.integers(0, 5000), max_size=3)),
 )
-def test_any_config_or_shape_is_refused_in_one_line_or_accepted(llama_headers, edits, shape_edit):
-    config, tensors = llama_headers
+def test_any_config_or_shape_is_refused_in_one_line_or_accepted(headers, edits, shape_edit):
+    config, tensors = headers
     config = {**config, **edits}
     index, shape = shape_edit
     name = sorted(tensors)[index % len(tensors)]
