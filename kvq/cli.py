@@ -78,9 +78,14 @@ def _root(
 
 
 def main() -> None:
-    """Console-script entry point: a `KvqError` becomes `kvq: error: ...` on stderr and exit code 2."""
+    """Console-script entry point: a `KvqError` becomes `kvq: error: ...` on stderr and exit code 2; Ctrl-C
+    that no command handled itself, `kvq: interrupted` and 130 (typer's own exit for it says nothing)."""
     try:
         build_app(sys.argv[1] if len(sys.argv) > 1 else None)()
     except KvqError as e:
         print(f"kvq: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except SystemExit as e:
+        if isinstance(getattr(e.__context__, "__cause__", None), KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # kvq.entry prints the line
+        raise

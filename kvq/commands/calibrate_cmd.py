@@ -84,13 +84,13 @@ def calibrate_command(
     """Calibrate FP8 KV-cache scales (amax/448 of post-RoPE K and V, or of the MLA latent) one decoder layer
     at a time, and add them to the checkpoint: kv_scales.safetensors, index, config.json kv_cache_scheme,
     kvq_manifest.json."""
-    from kvq.calibrate.run import calibrate
-
     config = CalibrationConfig(
         dataset=dataset, num_samples=num_samples, seq_len=seq_len, strategy=strategy, seed=seed
     )
     validate_dir(path)  # before the calibration run: the checkpoint is what its config.json says
     progress = LayerProgress()
+    from kvq.calibrate.run import calibrate  # torch and transformers: once every flag passed
+
     try:
         result = calibrate(path, config, on_start=progress.start, on_layer_done=progress.advance)
     finally:

@@ -31,6 +31,7 @@ from kvq.commands.engine_options import (
     ThreadsOption,
     TpOption,
 )
+from kvq.commands.utf8_arguments import check_utf8
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.sampling import SamplingParams
 
@@ -67,8 +68,6 @@ def generate_command(
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
 ) -> None:
     """Generate a completion for one prompt, streaming the text as it is produced."""
-    from kvq.runtime.engine import Engine
-
     params = SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -83,10 +82,16 @@ def generate_command(
         model, prompt = None, model_or_prompt
     else:
         model = Path(model_or_prompt)
+    check_utf8(prompt, "PROMPT")
+    for text in stop or []:
+        check_utf8(text, f"--stop {text!r}")
     path = model_dir(model, file)
     engine_settings = settings(ctx, file.engine if file else {}, ENGINE_OPTION_NAMES)
+    engine_config = EngineConfig(model=str(path), **{**engine_settings, "max_num_seqs": 1})
     validate_dir(path)  # a checkpoint that contradicts its config.json is refused by name, before loading
-    engine = Engine(EngineConfig(model=str(path), **{**engine_settings, "max_num_seqs": 1}))
+    from kvq.runtime.engine import Engine  # transformers and the model code: once every flag passed
+
+    engine = Engine(engine_config)
     token_ids = engine.encode_chat(prompt) if chat else engine.encode(prompt)
     error = None
     for out in engine.stream(token_ids, params):

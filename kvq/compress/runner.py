@@ -1,9 +1,9 @@
 """`kvq compress` end to end: validate the whole job, run the shard jobs, then index, config and manifest.
 
 `prepare` reads headers only and raises before anything is written (bad shards, missing or misshapen
-scales, recipe problems, OUT inside SRC, OUT holding another job). `run` writes: output shards through the
-worker pool (recording each in the manifest as it lands), then the index, config.json with the
-compressed-tensors `quantization_config`, the tokenizer/generation files, and the completed manifest.
+scales, recipe problems, OUT inside SRC or not writable, OUT holding another job). `run` writes: output
+shards through the worker pool (recording each in the manifest as it lands), then the index, config.json
+with the compressed-tensors `quantization_config`, the tokenizer/generation files, and the completed manifest.
 SRC is only ever read.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from kvq import __version__
 from kvq.checkpoint.model_config import weight_prefix_of, with_quantization_config
 from kvq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, Checkpoint, block_size
+from kvq.checkpoint.writable import check_writable_dir
 from kvq.checkpoint.write import TMP_SUFFIX, tmp_path, write_index, write_json_atomic
 from kvq.compress.jobs import CommitJob, Committed, Outcome, PartDone, ShardJob, ShardResult
 from kvq.compress.manifest import (
@@ -96,6 +97,7 @@ def prepare(
     ckpt = Checkpoint.open(src)
     out = Path(out)
     _check_out_outside_src(ckpt.root, out)
+    check_writable_dir(out, "OUT directory")
     plan = build_plan(ckpt.tensors, recipe, block_size(ckpt), target, weight_prefix_of(ckpt.config))
     identity = job_identity(recipe.identity(), source_fingerprint(ckpt), target)
     if method is not None:

@@ -6,7 +6,8 @@ holds it), copies stream in 64 MiB chunks, and outputs go straight to their offs
 A shard can also be done as `PartJob`s on several workers (into the file the parent created), then a
 `CommitJob` that fsyncs and hashes it: `run_work` runs any of the three. Tensors go through the C
 quantizer (`native`) where it applies, else through `torch_quantize`; this module itself needs no torch,
-so the workers start without importing it (an FP8 weight written as BF16 goes through torch).
+so the workers start without importing it (an FP8 weight written as BF16 goes through torch). Every
+tensor is checked for NaN/Inf as it is read, copies included.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvq.checkpoint.dtypes import itemsize
 from kvq.checkpoint.header import TensorInfo
 from kvq.compress import native
 from kvq.compress.jobs import (
@@ -31,6 +33,7 @@ from kvq.compress.shard_files import COPY_CHUNK_BYTES, Bytes, commit_shard_file,
 from kvq.compress.shard_writer import ShardWriter
 from kvq.compress.tensor_plan import COPY, DEQUANTIZE, FP8_BLOCK, INT4, TensorTask
 from kvq.errors import KvqError
+from kvq.formats.nonfinite import first_nonfinite
 
 Progress = Callable[[int], None]
 
@@ -114,9 +117,26 @@ def _copy(info: TensorInfo, writer: ShardWriter) -> None:
                     f"{info.start + offset + len(chunk)}"
                     "; the shard is truncated: re-download it"
                 )
+            _check_finite(info, offset, chunk)
             writer.write_bytes(info.name, offset, chunk)
     finally:
         os.close(fd)
+
+
+def _check_finite(info: TensorInfo, offset: int, chunk: bytes) -> None:
+    """A NaN/Inf in a tensor kept as it is (a norm, an embedding, a Linear left at BF16) stops the run too."""
+    first = first_nonfinite(chunk, info.dtype)
+    if first is None:
+        return
+    flat = offset // itemsize(info.dtype) + first
+    position = []
+    for size in reversed(info.shape or (1,)):
+        flat, index = divmod(flat, size)
+        position.append(index)
+    raise KvqError(
+        f"{info.file}: tensor {info.name!r} holds NaN/Inf (first at {position[::-1]}); the source "
+        f"checkpoint is corrupt: re-download {info.file.name}"
+    )
 
 
 def _quantize(task: TensorTask, writer: ShardWriter, group_size: int, block: tuple[int, int]) -> None:

@@ -1,6 +1,8 @@
 """The engine's settings: one flat dataclass, validated on creation, whose defaults the CLI reads.
 
-Imports torch, psutil, kvq.byte_sizes, kvq.kv_cache_dtypes and kvq.errors only.
+Imports kvq.byte_sizes, kvq.kv_cache_dtypes and kvq.errors only; torch and psutil when a property asks,
+so a command line validates its flags before torch loads. A refusal names the flag (`--page-size`), the
+value and the choices.
 """
 
 from __future__ import annotations
@@ -8,16 +10,17 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
-import torch
+from typing import TYPE_CHECKING
 
 from kvq.byte_sizes import parse_bytes
 from kvq.errors import KvqError
 from kvq.kv_cache_dtypes import AUTO, BF16, FP8_E4M3, check_kv_cache_dtype
 
-DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
-KV_TORCH_DTYPES = {BF16: torch.bfloat16, FP8_E4M3: torch.float8_e4m3fn}  # names: kvq.kv_cache_dtypes
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32"}  # name -> torch attribute
+KV_TORCH_DTYPES = {BF16: "bfloat16", FP8_E4M3: "float8_e4m3fn"}  # names: kvq.kv_cache_dtypes
 FP8_WEIGHT_MODES = ("per-use", "bf16")
 LM_HEAD_WEIGHT_MODES = ("stored", "int8", "int4")
 INT4_COMPUTE_MODES = ("w4a16", "w4a8")
@@ -89,77 +92,89 @@ class EngineConfig:
         if not Path(self.model).is_dir():
             raise KvqError(f"{self.model}: no such model directory; pass a checkpoint directory")
         _choice("dtype", self.dtype, DTYPES)
-        check_kv_cache_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        check_kv_cache_dtype(self.kv_cache_dtype, "--kv-cache-dtype")
         _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
         _choice("device", self.device, DEVICES)
         _choice("kv_integrity", self.kv_integrity, KV_INTEGRITY_MODES)
         _choice("lm_head_weights", self.lm_head_weights, LM_HEAD_WEIGHT_MODES)
         if self.lm_head_weights != "stored" and self.is_reference:
             raise KvqError(
-                f"lm_head_weights {self.lm_head_weights!r} quantizes the lm_head, but dtype float32 is the "
-                "reference mode (every weight dense fp32); use dtype auto, or lm_head_weights stored"
+                f"--lm-head-weights {self.lm_head_weights} quantizes the lm_head, but --dtype float32 is the "
+                "reference mode (every weight dense fp32); use --dtype auto, or --lm-head-weights stored"
             )
         _choice("int4_compute", self.int4_compute, INT4_COMPUTE_MODES)
         if self.int4_compute == "w4a8":
             self._check_w4a8()
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise KvqError("device 'cuda' was requested but torch sees no CUDA device; use --device cpu")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tp"):
             if getattr(self, name) < 1:
-                raise KvqError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise KvqError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise KvqError(f"max_model_len must be >= 2, got {self.max_model_len}")
+            raise KvqError(f"--max-model-len must be >= 2 tokens, got {self.max_model_len}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise KvqError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if not 0.0 <= self.decode_reserve_ratio <= 1.0:
             raise KvqError(f"decode_reserve_ratio must be in [0, 1], got {self.decode_reserve_ratio}")
         if self.threads is not None and self.threads < 1:
-            raise KvqError(f"threads must be >= 1, got {self.threads}")
+            raise KvqError(f"--threads must be >= 1, got {self.threads}")
         if self.kv_memory is not None:
-            self.kv_memory = parse_bytes(self.kv_memory, "kv_memory")
+            self.kv_memory = parse_bytes(self.kv_memory, "--kv-memory")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise KvqError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
 
     def _check_w4a8(self) -> None:
         from kvq.runtime.kernels.w4a8_cpu import w4a8_path
 
         if self.is_reference:
             raise KvqError(
-                "int4_compute 'w4a8' quantizes activations, but dtype float32 is the reference mode; use "
-                "dtype auto, or int4_compute w4a16"
+                "--int4-compute w4a8 quantizes activations, but --dtype float32 is the reference mode; use "
+                "--dtype auto, or --int4-compute w4a16"
             )
         if self.torch_device.type != "cpu":
-            raise KvqError("int4_compute 'w4a8' is a CPU kernel; use --device cpu, or int4_compute w4a16")
+            raise KvqError("--int4-compute w4a8 is a CPU kernel; use --device cpu, or --int4-compute w4a16")
         if w4a8_path() is None:
             raise KvqError(
-                "int4_compute 'w4a8' needs kvq's CPU extension and a SIMD CPU path ($KVQ_CPU_ISA auto, amx, "
+                "--int4-compute w4a8 needs kvq's CPU extension and a SIMD CPU path ($KVQ_CPU_ISA auto, amx, "
                 "avx512bf16, avx512 or avx2: AVX2 at least); this build or setting has neither: use "
-                "int4_compute w4a16"
+                "--int4-compute w4a16"
             )
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype] or torch.bfloat16
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype] or "bfloat16")
 
     @property
     def is_reference(self) -> bool:
         """fp32 reference mode: weights dequantized to fp32, meant to match transformers' fp32 forward."""
-        return self.activation_dtype == torch.float32
+        return (DTYPES[self.dtype] or "bfloat16") == "float32"
 
     def kv_torch_dtype(self, has_kv_cache_scheme: bool) -> torch.dtype:
         """The KV page dtype: the explicit choice, else FP8 for calibrated checkpoints, else activations."""
+        import torch
+
         if self.kv_cache_dtype != AUTO:
-            return KV_TORCH_DTYPES[self.kv_cache_dtype]
+            return getattr(torch, KV_TORCH_DTYPES[self.kv_cache_dtype])
         return torch.float8_e4m3fn if has_kv_cache_scheme else self.activation_dtype
 
     def kv_pool_bytes(self) -> int:
         """The KV pool budget: `kv_memory`, else `kv_memory_fraction` of the device's free memory."""
         if self.kv_memory is not None:
             return int(self.kv_memory)
+        import psutil
+        import torch
+
         device = self.torch_device
         free = (
             torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
@@ -167,6 +182,11 @@ class EngineConfig:
         return int(free * self.kv_memory_fraction)
 
 
+def _flag(name: str) -> str:
+    """The command-line flag that sets field `name` (a --config file's engine key is the field name)."""
+    return "--" + name.replace("_", "-")
+
+
 def _choice(name: str, value: str, choices: Collection[str]) -> None:
     if value not in choices:
-        raise KvqError(f"{name} is {value!r}; pick one of {', '.join(choices)}")
+        raise KvqError(f"{_flag(name)} {value!r}: pick one of {', '.join(choices)}")

@@ -14,15 +14,16 @@ from kvq.runtime.config import EngineConfig
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"dtype": "fp16"}, "dtype"),
-        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
-        ({"page_size": 0}, "page_size"),
-        ({"kv_memory": "many"}, "kv_memory"),
+        ({"dtype": "fp16"}, "--dtype 'fp16': pick one of auto, bfloat16, float32"),
+        ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype 'int8'"),
+        ({"page_size": 0}, "--page-size must be >= 1, got 0"),
+        ({"kv_memory": "many"}, "--kv-memory: 'many' is not a size"),
         ({"decode_reserve_ratio": 2.0}, "decode_reserve_ratio"),
-        ({"fp8_weights": "fp4"}, "fp8_weights"),
-        ({"lm_head_weights": "int2"}, "lm_head_weights is 'int2'; pick one of stored, int8, int4"),
+        ({"fp8_weights": "fp4"}, "--fp8-weights 'fp4'"),
+        ({"lm_head_weights": "int2"}, "--lm-head-weights 'int2': pick one of stored, int8, int4"),
         ({"lm_head_weights": "int4", "dtype": "float32"}, "reference mode"),
-        ({"int4_compute": "w8a8"}, "int4_compute is 'w8a8'; pick one of w4a16, w4a8"),
+        ({"max_model_len": 1}, "--max-model-len must be >= 2 tokens, got 1"),
+        ({"int4_compute": "w8a8"}, "--int4-compute 'w8a8': pick one of w4a16, w4a8"),
     ],
 )
 def test_bad_settings_are_user_errors(tmp_path: Path, kwargs: dict, message: str) -> None:

@@ -133,8 +133,8 @@ def test_generate_with_int4_compute_w4a8(int4_checkpoint) -> None:
         timeout=600,
         env={**os.environ, "KVQ_CPU_ISA": "scalar"},
     )
-    assert_one_line_error(held, "int4_compute 'w4a8' needs kvq's CPU extension", "use int4_compute w4a16")
-    assert_one_line_error(run_kvq(*args, "w8a8"), "int4_compute is 'w8a8'; pick one of w4a16, w4a8")
+    assert_one_line_error(held, "--int4-compute w4a8 needs kvq's CPU extension", "use --int4-compute w4a16")
+    assert_one_line_error(run_kvq(*args, "w8a8"), "--int4-compute 'w8a8': pick one of w4a16, w4a8")
     if w4a8_path() is not None:
         result = run_kvq(*args, "w4a8")
         assert result.returncode == 0, result.stderr
