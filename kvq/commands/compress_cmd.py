@@ -27,12 +27,13 @@ from kvq.commands.gptq_options import (
     TrueSequentialOption,
     gptq_compress,
 )
-from kvq.commands.recipe_options import GroupSizeOption, RecipeOption, TargetOption
+from kvq.commands.recipe_options import GroupSizeOption, RecipeOption, TargetOption, warn_if_unmatched
 from kvq.commands.render import console
 from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import load_recipe
 from kvq.compress.runner import CompressReport, PreparedJob, peak_rss_bound, prepare, run
 from kvq.compress.tensor_plan import VLLM, KeptTensor
+from kvq.errors import KvqError
 
 _SHOWN_KEPT = 8
 
@@ -94,6 +95,7 @@ def compress_command(
     the full-precision model's outputs (its hidden states carried beside the quantized model's; routed
     experts stay GPTQ), each layer's Linears group by group (--true-sequential, its default).
     """
+    workers = _usable_workers(workers)
     options = GptqOptions(
         method,
         dataset,
@@ -116,6 +118,7 @@ def compress_command(
         _print_check(written.out, target)
         return
     job = prepare(src, out, loaded, target)
+    warn_if_unmatched(job.plan, job.recipe)
     workers = max(1, workers)  # a few shards are cut into parts, so every worker has work
     console.print(
         f"kvq compress: {job.ckpt.root} ({job.ckpt.format}, {len(job.jobs)} shards, "
@@ -133,6 +136,21 @@ def compress_command(
         raise typer.Exit(130) from None
     _print_report(report, job.input_bytes)
     _print_check(job.out, target)
+
+
+def _usable_workers(workers: int) -> int:
+    """--workers as given, or this machine's CPU count when it asks for more (more processes than CPUs
+    only add memory: each holds its own tensors), said on stderr; refused below 1."""
+    if workers < 1:
+        raise KvqError(f"--workers {workers}: must be at least 1 (default {default_workers()})")
+    num_cpus = os.cpu_count() or 1
+    if workers > num_cpus:
+        typer.echo(
+            f"kvq compress: --workers {workers} is more than the {num_cpus} CPUs here: using {num_cpus}",
+            err=True,
+        )
+        return num_cpus
+    return workers
 
 
 def _print_check(out: Path, target: str) -> None:

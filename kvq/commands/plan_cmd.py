@@ -18,7 +18,7 @@ from kvq.checkpoint.kv_cache_spec import kv_cache_spec
 from kvq.checkpoint.model_config import weight_prefix_of
 from kvq.checkpoint.validate import validate_tensors
 from kvq.commands.inspect_cmd import render as render_stored
-from kvq.commands.recipe_options import GroupSizeOption
+from kvq.commands.recipe_options import GroupSizeOption, warn_if_unmatched
 from kvq.commands.render import console, human_count
 from kvq.compress.recipe import available_recipes, load_recipe
 from kvq.compress.serving_memory import KV_CACHE_DTYPES, ServingMemory, serving_memory, weight_bytes
@@ -104,6 +104,7 @@ def plan_command(
     if tp is not None or gpu_mem is not None:
         if tp is None or gpu_mem is None:
             raise KvqError("--tp and --gpu-mem go together: pass both (e.g. --tp 8 --gpu-mem 141GiB)")
+        _warn_uneven_heads(source.model.fields, tp)
     if source.is_compressed:
         if recipe is not None or group_size is not None:
             fmt = source.model.quantization_config.get("format") or "compressed-tensors"
@@ -121,6 +122,7 @@ def plan_command(
     the_recipe = load_recipe(recipe, group_size)
     prefix = weight_prefix_of(source.config)
     plan = build_plan(source.tensors, the_recipe, source.block, weight_prefix=prefix)
+    warn_if_unmatched(plan, the_recipe)
     sizes = size_plan(plan, source.file_bytes)
     target_bytes = {  # the output for each --target of kvq compress (the table is the default's)
         target: sizes.output_file_bytes
@@ -208,6 +210,28 @@ def _plan_stored(
         console.print(fits["summary"])
         if not fits["fits"]:
             raise typer.Exit(1)
+
+
+def _warn_uneven_heads(fields: dict, tp: int) -> None:
+    """Say so when --tp cannot split the attention heads as vLLM and SGLang need (`kvq check` names the
+    rule): the numbers printed then describe a split no engine runs."""
+    heads = fields.get("num_attention_heads")
+    kv_heads = None if fields.get("kv_lora_rank") else (fields.get("num_key_value_heads") or heads)
+    if not isinstance(heads, int) or heads < 1 or tp < 2:
+        return
+    problems = [f"{heads} attention heads"] if heads % tp else []
+    is_kv_uneven = (
+        isinstance(kv_heads, int) and kv_heads > 0 and (kv_heads % tp if kv_heads >= tp else tp % kv_heads)
+    )
+    if is_kv_uneven:
+        problems.append(f"{kv_heads} KV heads")
+    if problems:
+        typer.echo(
+            f"kvq plan: warning: --tp {tp} does not split {' and '.join(problems)} evenly: vLLM and SGLang "
+            "refuse it (heads % tp == 0; KV heads split or replicated evenly); the memory below assumes "
+            "an even split: choose a --tp that divides the heads",
+            err=True,
+        )
 
 
 def _serving(

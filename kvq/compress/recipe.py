@@ -284,4 +284,9 @@ def _string_list(path: Path, where: str, value: object) -> list[str]:
     is_empty_targets = value == [] and where.endswith("targets")
     if not isinstance(value, list) or is_empty_targets or not all(isinstance(v, str) for v in value):
         raise _fail(path, where, f"expected a list of module names or re: patterns, found {value!r}")
+    for pattern in (v for v in value if v.startswith("re:")):
+        try:
+            _regex(pattern)
+        except re.error as e:
+            raise _fail(path, where, f"{pattern!r} is not a valid regular expression ({e})") from e
     return value
