@@ -115,7 +115,7 @@ def test_generate_reads_the_config_and_flags_override_it(tiny_checkpoint, tmp_pa
     assert from_file.returncode == 0 and given.returncode == 0, from_file.stderr + given.stderr
     assert from_file.stdout == given.stdout and from_file.stdout.strip()
     overridden = run_kvq_in_process("generate", "--config", str(config), "hello", "--kv-integrity", "bogus")
-    assert_one_line_error(overridden, "kv_integrity is 'bogus'")
+    assert_one_line_error(overridden, "--kv-integrity 'bogus': pick one of off, tags, full")
     (tmp_path / "typo.yaml").write_text("engine: {kv_memroy: 1MiB}\n")
     typo = run_kvq_in_process("generate", "--config", str(tmp_path / "typo.yaml"), "hi")
     assert_one_line_error(typo, "unknown key engine.kv_memroy")

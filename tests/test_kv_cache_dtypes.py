@@ -39,5 +39,5 @@ def test_auto_resolves_like_the_runtime(tmp_path: Path) -> None:
     assert (
         config.kv_torch_dtype(True) == torch.float8_e4m3fn and config.kv_torch_dtype(False) == torch.bfloat16
     )
-    with pytest.raises(KvqError, match="kv_cache_dtype 'fp8': the name is now 'fp8_e4m3'"):
+    with pytest.raises(KvqError, match="--kv-cache-dtype 'fp8': the name is now 'fp8_e4m3'"):
         EngineConfig(model=str(tmp_path), kv_cache_dtype="fp8")
