@@ -115,6 +115,13 @@ def _one_tensor(
                 _FIX_SHAPE,
             )
         ]
+    return _dtype_mismatches(prefix, name, info, tensors, is_linear=is_linear)
+
+
+def _dtype_mismatches(
+    prefix: str, name: str, info: TensorInfo, tensors: Mapping[str, TensorInfo], *, is_linear: bool
+) -> list[Mismatch]:
+    """A float tensor, or a Linear weight in FP8 beside its scale: anything else no reader takes."""
     allowed = FLOAT_CODES | FP8_CODES if is_linear else FLOAT_CODES
     if info.dtype not in allowed:
         return [
@@ -125,9 +132,9 @@ def _one_tensor(
                 _FIX_DTYPE,
             )
         ]
-    if info.dtype in FP8_CODES and not {f"{module}.weight_scale_inv", f"{module}.weight_scale"} & set(
-        tensors
-    ):
+    module = name.removesuffix(".weight")
+    scales = (f"{module}.weight_scale_inv", f"{module}.weight_scale")
+    if info.dtype in FP8_CODES and not any(scale in tensors for scale in scales):
         return [
             Mismatch(
                 "missing",
