@@ -219,7 +219,7 @@ class FaultInjector:
                 context_lens=lens_t,
                 context_lens_list=lens,
                 max_context_len=max(lens),
-                decode_plan=plan,
+                decode_plan_of=lambda: plan,
             )
 
         self.change_next_batch(request_id, change)

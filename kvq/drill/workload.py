@@ -26,7 +26,8 @@ from kvq.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvq.drill.faults import Fault
-    from kvq.runtime.engine import Engine, RequestOutput
+    from kvq.runtime.engine import Engine
+    from kvq.runtime.outputs import RequestOutput
 
 DRILL_PAGE_SIZE = 4
 STEPS_BEFORE_FAULT = 5

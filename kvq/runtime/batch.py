@@ -7,7 +7,8 @@ Imports torch only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,7 +50,8 @@ class ForwardBatch:
     `[T]` = page * page_size + offset where each new token's K/V goes; `context_lens` = tokens each
     sequence attends to after this step; prefill: `query_lens` = new tokens per sequence (the rest of the
     context is cached pages); decode: `decode_plan`, the torch decode path's context slots (past a
-    sequence's end: a slot of the pool's zero page) and length mask, made once for every layer.
+    sequence's end: a slot of the pool's zero page) and length mask, made once for every layer that reads
+    it, when the first one does (a CPU decode plan or the Triton kernels never do).
     """
 
     is_prefill: bool
@@ -63,6 +65,15 @@ class ForwardBatch:
     query_lens: list[int]  # [B]
     logits_indices: torch.Tensor  # [B] int64: the row of each sequence's last token in [T]
     prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
-    decode_plan: PagedDecodePlan | None = None  # decode only
+    decode_plan_of: Callable[[], PagedDecodePlan] | None = None  # decode only: makes `decode_plan`
     write_guard: WriteGuard | None = None  # --kv-integrity tags/full only: applied once per forward
     inputs: StepInputs | None = None  # what it was made from
+    _made: dict[str, PagedDecodePlan] = field(init=False, default_factory=dict, repr=False, compare=False)
+
+    @property
+    def decode_plan(self) -> PagedDecodePlan | None:
+        if self.decode_plan_of is None:
+            return None
+        if "plan" not in self._made:
+            self._made["plan"] = self.decode_plan_of()
+        return self._made["plan"]

@@ -19,7 +19,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, replace
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from kvq.checkpoint.kv_cache_spec import heads_per_rank, kv_cache_spec
 from kvq.checkpoint.model_config import pretrained_config, read_text_model
@@ -28,7 +28,6 @@ from kvq.errors import KvqError
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.decode_plan import describe_decode
-from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.worker import serve_steps
 from kvq.runtime.frozen_heap import frozen_heap
@@ -39,12 +38,11 @@ from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
 from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool, page_bytes
 from kvq.runtime.loader import WeightLoader
-from kvq.runtime.logits_processors import needs_processing, process_row
-from kvq.runtime.logprobs import LogprobRecorder, TokenLogprob, TokenTexts, prompt_entries
 from kvq.runtime.model_runner import ForwardOutput, ModelRunner
 from kvq.runtime.models.registry import model_class
-from kvq.runtime.prompt_encoding import encode_messages, encode_text
-from kvq.runtime.sampling import SamplingParams, make_generator, sample
+from kvq.runtime.outputs import OutputProcessor, RequestOutput
+from kvq.runtime.prompt_encoding import encode_messages, encode_text, eos_token_ids
+from kvq.runtime.sampling import SamplingParams, make_generator, sample_requests
 from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.sequence import Sequence, Status
 
@@ -54,23 +52,6 @@ Prompt = str | list[int]
 # `kvq.runtime.scoring`).
 TokenHook = Callable[[list[Sequence], torch.Tensor, list[int]], None]
 logger = logging.getLogger("kvq")
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """A request's state after a step: all tokens and text so far, and `delta`, the text new since the
-    previous output (stop strings are cut from `text`; held-back characters come with a later delta)."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta: str
-    finished: bool
-    finish_reason: str | None
-    error: str | None
-    logprobs: list[TokenLogprob] | None = None  # tokens new since the previous output (if asked)
-    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's (first output; if asked)
 
 
 @dataclass
@@ -111,7 +92,7 @@ class Engine:
             logger.info(cpu_path)
             logger.info(describe_decode(self.model, config.enforce_eager))
         self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.ckpt.root, self.text_model.fields)
         self.kv_pool = self._kv_pool()
         self._new_kv_bookkeeping()
         self.runner = ModelRunner(
@@ -124,11 +105,8 @@ class Engine:
         )
         self.runner.rank_checks = self.rank_checks
         self._ids = itertools.count()
-        self._texts: dict[int, CompletionText] = {}  # request id -> its text (requests with text only)
-        self._prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # request id -> not yet output
-        self.token_texts = TokenTexts(self.tokenizer)
-        self.logprobs = LogprobRecorder(self.token_texts)
-        self.token_hooks: list[TokenHook] = [self.logprobs]
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.token_hooks: list[TokenHook] = [self.outputs.logprobs]
         self.stats = EngineStats()
         if not self.tp.is_leader:  # a rank past 0 runs rank 0's steps until it stops, then ends
             serve_steps(self)
@@ -240,18 +218,8 @@ class Engine:
 
     def _queue(self, seq: Sequence) -> None:
         """Queue a request whose tokens become text (scored sequences are queued without)."""
-        self._texts[seq.seq_id] = self.completion_text(seq.params)
-        if seq.params.logprobs is not None and seq.params.max_tokens > 0:
-            self.logprobs.watch(seq.seq_id, seq.params.logprobs)
+        self.outputs.add(seq)
         self.scheduler.add(seq)
-
-    def completion_text(self, params: SamplingParams) -> CompletionText:
-        return CompletionText(
-            self.tokenizer,
-            params.stop,
-            skip_special_tokens=params.skip_special_tokens,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
 
     def abort(self, request_id: int) -> bool:
         """Stop a queued or running request now (its client went away) and free its pages; False if the
@@ -259,9 +227,7 @@ class Engine:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             seq.finish_reason = "abort"
-            self._texts.pop(request_id, None)
-            self._prompt_logprobs.pop(request_id, None)
-            self.logprobs.forget(request_id)
+            self.outputs.forget(request_id)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -286,41 +252,23 @@ class Engine:
                 stats.step_seconds += time.perf_counter() - start
                 return outputs
             result = checked
-        self._keep_prompt_logprobs(seqs, result)
+        self.outputs.keep_prompt_scores(seqs, result.prompt_scores)
         logits = result.logits
-        token_ids, errors = self._sample(seqs, logits)
+        token_ids, errors = sample_requests(seqs, logits, self.eos_token_ids)
         self._run_token_hooks(seqs, logits, token_ids, errors)
         for seq, token_id, error in zip(seqs, token_ids, errors, strict=True):
             if seq.status is Status.FINISHED:  # aborted during the step (by a token hook): already gone
                 continue
             if error is None:
-                error = self._guarded(seq, lambda s=seq, t=token_id: self._append(s, t))
+                error = self._guarded(seq, lambda s=seq, t=token_id: self.outputs.append(s, t))
             if error is not None:
                 seq.finish_reason = "error"
                 seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            outputs.append(self._output(seq))
+            outputs.append(self.outputs.output(seq))
         stats.step_seconds += time.perf_counter() - start
         return outputs
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[str | None]]:
-        """Each request's next token, or the error that ends it (its penalties or sampling failed)."""
-        processed: dict[int, torch.Tensor] = {}
-        failed: dict[int, str] = {}
-        for row, seq in enumerate(seqs):
-            if needs_processing(seq.params):
-                prompt = seq.token_ids[: seq.num_prompt_tokens]
-                error = self._guarded(
-                    seq,
-                    lambda r=row, s=seq, p=prompt: processed.__setitem__(
-                        r, process_row(logits[r], s.params, p, s.completion_token_ids, self.eos_token_ids)
-                    ),
-                )
-                if error is not None:
-                    failed[row] = error
-        token_ids, errors = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], processed)
-        return token_ids, [failed.get(row, e) for row, e in enumerate(errors)]
 
     def _run_token_hooks(
         self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]
@@ -348,15 +296,6 @@ class Engine:
             logger.exception("request %d: its output handling failed; it is stopped", seq.seq_id)
             return f"output handling failed ({type(e).__name__}: {e})"
         return None
-
-    def _keep_prompt_logprobs(self, seqs: list[Sequence], result: ForwardOutput) -> None:
-        """A prefill's prompt scores, as entries for each request's first output."""
-        for row, scores in result.prompt_scores.items():
-            seq = seqs[row]
-            seq.needs_prompt_logprobs = False
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
-            entries = prompt_entries(self.token_texts, prompt, scores)
-            self._prompt_logprobs[seq.seq_id] = entries
 
     def _timed_forward(self, forward: Callable[[], ForwardOutput]) -> ForwardOutput:
         start = time.perf_counter()
@@ -426,45 +365,7 @@ class Engine:
             guarded = tracker.guard(batch)
             result = self._timed_forward(lambda: self.runner.forward(guarded))
         tracker.after_step(is_forward_run=bool(seqs))
-        return seqs, result, [self._output(s) for s in stopped]
-
-    # -- tokens to text -------------------------------------------------------------------------------
-    def _append(self, seq: Sequence, token_id: int) -> None:
-        params = seq.params
-        if params.max_tokens == 0:  # a prompt scored, nothing generated
-            seq.finish_reason = "length"
-            return
-        seq.token_ids.append(token_id)
-        num_generated = seq.num_tokens - seq.num_prompt_tokens
-        can_stop = num_generated >= params.min_tokens
-        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        if can_stop and (is_eos or token_id in params.stop_token_ids):
-            seq.finish_reason = "stop"
-        elif num_generated >= params.max_tokens or seq.num_tokens >= seq.max_len:
-            seq.finish_reason = "length"
-        text = self._texts.get(seq.seq_id)
-        if text is not None and text.add(token_id, is_last=seq.finish_reason is not None, can_stop=can_stop):
-            seq.finish_reason = "stop"
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        is_finished = seq.finish_reason is not None
-        text = self._texts.pop(seq.seq_id, None) if is_finished else self._texts.get(seq.seq_id)
-        shown, delta = ("", "") if text is None else text.take(is_finished)
-        logprobs = self.logprobs.take(seq.seq_id)
-        if is_finished:
-            self.logprobs.forget(seq.seq_id)
-        return RequestOutput(
-            seq.seq_id,
-            seq.token_ids[: seq.num_prompt_tokens],
-            seq.completion_token_ids,
-            shown,
-            delta,
-            is_finished,
-            seq.finish_reason,
-            seq.error,
-            logprobs,
-            self._prompt_logprobs.pop(seq.seq_id, None),
-        )
+        return seqs, result, [self.outputs.output(s) for s in stopped]
 
     def _max_model_len(self, max_positions: int) -> int:
         requested = self.config.max_model_len
@@ -474,13 +375,3 @@ class Engine:
                 f"{max_positions}; pass at most {max_positions}"
             )
         return requested or max_positions
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        try:
-            eos = GenerationConfig.from_pretrained(self.ckpt.root).eos_token_id
-        except OSError:  # no generation_config.json
-            eos = self.text_model.fields.get("eos_token_id")
-        for value in (eos, self.tokenizer.eos_token_id):
-            ids.update(value if isinstance(value, list) else [] if value is None else [value])
-        return ids

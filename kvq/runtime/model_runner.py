@@ -8,6 +8,7 @@ Imports torch and kvq.runtime.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,8 +93,10 @@ class ModelRunner:
         max_context_len = max(context_lens)
         block_tables_t = tensor(inputs.block_tables, torch.int32)
         context_lens_t = tensor(context_lens, torch.int32)
-        decode_plan = (
-            None if inputs.is_prefill else self.plan_decode(block_tables_t, context_lens_t, context_lens)
+        decode_plan_of = (
+            None
+            if inputs.is_prefill
+            else partial(self.plan_decode, block_tables_t, context_lens_t, context_lens)
         )
         return ForwardBatch(
             is_prefill=inputs.is_prefill,
@@ -107,7 +110,7 @@ class ModelRunner:
             query_lens=query_lens,
             logits_indices=(torch.tensor(query_lens).cumsum(0) - 1).to(self.device),
             prompt_lens=inputs.prompt_lens,
-            decode_plan=decode_plan,
+            decode_plan_of=decode_plan_of,
             inputs=inputs,
         )
 

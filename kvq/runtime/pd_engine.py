@@ -22,7 +22,7 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.engine import Engine, Prompt, RequestOutput
+from kvq.runtime.engine import Engine, Prompt
 from kvq.runtime.kv_transfer import (
     KVHandoff,
     KvTransferError,
@@ -31,6 +31,7 @@ from kvq.runtime.kv_transfer import (
     verify_handoff,
     write_pages,
 )
+from kvq.runtime.outputs import RequestOutput
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.sequence import Sequence
 
@@ -96,7 +97,7 @@ class PDEngine(Engine):
         (`KvTransferError` names the page: only this request is refused)."""
         seq = self.make_sequence(handoff.prompt_token_ids, params)
         verify_handoff(handoff, self.kv_identity, f"request {seq.seq_id}", self.kv_pool)
-        self._texts[seq.seq_id] = self.completion_text(seq.params)
+        self.outputs.add(seq)
         self._arrived.append((seq, handoff))
         return seq.seq_id
 
@@ -120,7 +121,7 @@ class PDEngine(Engine):
         for item in self._arrived:
             if item[0].seq_id == request_id:
                 self._arrived.remove(item)
-                self._texts.pop(request_id, None)
+                self.outputs.forget(request_id)
                 return True
         return super().abort(request_id)
 

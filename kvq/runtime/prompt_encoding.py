@@ -1,4 +1,5 @@
-"""Prompts to token ids: plain text, and conversations through the tokenizer's chat template.
+"""Prompts to token ids: plain text, and conversations through the tokenizer's chat template; and the
+ids that end a completion.
 
 One place for both the engine (`Engine.encode*`) and the HTTP server, which encodes on its own thread
 with its own tokenizer copy (a tokenizer is not shared between threads). Imports only the tokenizer given.
@@ -6,7 +7,10 @@ with its own tokenizer copy (a tokenizer is not shared between threads). Imports
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from transformers import GenerationConfig
 
 from kvq.errors import KvqError
 
@@ -44,3 +48,15 @@ def encode_messages(
     except Exception as e:  # jinja2's TemplateError and what a template raises on odd input
         raise KvqError(f"the chat template refused the messages: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+
+def eos_token_ids(tokenizer: Any, root: Path, config_fields: dict[str, Any]) -> set[int]:
+    """Every id that ends a completion: generation_config.json's (else config.json's) and the tokenizer's."""
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(root).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = config_fields.get("eos_token_id")
+    for value in (eos, tokenizer.eos_token_id):
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return ids

@@ -1,20 +1,29 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds, and
+what a request's penalties, logit bias and `min_tokens` do to its row of logits.
 
 A request with a seed draws from its own generator, so its tokens do not depend on what it is batched
-with. Rows whose logits a request's penalties, bias or `min_tokens` change come in already processed
-(`kvq.runtime.logits_processors`). A row with non-finite logits, or one that cannot be sampled, is
-reported by its error, not sampled: only that request ends. Imports torch, kvq.errors and the C argmax
+with. The logit adjustments are OpenAI's `logit_bias` and presence/frequency penalties (over the
+completion's tokens), vLLM's and transformers' `repetition_penalty` (over prompt and completion: a
+positive logit divided by it, a negative one multiplied) and vLLM's `min_tokens` (EOS and
+`stop_token_ids` masked until that many tokens were generated); rows of requests that ask for none of
+them are never touched. A row with non-finite logits, or one that cannot be sampled, is reported by its
+error, not sampled: only that request ends. Imports torch, kvq.errors and the C argmax
 (kvq.runtime.kernels.cpu_ops).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvq.errors import KvqError
 from kvq.runtime.kernels.cpu_ops import argmax_finite
+
+if TYPE_CHECKING:
+    from kvq.runtime.sequence import Sequence
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
 GREEDY_BELOW = 1e-5  # a smaller temperature is greedy (vLLM's): dividing by it would overflow the logits
@@ -129,3 +138,64 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
     filtered = filter_logits(logits.float() / p.temperature, p.top_k, p.top_p)
     probs = filter_min_p(filtered.softmax(-1), p.min_p)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    return bool(
+        params.logit_bias
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.min_tokens
+    )
+
+
+def process_row(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    eos_token_ids: Collection[int],
+) -> torch.Tensor:
+    """One row `[V]` -> a new fp32 row with the request's bias, penalties and `min_tokens` mask applied."""
+    row = logits.float().clone()
+    vocab = row.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
+        row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(completion_ids)), dtype=torch.int64)
+        seen = seen[seen < vocab]
+        values = row[seen]
+        penalty = params.repetition_penalty
+        row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.presence_penalty or params.frequency_penalty) and completion_ids:
+        ids = torch.tensor(list(completion_ids), dtype=torch.int64)
+        counts = torch.bincount(ids, minlength=vocab)[:vocab]
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if len(completion_ids) < params.min_tokens:
+        held = {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
+        held_ids = [t for t in held if 0 <= t < vocab]
+        if held_ids:
+            row[held_ids] = float("-inf")
+    return row
+
+
+def sample_requests(
+    seqs: list[Sequence], logits: torch.Tensor, eos_token_ids: Collection[int]
+) -> tuple[list[int], list[str | None]]:
+    """Each request's next token from its row of `logits` `[B, V]`, or the error that ends it (its
+    penalties or its sampling failed: only that request)."""
+    processed: dict[int, torch.Tensor] = {}
+    failed: dict[int, str] = {}
+    for row, seq in enumerate(seqs):
+        if needs_processing(seq.params):
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            try:
+                processed[row] = process_row(
+                    logits[row], seq.params, prompt, seq.completion_token_ids, eos_token_ids
+                )
+            except Exception as e:  # one request's parameters: that request alone ends
+                failed[row] = f"its logits processing failed ({type(e).__name__}: {e})"
+    token_ids, errors = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], processed)
+    return token_ids, [failed.get(row, e) for row, e in enumerate(errors)]

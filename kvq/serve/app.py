@@ -23,9 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvq.errors import KvqError
-from kvq.runtime.engine import RequestOutput
+from kvq.runtime.outputs import RequestOutput
 from kvq.runtime.sampling import SamplingParams
 from kvq.serve.access import AccessMiddleware, ServeState
 from kvq.serve.api_errors import ApiError, error_body
@@ -80,6 +81,12 @@ def make_app(served: Served) -> AccessMiddleware:
         if exc.status == 429:
             served.metrics.admission_rejections.inc()
         return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """A body that is no JSON, an unknown route or method: OpenAI's shape, not FastAPI's `detail`."""
+        message = f"{exc.detail} ({request.method} {request.url.path})"
+        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvq.errors import KvqError
-from kvq.runtime.engine import Engine, RequestOutput
+from kvq.runtime.engine import Engine
+from kvq.runtime.outputs import RequestOutput
 from kvq.runtime.sampling import SamplingParams
 from kvq.serve.metrics import RequestTimes, ServeMetrics
 

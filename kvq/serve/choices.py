@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from kvq.runtime.engine import RequestOutput
+from kvq.runtime.outputs import RequestOutput
 
 T = TypeVar("T")
 DISCONNECT_POLL_SECONDS = 0.25

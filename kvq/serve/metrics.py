@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from kvq.runtime.engine import Engine, RequestOutput
+    from kvq.runtime.engine import Engine
+    from kvq.runtime.outputs import RequestOutput
 
 # vLLM's buckets (v1/metrics/loggers.py) for the same histograms
 _TTFT = "0.001 0.005 0.01 0.02 0.04 0.06 0.08 0.1 0.25 0.5 0.75 1 2.5 5 7.5 10 20 40 80 160 640 2560"

@@ -25,8 +25,8 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.engine import RequestOutput
 from kvq.runtime.kv_transfer import KVHandoff, KvTransferError, check_same_kv
+from kvq.runtime.outputs import RequestOutput
 from kvq.runtime.pd_engine import PDEngine, failed_output
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.sequence import Sequence

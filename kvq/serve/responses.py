@@ -11,8 +11,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvq.runtime.engine import RequestOutput
 from kvq.runtime.logprobs import TokenLogprob
+from kvq.runtime.outputs import RequestOutput
 
 
 def usage(prompt_lens: Sequence[int], outs: Sequence[RequestOutput]) -> dict:

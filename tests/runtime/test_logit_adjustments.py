@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq.runtime.logits_processors import needs_processing, process_row
-from kvq.runtime.sampling import SamplingParams, filter_min_p, sample
+from kvq.runtime.sampling import SamplingParams, filter_min_p, needs_processing, process_row, sample
 
 ROW = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0])
 

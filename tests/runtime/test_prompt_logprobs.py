@@ -10,7 +10,8 @@ import torch
 
 import kvq.runtime.prompt_logprobs as prompt_logprobs
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.engine import Engine, RequestOutput
+from kvq.runtime.engine import Engine
+from kvq.runtime.outputs import RequestOutput
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.reference import hf_logits, hf_reference
 

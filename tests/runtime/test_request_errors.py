@@ -48,17 +48,16 @@ def test_a_failing_token_hook_ends_only_its_request(engine: Engine) -> None:
 
 def test_a_failing_text_ends_only_its_request(engine: Engine, monkeypatch) -> None:
     expected = engine_greedy(engine, PROMPTS, 6)
-    make_text = engine.completion_text
+    add = engine.outputs.add
 
-    def fragile(params: SamplingParams):
-        text = make_text(params)
-        if params.seed == 99:  # the request under test: its text fails at its third token
-            add = text.add
-            calls = iter(range(100))
-            text.add = lambda *a, **k: add(*a, **k) if next(calls) < 2 else 1 / 0  # type: ignore[method-assign]
-        return text
+    def fragile_add(seq) -> None:
+        add(seq)
+        if seq.params.seed == 99:  # the request under test: its text fails at its third token
+            text = engine.outputs.texts[seq.seq_id]
+            real, calls = text.add, iter(range(100))
+            text.add = lambda *a, **k: real(*a, **k) if next(calls) < 2 else 1 / 0  # type: ignore[method-assign]
 
-    monkeypatch.setattr(engine, "completion_text", fragile)
+    monkeypatch.setattr(engine.outputs, "add", fragile_add)
     params = [SamplingParams(max_tokens=6, ignore_eos=True, seed=s) for s in (1, 99, 2)]
     outs = engine.generate(PROMPTS, params)
     assert outs[1].finish_reason == "error" and "ZeroDivisionError" in outs[1].error

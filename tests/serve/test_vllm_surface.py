@@ -149,3 +149,18 @@ def test_vllm_prompt_logprobs(server: Running) -> None:
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0},
     )
     assert chat.json()["prompt_logprobs"][0] is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "content", "status"),
+    [
+        ("POST", "/v1/completions", b"\xff\xfe{", 400),
+        ("POST", "/v1/chat/completions", b"\x00" * 9, 400),
+        ("GET", "/v1/completions", b"", 405),
+        ("GET", "/v1/nothing", b"", 404),
+    ],
+)
+def test_what_fastapi_refuses_is_in_openai_shape(server: Running, method, path, content, status) -> None:
+    headers = {"content-type": "application/json"}
+    reply = httpx.request(method, f"{server.url}{path}", content=content, headers=headers, timeout=30)
+    assert reply.status_code == status and set(reply.json()["error"]) == {"message", "type", "param", "code"}
