@@ -1,4 +1,5 @@
-"""One KV-cache dtype vocabulary (vLLM's) for plan, generate, serve, eval and bench; old names say the new."""
+"""One dtype vocabulary for plan, generate, serve, eval and bench: vLLM's KV-cache names, and `--dtype` and
+`--kv-cache-dtype` each taking the other's spellings."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kvq.errors import KvqError
-from kvq.kv_cache_dtypes import KV_CACHE_DTYPES, check_kv_cache_dtype, resolve_kv_cache_dtype
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPES, check_dtype, check_kv_cache_dtype, resolve_kv_cache_dtype
 from kvq.runtime.config import EngineConfig
 
 
@@ -18,16 +19,32 @@ def test_the_vocabulary_is_vllms() -> None:
 
 
 @pytest.mark.parametrize(
-    ("old", "new"),
-    [("fp8", "fp8_e4m3"), ("FP8", "fp8_e4m3"), ("float8_e4m3fn", "fp8_e4m3"), ("bfloat16", "bf16")],
+    ("spelling", "name"),
+    [
+        ("fp8", "fp8_e4m3"),
+        ("FP8", "fp8_e4m3"),
+        ("float8_e4m3fn", "fp8_e4m3"),
+        ("bfloat16", "bf16"),
+        ("bf16", "bf16"),
+    ],
 )
-def test_old_spellings_name_the_new_one(old: str, new: str) -> None:
-    with pytest.raises(KvqError, match=f"^--kv-cache-dtype '{old}': the name is now '{new}'"):
-        check_kv_cache_dtype(old)
+def test_other_spellings_give_the_name(spelling: str, name: str) -> None:
+    assert check_kv_cache_dtype(spelling) == name
+
+
+def test_dtype_and_kv_cache_dtype_take_each_others_spellings(tmp_path: Path) -> None:
+    assert [check_dtype(v) for v in ("bf16", "bfloat16", "fp32", "float32", "auto")] == [
+        "bfloat16", "bfloat16", "float32", "float32", "auto",
+    ]  # fmt: skip
+    config = EngineConfig(model=str(tmp_path), dtype="bf16", kv_cache_dtype="bfloat16")
+    assert (config.dtype, config.kv_cache_dtype) == ("bfloat16", "bf16")
+    assert EngineConfig(model=str(tmp_path), dtype="fp32").is_reference
+    with pytest.raises(KvqError, match="--dtype 'fp8': use one of auto, bfloat16, float32"):
+        check_dtype("fp8")
 
 
 def test_unknown_names_list_the_vocabulary() -> None:
-    with pytest.raises(KvqError, match="use one of auto, bf16, fp8_e4m3"):
+    with pytest.raises(KvqError, match="use one of auto, bf16, fp8_e4m3 \\(or bfloat16, fp8\\)"):
         check_kv_cache_dtype("int8")
 
 
@@ -39,5 +56,4 @@ def test_auto_resolves_like_the_runtime(tmp_path: Path) -> None:
     assert (
         config.kv_torch_dtype(True) == torch.float8_e4m3fn and config.kv_torch_dtype(False) == torch.bfloat16
     )
-    with pytest.raises(KvqError, match="--kv-cache-dtype 'fp8': the name is now 'fp8_e4m3'"):
-        EngineConfig(model=str(tmp_path), kv_cache_dtype="fp8")
+    assert EngineConfig(model=str(tmp_path), kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's too

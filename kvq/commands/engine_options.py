@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kvq.byte_sizes import SIZE_HELP
-from kvq.kv_cache_dtypes import KV_CACHE_DTYPE_HELP, kv_cache_dtype_flag
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPE_HELP, dtype_flag, kv_cache_dtype_flag
 
 ModelArgument = Annotated[
     Path, typer.Argument(help="Checkpoint directory (BF16, FP8-block or compressed-tensors).")
@@ -41,7 +41,12 @@ RequireKvScalesOption = Annotated[
     typer.Option("--require-kv-scales", help="Fail instead of warning when FP8 KV has no calibrated scales."),
 ]
 DtypeOption = Annotated[
-    str, typer.Option(help="Activations: auto (bfloat16) or float32 (reference mode, weights dequantized).")
+    str,
+    typer.Option(
+        help="Activations: auto (bfloat16), bfloat16 (or bf16) or float32 (or fp32: the reference mode, "
+        "weights dequantized).",
+        callback=dtype_flag,
+    ),
 ]
 ThreadsOption = Annotated[int | None, typer.Option(help="torch CPU threads.")]
 KvIntegrityOption = Annotated[

@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING
 
 from kvq.byte_sizes import parse_bytes
 from kvq.errors import KvqError
-from kvq.kv_cache_dtypes import AUTO, BF16, FP8_E4M3, check_kv_cache_dtype
+from kvq.kv_cache_dtypes import AUTO, BF16, FP8_E4M3, check_dtype, check_kv_cache_dtype
 
 if TYPE_CHECKING:
     import torch
 
-DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32"}  # name -> torch attribute
 KV_TORCH_DTYPES = {BF16: "bfloat16", FP8_E4M3: "float8_e4m3fn"}  # names: kvq.kv_cache_dtypes
 FP8_WEIGHT_MODES = ("per-use", "bf16")
 LM_HEAD_WEIGHT_MODES = ("stored", "int8", "int4")
@@ -91,8 +90,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
             raise KvqError(f"{self.model}: no such model directory; pass a checkpoint directory")
-        _choice("dtype", self.dtype, DTYPES)
-        check_kv_cache_dtype(self.kv_cache_dtype, "--kv-cache-dtype")
+        self.dtype = check_dtype(self.dtype)
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
         _choice("device", self.device, DEVICES)
         _choice("kv_integrity", self.kv_integrity, KV_INTEGRITY_MODES)
@@ -153,12 +152,12 @@ class EngineConfig:
     def activation_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, DTYPES[self.dtype] or "bfloat16")
+        return getattr(torch, "bfloat16" if self.dtype == "auto" else self.dtype)
 
     @property
     def is_reference(self) -> bool:
         """fp32 reference mode: weights dequantized to fp32, meant to match transformers' fp32 forward."""
-        return (DTYPES[self.dtype] or "bfloat16") == "float32"
+        return self.dtype == "float32"
 
     def kv_torch_dtype(self, has_kv_cache_scheme: bool) -> torch.dtype:
         """The KV page dtype: the explicit choice, else FP8 for calibrated checkpoints, else activations."""

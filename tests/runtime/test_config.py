@@ -14,7 +14,7 @@ from kvq.runtime.config import EngineConfig
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"dtype": "fp16"}, "--dtype 'fp16': pick one of auto, bfloat16, float32"),
+        ({"dtype": "fp16"}, "--dtype 'fp16': use one of auto, bfloat16, float32"),
         ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype 'int8'"),
         ({"page_size": 0}, "--page-size must be >= 1, got 0"),
         ({"kv_memory": "many"}, "--kv-memory: 'many' is not a size"),
