@@ -232,11 +232,11 @@ def test_bad_arguments_are_one_line_naming_the_flag(tiny_checkpoint, tmp_path) -
     root = Path(shutil.copytree(tiny_checkpoint("llama", "bf16"), tmp_path / "model"))
     before, commands = files(root), _commands(root, tmp_path)
     cases = [
-        ([*commands["generate"], "--dtype", "fp16"], "--dtype 'fp16': pick one of auto, bfloat16, float32"),
+        ([*commands["generate"], "--dtype", "fp16"], "--dtype 'fp16': use one of auto, bfloat16, float32"),
         ([*commands["generate"], "--max-model-len", "1"], "--max-model-len must be >= 2 tokens, got 1"),
         ([*commands["generate"][:-2], "--kv-memory", "12XB"], "--kv-memory: '12XB' is not a size"),
         ([*commands["eval"], "--kv-memory", "lots"], "--kv-memory: 'lots' is not a size"),
-        ([*commands["eval"], "--baseline-dtype", "fp8"], "--baseline-dtype 'fp8': pick one of"),
+        ([*commands["eval"], "--baseline-dtype", "fp8"], "--baseline-dtype 'fp8': use one of"),
         (["generate", str(root), "caf\udce9", "--kv-memory", "4MiB"], "PROMPT is not valid UTF-8 (byte 0xe9"),
         ([*commands["compress"], "--workers", "0"], "--workers 0: must be at least 1"),
         (

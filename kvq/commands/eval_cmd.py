@@ -29,8 +29,8 @@ from kvq.commands.engine_options import (
 from kvq.commands.render import console
 from kvq.errors import KvqError
 from kvq.eval.config import TASKS, EvalConfig
-from kvq.kv_cache_dtypes import KV_CACHE_DTYPES
-from kvq.runtime.config import DTYPES, EngineConfig
+from kvq.kv_cache_dtypes import KV_CACHE_DTYPES, check_dtype
+from kvq.runtime.config import EngineConfig
 
 _DEFAULTS = EvalConfig()
 
@@ -54,8 +54,7 @@ def _check_before_work(model: Path, json_out: Path | None, baseline_dtype: str, 
     """Every flag and the --json path, before a model or torch loads: a typo is refused in a moment, an
     unwritable --json before an evaluation that would then have nowhere to go."""
     EngineConfig(model=str(model), **engine)
-    if baseline_dtype not in DTYPES:
-        raise KvqError(f"--baseline-dtype {baseline_dtype!r}: pick one of {', '.join(DTYPES)}")
+    check_dtype(baseline_dtype, "--baseline-dtype")
     if json_out is not None:
         check_writable_file(json_out, "--json")
 
