@@ -16,7 +16,6 @@ from rich.table import Table
 from kvq.byte_sizes import SIZE_HELP, format_bytes, parse_bytes
 from kvq.checkpoint.kv_cache_spec import kv_cache_spec
 from kvq.checkpoint.model_config import weight_prefix_of
-from kvq.checkpoint.validate import validate_tensors
 from kvq.commands.inspect_cmd import render as render_stored
 from kvq.commands.recipe_options import GroupSizeOption, warn_if_unmatched
 from kvq.commands.render import console, human_count
@@ -99,8 +98,6 @@ def plan_command(
         deployment = DeploymentCheck.read(config)
         tp, gpu_mem, mem_fraction, recipe = deployment.settings(ctx, tp, gpu_mem, mem_fraction, recipe)
     source = open_source(src)
-    if not source.is_bare_config:
-        validate_tensors(source.config, source.tensors, source.path)
     if tp is not None or gpu_mem is not None:
         if tp is None or gpu_mem is None:
             raise KvqError("--tp and --gpu-mem go together: pass both (e.g. --tp 8 --gpu-mem 141GiB)")
