@@ -234,6 +234,7 @@ def test_bad_arguments_are_one_line_naming_the_flag(tiny_checkpoint, tmp_path) -
     cases = [
         ([*commands["generate"], "--dtype", "fp16"], "--dtype 'fp16': use one of auto, bfloat16, float32"),
         ([*commands["generate"], "--max-model-len", "1"], "--max-model-len must be >= 2 tokens, got 1"),
+        ([*commands["generate"], "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
         ([*commands["generate"][:-2], "--kv-memory", "12XB"], "--kv-memory: '12XB' is not a size"),
         ([*commands["eval"], "--kv-memory", "lots"], "--kv-memory: 'lots' is not a size"),
         ([*commands["eval"], "--baseline-dtype", "fp8"], "--baseline-dtype 'fp8': use one of"),
@@ -270,14 +271,19 @@ def test_plan_says_when_tp_cannot_split_the_heads(tiny_checkpoint) -> None:
 
 
 def test_flags_are_refused_before_torch_loads(tiny_checkpoint, tmp_path) -> None:
-    """eval and calibrate check every flag before they import torch (a typo costs no model load)."""
+    """eval, calibrate and generate check every flag before they import torch (a typo costs no model load)."""
     root = str(tiny_checkpoint("llama", "bf16"))
     probe = (
         "import sys; from kvq.entry import main\n"
         "sys.argv = ['kvq', *sys.argv[1:]]\n"
         "try:\n    main()\nexcept SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n"
     )
-    for argv in (["eval", root, "--kv-memory", "12XB"], ["calibrate", root, "--num-samples", "0"]):
+    flags = (["eval", root, "--kv-memory", "12XB"], ["calibrate", root, "--num-samples", "0"])
+    for argv in (
+        *flags,
+        ["generate", root, "hi", "--max-tokens", "-1"],
+        ["generate", root, "hi", "--tp", "0"],
+    ):
         result = subprocess.run(
             [sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300
         )

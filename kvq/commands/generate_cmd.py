@@ -32,8 +32,9 @@ from kvq.commands.engine_options import (
     TpOption,
 )
 from kvq.commands.utf8_arguments import check_utf8
+from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.sampling import SamplingParams
+from kvq.runtime.sampling_params import SamplingParams
 
 
 def generate_command(
@@ -68,14 +69,10 @@ def generate_command(
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
 ) -> None:
     """Generate a completion for one prompt, streaming the text as it is produced."""
-    params = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        max_tokens=max_tokens,
-        stop=list(stop or []),
-    )
+    if max_tokens < 1:  # a request may score its prompt only (0); a command that prints a completion may not
+        raise KvqError(f"--max-tokens must be >= 1, got {max_tokens}")
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_tokens": max_tokens}
+    params = _sampling_params(**sampling, seed=seed, stop=list(stop or []))
     file = read_config(config)
     refuse_paper_deployment(file, "generate")
     if prompt is None:  # one positional: the prompt, the model from --config
@@ -102,3 +99,14 @@ def generate_command(
     if error is not None:  # finish reason "error": the text above is what came before it
         print(f"kvq: error: generation stopped: {error}", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def _sampling_params(**fields: object) -> SamplingParams:
+    """`SamplingParams`, its refusals naming the flag as typed (`--max-tokens`, not the request field)."""
+    try:
+        return SamplingParams(**fields)  # type: ignore[arg-type]
+    except KvqError as e:
+        name, _, rest = str(e).partition(" ")
+        if name in fields:
+            raise KvqError(f"--{name.replace('_', '-')} {rest}") from None
+        raise

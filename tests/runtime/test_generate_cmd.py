@@ -59,7 +59,9 @@ def test_generate_without_scales_warns_loudly(tiny_checkpoint) -> None:
 
 def test_generate_bad_input_is_one_line(tiny_checkpoint, tmp_path) -> None:
     path = str(tiny_checkpoint("llama", "bf16"))
-    assert_one_line_error(run_kvq("generate", path, "hi", "--max-tokens", "0"), "max_tokens must be >= 1")
+    assert_one_line_error(
+        run_kvq("generate", path, "hi", "--max-tokens", "0"), "--max-tokens must be >= 1, got 0"
+    )
     unknown = Path(shutil.copytree(path, tmp_path / "model"))
     config = json.loads((unknown / "config.json").read_text())
     (unknown / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
@@ -92,7 +94,7 @@ def test_generate_with_kv_integrity_prints_the_same_text(tiny_checkpoint) -> Non
     assert off.returncode == full.returncode == 0, full.stderr
     assert full.stdout == off.stdout and full.stdout.strip()
     assert_one_line_error(
-        run_kvq("generate", path, "hi", "--kv-integrity", "paranoid"), "kv_integrity", "off, tags, full"
+        run_kvq("generate", path, "hi", "--kv-integrity", "paranoid"), "--kv-integrity", "off, tags, full"
     )
 
 
