@@ -11,6 +11,7 @@ import typer
 
 from kvq.byte_sizes import format_bytes
 from kvq.checkpoint.validate import validate_dir
+from kvq.checkpoint.writable import check_writable_dir
 from kvq.commands.gptq_options import (
     CALIBRATED_METHODS,
     CalibrateKvOption,
@@ -96,6 +97,7 @@ def compress_command(
     experts stay GPTQ), each layer's Linears group by group (--true-sequential, its default).
     """
     workers = _usable_workers(workers)
+    check_writable_dir(out, "OUT directory")  # before anything reads SRC (prepare checks it again)
     options = GptqOptions(
         method,
         dataset,
