@@ -11,35 +11,24 @@ Imports torch, transformers (config, tokenizer) and kvq.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoTokenizer
 
-from kvq.checkpoint.kv_cache_spec import heads_per_rank, kv_cache_spec
-from kvq.checkpoint.model_config import pretrained_config, read_text_model
-from kvq.checkpoint.reader import Checkpoint
 from kvq.errors import KvqError
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.decode_plan import describe_decode
-from kvq.runtime.distributed.group import TpGroup
-from kvq.runtime.distributed.worker import serve_steps
 from kvq.runtime.frozen_heap import frozen_heap
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.integrity.ranks import RankLeader, RankReset
-from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
-from kvq.runtime.kv_layout import layout_for
-from kvq.runtime.kv_pool import KVPool, page_bytes
-from kvq.runtime.loader import WeightLoader
+from kvq.runtime.model_load import weight_bytes
 from kvq.runtime.model_runner import ForwardOutput, ModelRunner
-from kvq.runtime.models.registry import model_class
 from kvq.runtime.outputs import OutputProcessor, RequestOutput
 from kvq.runtime.prompt_encoding import encode_messages, encode_text, eos_token_ids
 from kvq.runtime.sampling import SamplingParams, make_generator, sample_requests
@@ -68,49 +57,22 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
-        is_cpu = config.torch_device.type == "cpu"
-        cpu_path = describe_cpu_path(resolve_cpu_isa(), config.int4_compute) if is_cpu else None
-        self.ckpt = Checkpoint.open(config.model)
-        self.text_model = read_text_model(self.ckpt.root)  # the language model (Kimi: under text_config)
-        cls = model_class(self.text_model)
-        hf_config = pretrained_config(self.text_model)
-        self.kv_spec = kv_cache_spec(self.text_model.fields, self.text_model.at)  # as `kvq plan` sizes it
+        self.runner = ModelRunner(config)  # this rank's model and KV pool (tensor parallelism: its shard)
+        if not self.runner.tp.is_leader:  # under torchrun every rank runs the command: the others follow
+            self.runner.loop()  # rank 0's steps, until it stops
+            raise SystemExit(0)
+        loaded = self.runner.loaded
+        self.ckpt, self.text_model, self.kv_spec = loaded.ckpt, loaded.text_model, loaded.kv_spec
+        self.model, self.tp, self.kv_pool = loaded.model, loaded.tp, self.runner.kv_pool
+        self.max_model_len = loaded.max_model_len
+        self.rank_read_bytes, self.rank_weight_bytes = loaded.rank_read_bytes, loaded.rank_weight_bytes
         self.tokenizer = AutoTokenizer.from_pretrained(self.ckpt.root)
-        # tensor parallelism: this process's rank (rank 0 schedules; the others run its steps), which
-        # loads its shard before the ranks meet (rank 0 first: a bad checkpoint fails before others start)
-        self.tp = TpGroup.of(config.tp)
-        with WeightLoader(self.ckpt, config, self.text_model, self.tp) as loader:
-            self.model = cls(hf_config, loader)
-            loader.finish()
-        self.tp.connect(config.torch_device, json.dumps(asdict(config)))
-        # per rank: stored bytes read (what `kvq plan --tp N` counts per GPU) and bytes held resident
-        self.rank_read_bytes = self.tp.gather_ints(loader.read_bytes)
-        self.rank_weight_bytes = self.tp.gather_ints(self.weight_bytes)
-        if cpu_path is not None:
-            logger.info(cpu_path)
-            logger.info(describe_decode(self.model, config.enforce_eager))
-        self.max_model_len = self._max_model_len(hf_config.max_position_embeddings)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.ckpt.root, self.text_model.fields)
-        self.kv_pool = self._kv_pool()
         self._new_kv_bookkeeping()
-        self.runner = ModelRunner(
-            self.model,
-            config.page_size,
-            self.kv_pool.zero_page,
-            heads_per_rank(self.kv_spec, self.tp.size),
-            config.torch_device,
-            self.tp,
-        )
-        self.runner.rank_checks = self.rank_checks
         self._ids = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.token_hooks: list[TokenHook] = [self.outputs.logprobs]
         self.stats = EngineStats()
-        if not self.tp.is_leader:  # a rank past 0 runs rank 0's steps until it stops, then ends
-            serve_steps(self)
-            raise SystemExit(0)
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
         """A fresh page allocator, prefix cache, scheduler and tracker (in `kv_integrity` mode if given)
@@ -122,7 +84,6 @@ class Engine:
         if self.tp.size > 1 and self.tp.is_leader:
             self.tp.broadcast(RankReset(self.config.kv_integrity))  # every rank's pool starts over
         self._new_kv_bookkeeping()
-        self.runner.rank_checks = self.rank_checks
 
     def _new_kv_bookkeeping(self) -> None:
         config = self.config
@@ -140,26 +101,7 @@ class Engine:
             config.max_num_batched_tokens,
             config.decode_reserve_ratio,
         )
-
-    def _kv_pool(self) -> KVPool:
-        """Pages for the budget (no more than max_num_seqs full contexts); each attention layer gets its
-        cache object over them."""
-        config, layers = self.config, self.model.attention_layers()
-        kv_dtype = config.kv_torch_dtype(self.ckpt.quantization_config.get("kv_cache_scheme") is not None)
-        max_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
-        layout = layout_for(self.kv_spec, kv_dtype, self.tp.size)
-        # every rank holds the same pages (rank 0's block manager hands them out): as many as all can
-        num_pages = config.kv_pool_bytes() // page_bytes(layout, len(layers), config.page_size)
-        num_pages = self.tp.min_int(min(num_pages, max_pages))
-        pool = KVPool(layout, len(layers), num_pages, config.page_size, config.torch_device)
-        caches = pool.layer_caches(
-            [a.kv_scales for a in layers],
-            require_kv_scales=config.require_kv_scales,
-            where=str(self.ckpt.root),
-        )
-        for layer, cache in zip(layers, caches, strict=True):
-            layer.bind_kv(cache)
-        return pool
+        self.runner.rank_checks = self.rank_checks
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op at --tp 1); the engine runs no more steps."""
@@ -168,7 +110,7 @@ class Engine:
     @property
     def weight_bytes(self) -> int:
         """Bytes of every weight tensor the model keeps resident."""
-        return sum(t.numel() * t.element_size() for t in self.model.tensors())
+        return weight_bytes(self.model)
 
     # -- requests -------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -366,12 +308,3 @@ class Engine:
             result = self._timed_forward(lambda: self.runner.forward(guarded))
         tracker.after_step(is_forward_run=bool(seqs))
         return seqs, result, [self.outputs.output(s) for s in stopped]
-
-    def _max_model_len(self, max_positions: int) -> int:
-        requested = self.config.max_model_len
-        if requested is not None and requested > max_positions:
-            raise KvqError(
-                f"max_model_len {requested} exceeds the model's max_position_embeddings "
-                f"{max_positions}; pass at most {max_positions}"
-            )
-        return requested or max_positions

@@ -1,6 +1,9 @@
-"""Host-side batch preparation and the model call: sequences -> `StepInputs` (plain lists, what
-tensor-parallel rank 0 broadcasts) -> `ForwardBatch` -> logits (in the lm_head's dtype: bf16, or fp32 in
-reference mode).
+"""The device side of the runtime: `ModelRunner` owns this rank's model and KV pool (`model_load`), turns
+sequences into a step's batch on the host (sequences -> `StepInputs`, plain lists, what tensor-parallel rank
+0 broadcasts -> `ForwardBatch`) and runs it (logits in the lm_head's dtype: bf16, or fp32 in reference
+mode; in a prefill, the prompt scores that were asked for). Ranks past 0 run `loop()`: rank 0's steps, and
+with the checked pool their own page checks (`integrity.ranks`), over the runner and a tracker of their
+own, until rank 0 says stop.
 
 Imports torch and kvq.runtime.
 """
@@ -12,12 +15,17 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
+from kvq.checkpoint.kv_cache_spec import heads_per_rank
 from kvq.runtime.batch import ForwardBatch, StepInputs
-from kvq.runtime.distributed.group import TpGroup
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.distributed.group import STOP
+from kvq.runtime.integrity import make_tracker
+from kvq.runtime.integrity.ranks import RankReset, follow
 from kvq.runtime.kernels import PagedDecodePlan, plan_paged_decode
 from kvq.runtime.kernels.step_check import guard_slot_mapping
-from kvq.runtime.models.llama import LlamaForCausalLM
+from kvq.runtime.model_load import load_model, make_kv_pool
 from kvq.runtime.prompt_logprobs import PromptScores, score_prompt
 from kvq.runtime.sequence import Sequence
 
@@ -34,19 +42,35 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        page_size: int,
-        zero_page: int,
-        num_kv_heads: int,
-        device: torch.device,
-        tp: TpGroup | None = None,
-    ) -> None:
-        self.model, self.page_size, self.zero_page, self.device = model, page_size, zero_page, device
-        self.num_kv_heads = num_kv_heads  # of this rank's KV pool layout: one for the MLA latent
-        self.tp = tp or TpGroup.single()
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = load_model(config)  # this rank's model and group, and the checkpoint's facts
+        self.model, self.tp = self.loaded.model, self.loaded.tp
+        self.kv_pool = make_kv_pool(config, self.loaded)
+        self.page_size, self.zero_page = config.page_size, self.kv_pool.zero_page
+        self.device = config.torch_device
+        # of this rank's KV pool layout: one for the MLA latent
+        self.num_kv_heads = heads_per_rank(self.loaded.kv_spec, self.tp.size)
         self.rank_checks: RankLeader | None = None  # rank 0 at --tp N with --kv-integrity on (`Engine`)
+
+    def loop(self) -> None:
+        """Ranks past 0: run rank 0's steps on this rank's shard until rank 0 sends the stop: a bare batch
+        (integrity off), or a checked pool's message (this rank's own page checks and guarded writes, over a
+        tracker of its own that `RankReset` renews). Then leave the process group: gloo's threads still
+        running at interpreter exit abort the process."""
+        tracker = make_tracker(self.config.kv_integrity, self.kv_pool)
+        while True:
+            message = self.tp.broadcast(None)
+            if isinstance(message, StepInputs):
+                self.forward_local(self.batch_of(message))
+            elif message == STOP:
+                dist.destroy_process_group()
+                return
+            elif isinstance(message, RankReset):
+                tracker = make_tracker(message.kv_integrity, self.kv_pool)
+            else:
+                assert tracker is not None, type(message)
+                follow(self, tracker, message)
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
         """Prefill: every token after the cached prefix; decode: the last token of each sequence."""

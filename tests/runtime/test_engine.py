@@ -138,7 +138,7 @@ def test_bad_requests_are_user_errors(tiny_checkpoint) -> None:
         engine.generate([[]], SamplingParams())
     with pytest.raises(KvqError, match="outside the vocabulary"):
         engine.generate([[5, 99999]], SamplingParams())
-    with pytest.raises(KvqError, match="max_model_len 100000 exceeds"):
+    with pytest.raises(KvqError, match="--max-model-len 100000 exceeds"):
         Engine(EngineConfig(model=str(tiny_checkpoint("llama", "bf16")), max_model_len=100000))
     assert not engine.has_unfinished_requests()  # nothing was queued by a rejected batch
 

@@ -13,7 +13,8 @@ its own pages' sampled bytes. Per checked step, after rank 0's own check passed:
 - `RankStep`, the forward: each rank applies the write guard over its mirror with rank 0's write tags
   (a late batch's writes land on no rank), and in full mode hashes the pages the forward sealed, right
   after it.
-`RankReset` follows `Engine.reset_kv`. A step with integrity `off` sends the bare `StepInputs` (no check).
+`RankReset` follows `Engine.reset_kv` (each rank's `ModelRunner.loop` makes a new tracker). A step with
+integrity `off` sends the bare `StepInputs` (no check).
 Cost at --tp N: one more broadcast and one gather per checked step. Imports numpy, torch and kvq.runtime.
 """
 
@@ -33,7 +34,7 @@ from kvq.runtime.integrity.tracker import TagTracker
 from kvq.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
-    from kvq.runtime.engine import Engine
+    from kvq.runtime.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -106,18 +107,13 @@ class RankLeader:
         return TagChanges(pages.tolist(), host[pages].tolist())
 
 
-def follow(engine: Engine, message: object) -> None:
-    """Run one of rank 0's integrity messages on this rank (past 0) and its pool."""
-    runner, tracker = engine.runner, engine.tracker
-    if isinstance(message, RankReset):
-        engine.reset_kv(message.kv_integrity)
-        return
-    assert tracker is not None and isinstance(message, RankCheck | RankStep), type(message)
+def follow(runner: ModelRunner, tracker: TagTracker, message: RankCheck | RankStep) -> None:
+    """Run one of rank 0's integrity messages on this rank (past 0), its pool and its `tracker`."""
     tracker.mirror_tags(message.tags.pages, message.tags.tags)
     batch = runner.batch_of(message.inputs)
     if isinstance(message, RankCheck):
         step = message.step
-        engine.tp.gather(tracker.check_pages(batch, step.expected, step.sealed).on_host())
+        runner.tp.gather(tracker.check_pages(batch, step.expected, step.sealed).on_host())
         return
     write_tags = torch.tensor(message.write_tags, dtype=torch.int64).to(tracker.device)
     runner.forward(replace(batch, write_guard=WriteGuard(tracker.page_tags, write_tags)))

@@ -1,9 +1,10 @@
 """The `--tp 2` runs of test_rank_checks. Under torchrun (`python -m torch.distributed.run --nproc-per-node 2
 -m tests.runtime.integrity.tp_rank_run CASE_JSON OUT`): rank 0 generates the prompts twice and saves the
-outputs to OUT; rank 1, when `flip_row` is set, flips a sampled bit of its own copy of a sealed page
-(`FaultInjector.bit_flip` on rank 1's engine) just before the first decode step is checked: the page of
-logical index 0 of that row of the batch, recorded in OUT.rank1.json. A case naming a drill `fault`
-(`python -m tests.runtime.integrity.tp_rank_run CASE_JSON OUT`, kvq starting the ranks): `drill`."""
+outputs to OUT; rank 1, when `flip_row` is set, flips a sampled bit of its own copy of a sealed page (in
+the pool of rank 1's runner, as `FaultInjector.bit_flip` does) just before the first decode step is
+checked: the page of logical index 0 of that row of the batch, recorded in OUT.rank1.json. A case
+naming a drill `fault` (`python -m tests.runtime.integrity.tp_rank_run CASE_JSON OUT`, kvq starting the
+ranks): `drill`."""
 
 from __future__ import annotations
 
@@ -14,32 +15,39 @@ from pathlib import Path
 
 import torch
 
-import kvq.runtime.engine as engine_module
-from kvq.drill.fault_injector import FaultInjector
 from kvq.runtime.batch import ForwardBatch, StepInputs
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
+from kvq.runtime.integrity import make_tracker
+from kvq.runtime.model_runner import ModelRunner
 from kvq.runtime.sampling import SamplingParams
 
 
 def arm_bit_flip(row: int, record: Path) -> None:
-    """On this rank (past 0): the fault, injected through the engine the rank builds."""
-    serve = engine_module.serve_steps
+    """On this rank (past 0): the fault, injected into the pool of the runner the rank builds: one bit of
+    the first byte `full` mode samples (the same sample on every rank: it is seeded)."""
+    loop = ModelRunner.loop
 
-    def serve_with_fault(engine: Engine) -> None:
-        injector, batch_of = FaultInjector(engine), engine.runner.batch_of
+    def loop_with_fault(runner: ModelRunner) -> None:
+        batch_of = runner.batch_of
+        tracker = make_tracker(runner.config.kv_integrity, runner.kv_pool)
+        assert tracker is not None and tracker.sample is not None
+        offset = int(tracker.sample.offsets[0])
 
         def flip_then_batch(inputs: StepInputs) -> ForwardBatch:
             if not inputs.is_prefill:
-                engine.runner.batch_of = batch_of  # type: ignore[method-assign]  # one shot
+                runner.batch_of = batch_of  # type: ignore[method-assign]  # one shot
                 page = inputs.block_tables[row][0]
-                record.write_text(json.dumps({"page": page, "offset": injector.bit_flip(page)}))
+                runner.kv_pool.page_bytes_view()[0, 0, page, offset] ^= torch.tensor(
+                    1 << 6, dtype=torch.uint8
+                )
+                record.write_text(json.dumps({"page": page, "offset": offset}))
             return batch_of(inputs)
 
-        engine.runner.batch_of = flip_then_batch  # type: ignore[method-assign]
-        serve(engine)
+        runner.batch_of = flip_then_batch  # type: ignore[method-assign]
+        loop(runner)
 
-    engine_module.serve_steps = serve_with_fault  # type: ignore[assignment]
+    ModelRunner.loop = loop_with_fault  # type: ignore[method-assign]
 
 
 def main(case: dict, out: Path) -> None:
