@@ -20,6 +20,7 @@ import torch.distributed as dist
 from kvq.checkpoint.kv_cache_spec import heads_per_rank
 from kvq.runtime.batch import ForwardBatch, StepInputs
 from kvq.runtime.config import EngineConfig
+from kvq.runtime.decode_plan import DecodePlans
 from kvq.runtime.distributed.group import STOP
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.ranks import RankReset, follow
@@ -52,6 +53,8 @@ class ModelRunner:
         # of this rank's KV pool layout: one for the MLA latent
         self.num_kv_heads = heads_per_rank(self.loaded.kv_spec, self.tp.size)
         self.rank_checks: RankLeader | None = None  # rank 0 at --tp N with --kv-integrity on (`Engine`)
+        # CPU decode steps replay C calls bound once per batch size (kvq's CUDA graphs); None: eager
+        self.decode_plans = DecodePlans.of(self.model, config.enforce_eager)
 
     def loop(self) -> None:
         """Ranks past 0: run rank 0's steps on this rank's shard until rank 0 sends the stop: a bare batch
@@ -175,7 +178,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> ForwardOutput:
         """This rank's part of the forward (the model's collectives join the other ranks')."""
-        hidden = self.model.forward(batch.input_ids, batch.positions, batch)
+        hidden = None
+        if not batch.is_prefill and self.decode_plans is not None:
+            hidden = self.decode_plans.run(batch.input_ids, batch.positions, batch)
+        if hidden is None:
+            hidden = self.model.forward(batch.input_ids, batch.positions, batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         wanted = batch.inputs.prompt_logprobs if batch.inputs is not None else ()
         return ForwardOutput(logits, self._score_prompts(hidden, batch, wanted) if wanted else {})

@@ -17,6 +17,7 @@ from kvq.runtime.kernels.w4a8_cpu import w4a8_path
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
 from kvq.runtime.layers.linear import DenseLinear
 from kvq.runtime.layers.moe import Int4Experts
+from kvq.runtime.model_load import make_kv_pool
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.reference import batch_teacher_forced_logits
 from tests.test_cli_errors import run_kvq
@@ -38,11 +39,11 @@ def _forced(num_steps: int) -> list[list[int]]:
 
 def test_plans_give_the_eager_logits_on_every_cpu_path(int4_checkpoint, cpu_isa: str) -> None:
     planned, eager = _engines(str(int4_checkpoint("llama")))
-    assert eager.model.decode_plans is None
+    assert eager.runner.decode_plans is None
     forced = _forced(40)  # 30 + 40 tokens: 18 pages of the longest sequence
     found = batch_teacher_forced_logits(planned, PROMPTS, forced)
     assert torch.equal(found, batch_teacher_forced_logits(eager, PROMPTS, forced))
-    plans = planned.model.decode_plans
+    plans = planned.runner.decode_plans
     if cpu_isa == "torch":  # every CPU op in torch: nothing to replay
         assert plans.blocker == "the C small ops are off" and not plans.plans
     else:
@@ -62,7 +63,7 @@ def test_plans_give_the_eager_logits_for_each_weight_and_page_kind(
     forced = _forced(6)
     found = batch_teacher_forced_logits(planned, PROMPTS, forced)
     assert torch.equal(found, batch_teacher_forced_logits(eager, PROMPTS, forced))
-    assert planned.model.decode_plans.blocker is None
+    assert planned.runner.decode_plans.blocker is None
 
 
 def test_plans_give_the_eager_logits_on_smollm2(smollm2_int4) -> None:
@@ -74,13 +75,13 @@ def test_plans_give_the_eager_logits_on_smollm2(smollm2_int4) -> None:
     forced = [[504, 3575, 314, 4649], [1978, 30, 2689, 28]]
     found = batch_teacher_forced_logits(planned, prompts, forced)
     assert torch.equal(found, batch_teacher_forced_logits(eager, prompts, forced))
-    assert list(planned.model.decode_plans.plans) == [2]
+    assert list(planned.runner.decode_plans.plans) == [2]
     planned, eager = _engines(str(smollm2_int4), kv_memory="16MiB", kv_integrity="tags")
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
     outs, expected = planned.generate(prompts, params), eager.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert [o.logprobs for o in outs] == [o.logprobs for o in expected]
-    assert all(o.error is None for o in outs) and planned.model.decode_plans.blocker is None
+    assert all(o.error is None for o in outs) and planned.runner.decode_plans.blocker is None
 
 
 def test_plans_are_made_once_per_batch_size_and_kept(int4_checkpoint) -> None:
@@ -90,7 +91,7 @@ def test_plans_are_made_once_per_batch_size_and_kept(int4_checkpoint) -> None:
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 9, 13)]
     outs = [o.token_ids for o in planned.generate(PROMPTS, params)]
     assert outs == [o.token_ids for o in eager.generate(PROMPTS, params)]
-    plans = planned.model.decode_plans
+    plans = planned.runner.decode_plans
     assert sorted(plans.plans) == [1, 2, 3]
     kept = dict(plans.plans)
     planned.generate(PROMPTS, params)
@@ -102,7 +103,7 @@ def test_an_env_change_remakes_the_plans(int4_checkpoint, monkeypatch) -> None:
     planned, _ = _engines(str(int4_checkpoint("llama")))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     first = planned.generate(PROMPTS[:1], params)[0].token_ids
-    plans = planned.model.decode_plans
+    plans = planned.runner.decode_plans
     assert plans.blocker is None and list(plans.plans) == [1]
     monkeypatch.setenv(CPU_ISA_ENV, "torch")
     assert planned.generate(PROMPTS[:1], params)[0].token_ids == first
@@ -115,10 +116,10 @@ def test_new_kv_caches_remake_the_plans(int4_checkpoint) -> None:
     planned, eager = _engines(str(int4_checkpoint("llama")), enable_prefix_caching=False)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     planned.generate(PROMPTS, params)
-    plans = planned.model.decode_plans
+    plans = planned.runner.decode_plans
     old = plans.plans[3]
     old_pool = planned.kv_pool
-    planned.kv_pool = planned._kv_pool()  # every layer bound to new pages
+    planned.kv_pool = make_kv_pool(planned.config, planned.runner.loaded)  # every layer bound to new pages
     assert planned.kv_pool.zero_page == old_pool.zero_page
     outs = planned.generate(PROMPTS, params)
     assert plans.plans[3] is not old
@@ -136,9 +137,9 @@ def test_models_no_plan_can_run_decode_eagerly(tiny_checkpoint, int4_checkpoint,
         "CPU decode steps: eager (--enforce-eager)",
         "CPU decode steps: plans (each layer's C calls bound once per batch size)",
     ]
-    assert mla.model.decode_plans is None and eager.model.decode_plans is None
+    assert mla.runner.decode_plans is None and eager.runner.decode_plans is None
     ref = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB", dtype="float32"))
-    assert ref.model.decode_plans is None and model_blocker(ref.model) == "not bf16 on CPU"
+    assert ref.runner.decode_plans is None and model_blocker(ref.model) == "not bf16 on CPU"
 
 
 def test_a_linear_without_a_c_call_runs_itself_into_the_buffer() -> None:

@@ -18,7 +18,6 @@ from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.config import LM_HEAD_GROUP_SIZE
-from kvq.runtime.decode_plan import DecodePlans
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
@@ -220,7 +219,6 @@ class LlamaForCausalLM:
             self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE, int8_activations)
         elif isinstance(self.lm_head, DenseLinear) and loader.config.lm_head_weights == "int8":
             self.lm_head = int8_copy(self.lm_head.weight, int8_activations)
-        self.decode_plans = DecodePlans.of(self, loader.config.enforce_eager)
 
     def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
         return RotaryEmbedding(self.config, self.head_dim, self.max_positions, loader.dtype, loader.device)
@@ -232,12 +230,8 @@ class LlamaForCausalLM:
         return MLP(prefix, loader, self.config.hidden_size, self.config.intermediate_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids, positions `[T]` -> final hidden states `[T, H]` (CPU decode: from a `DecodePlan` where
-        one runs, the same values)."""
-        if not batch.is_prefill and self.decode_plans is not None:
-            hidden = self.decode_plans.run(input_ids, positions, batch)
-            if hidden is not None:
-                return hidden
+        """input_ids, positions `[T]` -> final hidden states `[T, H]` (a CPU decode step runs from the
+        runner's `DecodePlan` instead where one runs: the same values)."""
         x, residual = self.embed(input_ids), None  # [T, H]
         cos_sin = self.rotary.at(positions)
         for layer in self.layers:
