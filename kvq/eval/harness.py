@@ -108,7 +108,7 @@ def task_result(task: str, results: dict, samples: list[dict]) -> TaskResult:
         responses.setdefault(int(sample["doc_id"]), sample.get("resps"))
         for name in sample.get("metrics", []):
             value = sample.get(name)
-            if _is_number(value):
+            if value is not None and _is_number(value):
                 by_doc.setdefault(f"{name},{sample.get('filter', 'none')}", {})[int(sample["doc_id"])] = (
                     float(value)
                 )

@@ -92,9 +92,10 @@ class KvqLM(TemplateLM):
     def apply_chat_template(
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        return self.tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+        return str(text)
 
     def _loglikelihood_tokens(
         self, requests: list[TokenRequest], **kwargs: object

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from kvq.eval.run_report import run_entry, task_items
 from kvq.eval.text import score_windows
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 KV_NAMES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3", "float32": "fp32"}
 ENGINE_NAME = "kvq runtime"
@@ -205,7 +209,7 @@ def _windows(engine: Engine, config: EvalConfig, shared: Shared) -> list[list[in
     return text_windows(engine.tokenizer, config, shared.text_source)
 
 
-def text_windows(tokenizer: object, config: EvalConfig, source: str) -> list[list[int]]:
+def text_windows(tokenizer: PreTrainedTokenizerBase, config: EvalConfig, source: str) -> list[list[int]]:
     """The held-out windows every run scores (token ids), the same for a served model."""
     from kvq.data.texts import load_texts
 

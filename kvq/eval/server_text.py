@@ -32,12 +32,11 @@ def served_window_scores(
     and the number of positions whose top-1 tokens agree."""
 
     def one(window: Sequence[int]) -> tuple[list[TopLogprobs], list[TopLogprobs] | None]:
-        found = prompt_logprobs(model, window, top_n), None
-        if baseline is not None:
-            found = found[0], prompt_logprobs(baseline, window, top_n)
+        mine = prompt_logprobs(model, window, top_n)
+        theirs = None if baseline is None else prompt_logprobs(baseline, window, top_n)
         if advance is not None:
             advance(1)
-        return found
+        return mine, theirs
 
     with ThreadPoolExecutor(max_workers=max(1, num_concurrent)) as pool:
         answers = list(pool.map(one, windows))
