@@ -7,39 +7,17 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvq.calibrate.config import STRATEGIES, CalibrationConfig
 from kvq.checkpoint.validate import validate_dir
+from kvq.commands.layer_progress import LayerProgress
 from kvq.commands.render import console
 
 if TYPE_CHECKING:  # the run module imports transformers' model classes: only load it when calibrating
     from kvq.calibrate.run import CalibrationResult
 
 _DEFAULTS = CalibrationConfig()
-
-
-class LayerProgress:
-    """A per-layer progress bar on stderr, shown only once validation passed and layers start streaming."""
-
-    def __init__(self) -> None:
-        self.progress: Progress | None = None
-        self.task = TaskID(0)
-
-    def start(self, num_layers: int) -> None:
-        columns = (TextColumn("calibrating layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        self.progress = Progress(*columns, console=Console(stderr=True))
-        self.task = self.progress.add_task("layers", total=num_layers)
-        self.progress.start()
-
-    def advance(self, _layer_idx: int) -> None:
-        assert self.progress is not None
-        self.progress.advance(self.task)
-
-    def stop(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
 
 
 def render(result: CalibrationResult, root: Path) -> Table:
@@ -74,7 +52,15 @@ def calibrate_command(
             "Wikipedia articles bundled in gensim."
         ),
     ] = _DEFAULTS.dataset,
-    num_samples: Annotated[int, typer.Option(help="Token windows to run.")] = _DEFAULTS.num_samples,
+    num_samples: Annotated[
+        int,
+        typer.Option(
+            help="Token windows to run. The defaults (128 x 2048 tokens) take about 3 min per decoder layer "
+            "of a 135M model (SmolLM2-135M, 30 layers) on 2 busy Zen 4 vCPUs, about 19 min with torch held "
+            "to AVX2 (the forward is bf16); time grows with samples. The run prints its estimate after "
+            "the first layer."
+        ),
+    ] = _DEFAULTS.num_samples,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = _DEFAULTS.seq_len,
     strategy: Annotated[
         str, typer.Option(help=f"Scale granularity: {' | '.join(STRATEGIES)} (per KV head).")
@@ -88,11 +74,11 @@ def calibrate_command(
         dataset=dataset, num_samples=num_samples, seq_len=seq_len, strategy=strategy, seed=seed
     )
     validate_dir(path)  # before the calibration run: the checkpoint is what its config.json says
-    progress = LayerProgress()
+    progress = LayerProgress("calibrating layers", Console(stderr=True))
     from kvq.calibrate.run import calibrate  # torch and transformers: once every flag passed
 
     try:
-        result = calibrate(path, config, on_start=progress.start, on_layer_done=progress.advance)
+        result = calibrate(path, config, on_start=progress.start, on_layer_done=progress.layer_done)
     finally:
         progress.stop()
     console.print(render(result, path))

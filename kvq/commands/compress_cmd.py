@@ -16,6 +16,7 @@ from kvq.commands.gptq_options import (
     CALIBRATED_METHODS,
     CalibrateKvOption,
     DatasetOption,
+    ForwardDtypeOption,
     GptaqAlphaOption,
     GptqOptions,
     KvStrategyOption,
@@ -69,6 +70,7 @@ def compress_command(
     kv_strategy: KvStrategyOption = None,
     gptaq_alpha: GptaqAlphaOption = None,
     true_sequential: TrueSequentialOption = None,
+    gptq_forward_dtype: ForwardDtypeOption = None,
 ) -> None:
     """Compress SRC into OUT as compressed-tensors pack-quantized INT4 (W4A16, symmetric) per the recipe.
 
@@ -110,6 +112,7 @@ def compress_command(
         kv_strategy,
         gptaq_alpha,
         true_sequential,
+        gptq_forward_dtype,
     )
     loaded = load_recipe(recipe, group_size)
     validate_dir(src)  # before any work: the weights are what config.json describes

@@ -1,5 +1,7 @@
 """`kvq compress --method gptq`: its options (calibration text as `kvq calibrate` takes it, MoE, KV scales)
-and the run, with a progress bar per decoder layer and one for writing the shards.
+and the run: the forward dtype decided once (`kvq.gptq.forward_dtype`), a progress bar over the decoder
+layers with an ETA and, after the first layer, an estimate of the whole run; then a bar for writing the
+shards.
 
 Imports no torch until a GPTQ run starts, so `kvq compress --help` and RTN runs stay fast.
 """
@@ -14,11 +16,13 @@ import typer
 
 from kvq.byte_sizes import format_bytes
 from kvq.calibrate.config import STRATEGIES, CalibrationConfig
+from kvq.commands.layer_progress import LayerProgress
 from kvq.commands.render import console
 from kvq.compress.recipe import Recipe
 from kvq.compress.runner import CompressReport
 from kvq.errors import KvqError
 from kvq.gptq.config import GPTAQ_ALPHA, GptqConfig
+from kvq.gptq.forward_dtype import DEFAULT_FORWARD_DTYPE, FORWARD_DTYPES, check_forward_dtype
 
 METHODS = ("rtn", "gptq", "gptaq")
 CALIBRATED_METHODS = ("gptq", "gptaq")
@@ -68,7 +72,13 @@ DatasetOption = Annotated[
 NumSamplesOption = Annotated[
     int | None,
     typer.Option(
-        "--num-samples", help=f"GPTQ: token windows to calibrate on (default: {_CALIBRATION.num_samples})."
+        "--num-samples",
+        help=f"GPTQ: token windows to calibrate on (default: {_CALIBRATION.num_samples}). The defaults, "
+        f"{_CALIBRATION.num_samples} x {_CALIBRATION.seq_len} tokens, cost about 6.5 CPU-minutes per decoder "
+        "layer of a 135M model (SmolLM2-135M, 30 layers; about 19 min a layer on 2 busy Zen 4 vCPUs) where "
+        "the forward runs fast (float32 on an AVX2 CPU, bf16 with AVX-512 BF16), 3x that or more with a "
+        "bf16 forward on an AVX2-only CPU; time grows with samples. The run prints its own estimate after "
+        "the first layer.",
     ),
 ]
 SeqLenOption = Annotated[
@@ -100,6 +110,17 @@ CalibrateKvOption = Annotated[
         help="GPTQ: also write FP8 KV-cache scales measured in the same pass on the quantized model.",
     ),
 ]
+ForwardDtypeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--gptq-forward-dtype",
+        help=f"GPTQ: dtype of the calibration forward, {' | '.join(FORWARD_DTYPES)}. bfloat16 is "
+        "llm-compressor's arithmetic (its weight_packed bytes exactly); float32 runs fast on CPUs without "
+        "native bf16 (AVX2 only: no avx512_bf16 / AMX, where bf16 matmuls are emulated) and changes a few "
+        "codes (more precise Hessians; see README). auto: bfloat16 where torch computes bf16 natively, "
+        f"else float32 (default: {DEFAULT_FORWARD_DTYPE}).",
+    ),
+]
 KvStrategyOption = Annotated[
     str | None,
     typer.Option(
@@ -124,6 +145,7 @@ class GptqOptions:
     kv_strategy: str | None = None
     gptaq_alpha: float | None = None
     true_sequential: bool | None = None
+    gptq_forward_dtype: str | None = None
 
     def method_for(self, recipe: Recipe) -> str:
         """rtn, gptq or gptaq; `KvqError` for a contradiction or options of another method."""
@@ -144,15 +166,19 @@ class GptqOptions:
             raise KvqError(f"{', '.join(given)} only apply to --method gptq; add --method gptq or drop them")
         if method != "gptaq" and self.gptaq_alpha is not None:
             raise KvqError("--gptaq-alpha only applies to --method gptaq; add --method gptaq or drop it")
+        if self.gptq_forward_dtype is not None:
+            check_forward_dtype(self.gptq_forward_dtype)
         return method
 
-    def config(self) -> GptqConfig:
+    def config(self, dtype: str = _CALIBRATION.dtype) -> GptqConfig:
+        """The run's config, its calibration forward in `dtype` (`resolve_forward_dtype`'s answer)."""
         calibration = CalibrationConfig(
             dataset=self.dataset,
             num_samples=_given(self.num_samples, _CALIBRATION.num_samples),
             seq_len=_given(self.seq_len, _CALIBRATION.seq_len),
             seed=_given(self.seed, _CALIBRATION.seed),
             strategy=_given(self.kv_strategy, _CALIBRATION.strategy),
+            dtype=dtype,
         )
         return replace(
             _DEFAULTS,
@@ -172,12 +198,30 @@ def _given(value: object, default: object):  # noqa: ANN202
 def gptq_compress(
     src: Path, out: Path, recipe: Recipe, target: str, options: GptqOptions, workers: int, quiet: bool
 ) -> CompressReport:
-    """Validate, print what will run (with the memory bound), run with progress bars, print the GPTQ
-    report; return the shards' report (what was kept or dequantized is listed by the caller)."""
-    from kvq.gptq.memory import gptq_peak_bound
+    """Validate, print what will run (with the memory bound and the forward dtype), run with progress bars
+    and an estimate after the first layer, print the GPTQ report; return the shards' report (what was
+    kept or dequantized is listed by the caller)."""
+    from kvq.gptq.forward_dtype import resolve_forward_dtype
     from kvq.gptq.run import prepare_gptq
 
-    job = prepare_gptq(src, out, recipe, options.config(), target)
+    forward = resolve_forward_dtype(options.gptq_forward_dtype or DEFAULT_FORWARD_DTYPE)
+    job = prepare_gptq(src, out, recipe, options.config(forward.dtype), target)
+    console.print(_start_line(job, recipe, target, workers) + f"; forward {forward.dtype} ({forward.reason})")
+    try:
+        report = _run(job, workers, quiet)
+    except KeyboardInterrupt:
+        console.print(
+            f"interrupted: finished layers and shards are recorded in {job.compress.out}/kvq_manifest.json; "
+            "re-run the same command to resume"
+        )
+        raise typer.Exit(130) from None
+    _print_report(report, job.compress.input_bytes)
+    return report.compress
+
+
+def _start_line(job, recipe: Recipe, target: str, workers: int) -> str:  # noqa: ANN001 (a GptqJob)
+    from kvq.gptq.memory import gptq_peak_bound
+
     c, s = job.config.calibration, job.settings
     bound = gptq_peak_bound(
         job.lm,
@@ -194,7 +238,7 @@ def gptq_compress(
     method = "gptq" if job.config.gptaq_alpha is None else f"gptaq (alpha {job.config.gptaq_alpha})"
     if job.config.true_sequential:
         method += " --true-sequential"
-    console.print(
+    return (
         f"kvq compress --method {method}: {job.compress.ckpt.root} ({job.compress.ckpt.format}, "
         f"{job.num_layers} layers, {format_bytes(job.compress.input_bytes)}) -> {job.compress.out}, recipe "
         f"{recipe.name} (group {recipe.group_size}), target {target}, block_size {s.block_size}, "
@@ -202,36 +246,29 @@ def gptq_compress(
         f"{c.seq_len} tokens of {job.samples.source} (token ids sha256 {job.samples.fingerprint[:12]}); "
         f"{workers} workers, peak memory <= ~{format_bytes(bound)}"
     )
-    try:
-        report = _run(job, workers, quiet)
-    except KeyboardInterrupt:
-        console.print(
-            f"interrupted: finished layers and shards are recorded in {job.compress.out}/kvq_manifest.json; "
-            "re-run the same command to resume"
-        )
-        raise typer.Exit(130) from None
-    _print_report(report, job.compress.input_bytes)
-    return report.compress
 
 
 def _run(job, workers: int, quiet: bool):  # noqa: ANN001, ANN202 (GptqJob, GptqReport: torch-side types)
+    """The layers' bar (with --quiet only the estimate line), then the shards' bar on the same display."""
     from kvq.gptq.run import run_gptq
 
-    if quiet:
-        return run_gptq(job, workers)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        layers = bar.add_task("GPTQ layers", total=job.num_layers)
+    name = "GPTQ" if job.config.gptaq_alpha is None else "GPTAQ"
+    layers = LayerProgress(f"{name} layers", console, show_bar=not quiet)
+    layers.start(job.num_layers)
+    try:
+        bar = layers.progress
+        if bar is None:
+            return run_gptq(job, workers, layers.layer_done)
         shards = bar.add_task("writing shards (bytes)", total=None)
         return run_gptq(
             job,
             workers,
-            lambda _i: bar.advance(layers),
+            layers.layer_done,
             lambda n: bar.advance(shards, n),
             lambda total: bar.update(shards, total=total),
         )
+    finally:
+        layers.stop()
 
 
 def _print_report(report, input_bytes: int) -> None:  # noqa: ANN001 (a GptqReport)
