@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from transformers import AutoTokenizer
@@ -71,7 +72,7 @@ class Engine:
         self._new_kv_bookkeeping()
         self._ids = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.token_hooks: list[TokenHook] = [self.outputs.logprobs]
+        self.token_hooks: list[TokenHook] = [self.outputs.record_logprobs]
         self.stats = EngineStats()
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
@@ -202,7 +203,7 @@ class Engine:
             if seq.status is Status.FINISHED:  # aborted during the step (by a token hook): already gone
                 continue
             if error is None:
-                error = self._guarded(seq, lambda s=seq, t=token_id: self.outputs.append(s, t))
+                error = self._guarded(seq, partial(self.outputs.append, seq, token_id))
             if error is not None:
                 seq.finish_reason = "error"
                 seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
@@ -225,7 +226,7 @@ class Engine:
                 pass
             for row, seq in enumerate(seqs):
                 one = [token_ids[row]]
-                error = self._guarded(seq, lambda h=hook, r=row, s=seq, o=one: h([s], logits[r : r + 1], o))
+                error = self._guarded(seq, partial(hook, [seq], logits[row : row + 1], one))
                 token_ids[row] = one[0]
                 if error is not None and errors[row] is None:
                     errors[row] = error

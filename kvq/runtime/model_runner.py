@@ -23,7 +23,7 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.decode_plan import DecodePlans
 from kvq.runtime.distributed.group import STOP
 from kvq.runtime.integrity import make_tracker
-from kvq.runtime.integrity.ranks import RankReset, follow
+from kvq.runtime.integrity.ranks import RankCheck, RankReset, RankStep, follow
 from kvq.runtime.kernels import PagedDecodePlan, plan_paged_decode
 from kvq.runtime.kernels.step_check import guard_slot_mapping
 from kvq.runtime.model_load import load_model, make_kv_pool
@@ -72,7 +72,7 @@ class ModelRunner:
             elif isinstance(message, RankReset):
                 tracker = make_tracker(message.kv_integrity, self.kv_pool)
             else:
-                assert tracker is not None, type(message)
+                assert tracker is not None and isinstance(message, RankCheck | RankStep), type(message)
                 follow(self, tracker, message)
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
@@ -97,7 +97,12 @@ class ModelRunner:
         block_tables = [seq.block_table + [-1] * (max_pages - len(seq.block_table)) for seq in seqs]
         context_lens = [seq.num_tokens for seq in seqs]
         prompt_lens = [seq.num_prompt_tokens for seq in seqs]
-        wanted = [s.params.prompt_logprobs if is_prefill and s.needs_prompt_logprobs else -1 for s in seqs]
+        wanted = [
+            n
+            if is_prefill and s.needs_prompt_logprobs and (n := s.params.prompt_logprobs) is not None
+            else -1
+            for s in seqs
+        ]
         return StepInputs(
             is_prefill,
             input_ids,
@@ -107,7 +112,7 @@ class ModelRunner:
             context_lens,
             prompt_lens,
             block_tables,
-            tuple(wanted) if any(n is not None and n >= 0 for n in wanted) else (),
+            tuple(wanted) if any(n >= 0 for n in wanted) else (),
         )
 
     def batch_of(self, inputs: StepInputs) -> ForwardBatch:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.logprobs import LogprobRecorder, TokenLogprob, TokenTexts, prompt_entries
 from kvq.runtime.prompt_logprobs import PromptScores
@@ -36,8 +38,8 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    """Per request id: its text, and its prompt's log-probabilities until its next output. `logprobs` is
-    the engine token hook that records sampled tokens' log-probabilities."""
+    """Per request id: its text, and its prompt's log-probabilities until its next output;
+    `record_logprobs` is the engine token hook that records sampled tokens' log-probabilities."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
@@ -57,6 +59,11 @@ class OutputProcessor:
         )
         if params.logprobs is not None and params.max_tokens > 0:
             self.logprobs.watch(seq.seq_id, params.logprobs)
+
+    def record_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
+        """The engine token hook: log-probabilities of the step's tokens, for the requests that asked."""
+        if self.logprobs.num_top:
+            self.logprobs(seqs, logits, token_ids)
 
     def forget(self, seq_id: int) -> None:
         self.texts.pop(seq_id, None)
@@ -94,9 +101,11 @@ class OutputProcessor:
         is_finished = seq.finish_reason is not None
         text = self.texts.pop(seq.seq_id, None) if is_finished else self.texts.get(seq.seq_id)
         shown, delta = ("", "") if text is None else text.take(is_finished)
-        logprobs = self.logprobs.take(seq.seq_id)
-        if is_finished:
-            self.logprobs.forget(seq.seq_id)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = self.logprobs.take(seq.seq_id)
+            if is_finished:
+                self.logprobs.forget(seq.seq_id)
         return RequestOutput(
             seq.seq_id,
             seq.token_ids[: seq.num_prompt_tokens],

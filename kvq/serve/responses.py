@@ -62,7 +62,7 @@ class PromptLogprobs:
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:
-    def one(token: str, logprob: float) -> dict:
+    def one(token: str, logprob: float | None) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     return {

@@ -67,8 +67,8 @@ def test_generate_bad_input_is_one_line(tiny_checkpoint, tmp_path) -> None:
     (unknown / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
     assert_one_line_error(
         run_kvq("generate", str(unknown), "hi"),
-        "model_type 'qwen3': kvq does not implement this architecture",
-        "supported: llama, glm4_moe, glm_moe_dsa, deepseek_v3, kimi_k2",
+        "config.json model_type is 'qwen3': not an architecture kvq (or its checks) implement",
+        "supported model_type: llama, glm4_moe, glm_moe_dsa, deepseek_v3, kimi_k2",
     )
     assert_one_line_error(
         run_kvq("generate", path, "word " * 5000, "--kv-memory", "4MiB"), "tokens but the context holds 4096"
