@@ -116,9 +116,9 @@ ForwardDtypeOption = Annotated[
         "--gptq-forward-dtype",
         help=f"GPTQ: dtype of the calibration forward, {' | '.join(FORWARD_DTYPES)}. bfloat16 is "
         "llm-compressor's arithmetic (its weight_packed bytes exactly); float32 runs fast on CPUs without "
-        "native bf16 (AVX2 only: no avx512_bf16 / AMX, where bf16 matmuls are emulated) and changes a few "
-        "codes (more precise Hessians; see README). auto: bfloat16 where torch computes bf16 natively, "
-        f"else float32 (default: {DEFAULT_FORWARD_DTYPE}).",
+        "native bf16 (AVX2 only: no avx512_bf16 / AMX, where bf16 matmuls are emulated) and changes some "
+        "codes (other Hessians: 5% of SmolLM2's layer 0; see README). auto: bfloat16 where torch computes "
+        f"bf16 natively, else float32 (default: {DEFAULT_FORWARD_DTYPE}).",
     ),
 ]
 KvStrategyOption = Annotated[
