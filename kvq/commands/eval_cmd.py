@@ -150,8 +150,8 @@ def eval_command(
     int4_compute: Int4ComputeOption = EngineConfig.int4_compute,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
 ) -> None:
-    """Perplexity, KL and top-1 agreement on held-out text, MMLU and GSM accuracy of MODEL (vs --baseline),
-    each with a 95% interval, computed by the kvq runtime itself."""
+    """lm-evaluation-harness tasks and held-out perplexity, KL and top-1 agreement of MODEL (vs --baseline),
+    each with a 95% interval, through the kvq runtime or OpenAI-compatible servers (--server)."""
     config = EvalConfig(
         tasks=_split(tasks),
         kv_cache_dtypes=_split(kv_cache_dtype) or _DEFAULTS.kv_cache_dtypes,
