@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -168,3 +169,23 @@ def test_int4_compute_w4a8_is_scored_and_named(tiny_pair, tmp_path) -> None:
     assert reports["w4a8"]["baseline"]["int4_compute"] == "w4a16"
     ppl = {mode: r["runs"][0]["metrics"][0]["model"] for mode, r in reports.items()}
     assert ppl["w4a8"] != ppl["w4a16"] and abs(ppl["w4a8"] / ppl["w4a16"] - 1) < 0.05, ppl
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--baseline-server", "http://127.0.0.1:9"], "--baseline-server needs --server"),
+        (
+            ["--server", "http://127.0.0.1:9", "--baseline", "b"],
+            "--baseline and --baseline-server go together",
+        ),
+        (["--server", "http://127.0.0.1:9", "--kv-cache-dtype", "fp8_e4m3"], "is the server's setting"),
+        (
+            ["--server", "http://127.0.0.1:9", "--tasks", "text", "--max-retries", "0"],
+            "no answer .* start the server",
+        ),
+    ],
+)
+def test_served_flags_are_checked_before_any_work(flags: list[str], message: str) -> None:
+    result = CliRunner().invoke(build_app("eval"), ["eval", "served-name", *flags])
+    assert result.exit_code != 0 and re.search(message, str(result.exception)), result.output
