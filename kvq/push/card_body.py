@@ -104,9 +104,10 @@ def _evaluation(report: dict | None) -> str:
     )
     num_docs = {m["task"]: m["num_items"] for m in report["runs"][0]["metrics"] if m.get("task")}
     for task, found in (settings.get("task_versions") or {}).items():
+        shots = f", {found['num_fewshot']}-shot" if found["num_fewshot"] else ""
         items.append(
-            f"`{task}`: lm-evaluation-harness task version {found['version']}, {found['num_fewshot']}-shot "
-            f"(as lm-eval counts shots), {num_docs.get(task, '?')} documents"
+            f"`{task}`: lm-evaluation-harness task version {found['version']}{shots}, "
+            f"{num_docs.get(task, '?')} documents"
         )
     return "\n".join(
         [
