@@ -98,6 +98,7 @@ class WeightLoader:
         else:
             t = handle.get_slice(stored)[part]  # type: ignore[attr-defined]
         self.read_bytes += t.numel() * t.element_size()
+        _check_finite(stored, t, self.ckpt.root)
         return t
 
     def tensor(
@@ -329,3 +330,22 @@ def _local_shape(shape: tuple[int, int], split: str | None, tp: int) -> tuple[in
     if split == COLS:
         return shape[0], shape[1] // tp
     return shape
+
+
+def _check_finite(name: str, t: torch.Tensor, root: object) -> None:
+    """`KvqError` naming the tensor when a float tensor read holds a NaN or an infinity (one pass over bytes
+    just read: a corrupt checkpoint stops at load, not as NaN logits mid-request)."""
+    if not t.is_floating_point():
+        return
+    if t.dtype == torch.float8_e4m3fn:  # no infinities: NaN is S.1111.111
+        is_bad = (t.view(torch.uint8) & 0x7F) == 0x7F
+    elif t.element_size() == 1:  # other 8-bit floats: not read by kvq
+        return
+    else:
+        is_bad = ~torch.isfinite(t)
+    if bool(is_bad.any()):
+        where = int(is_bad.flatten().nonzero()[0])
+        raise KvqError(
+            f"{root}: tensor {name} holds a NaN or an infinity (element {where}); the checkpoint is corrupt: "
+            "re-download or re-export it"
+        )

@@ -135,3 +135,28 @@ def test_checkpoint_scales_reach_the_fp8_pages(tiny_checkpoint, tmp_path: Path) 
     assert engine.kv_pool.dtype == torch.float8_e4m3fn  # auto: the checkpoint has a kv_cache_scheme
     k_scale = engine.model.layers[1].self_attn.attn.k_scale
     assert torch.allclose(k_scale, torch.tensor([0.02, 0.02]), rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "name", "element"),
+    [
+        ("bf16", "model.layers.1.post_attention_layernorm.weight", 3),  # a norm: a tensor compress keeps
+        ("fp8-block", "model.layers.0.self_attn.q_proj.weight", 70),  # FP8 e4m3's NaN (no infinities)
+    ],
+)
+def test_a_nan_in_any_tensor_read_is_refused_by_name(
+    tiny_checkpoint, tmp_path: Path, fmt, name, element
+) -> None:
+    path = single_file_copy(tiny_checkpoint("llama", fmt), tmp_path / "model")
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        t = tensors[name]
+        bits = t.view(torch.uint8) if t.element_size() == 1 else None
+        if bits is not None:
+            bits.view(-1)[element] = 0x7F
+        else:
+            t.view(-1)[element] = float("inf")
+
+    edit_tensors(path, edit)
+    with pytest.raises(KvqError, match=rf"tensor {name} holds a NaN or an infinity \(element {element}\)"):
+        Engine(EngineConfig(model=str(path), kv_memory="1MiB"))
