@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvq-installed
 PIP := $(BIN)/pip install --prefer-binary --disable-pip-version-check
 
-.PHONY: venv demo test test-fast test-vllm bench-vllm lint clean
+.PHONY: venv demo test test-fast test-eval test-vllm bench-vllm lint clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15
+
+# Opt-in: kvq eval item by item against lm-eval's own hf backend, and through two kvq serve processes
+# against the in-process table (tens of minutes on 2 cores: generation in fp32 on both sides).
+test-eval: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -m harness tests/eval
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not vllm"

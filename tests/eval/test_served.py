@@ -16,7 +16,7 @@ from kvq.eval.served import ClientSettings, evaluate_served
 from kvq.eval.server_client import Server
 from tests.serve.cli_server import kvq_serve
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.harness  # opt-in: make test-eval
 
 LIMIT = 16
 CONFIG = EvalConfig(
