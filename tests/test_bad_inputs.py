@@ -297,7 +297,9 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tiny_checkpoint) -> Non
     time.sleep(0.5)  # the command line and torch are still importing
     process.send_signal(signal.SIGINT)
     _out, err = process.communicate(timeout=300)
-    assert process.returncode == 130, err
+    # 130, or killed by SIGINT (-2) where CPython itself re-raises a Ctrl-C that landed inside its import
+    # machinery: a shell reports 130 for both; either way one line and no traceback
+    assert process.returncode in (130, -signal.SIGINT), err
     assert err == "kvq: interrupted\n"
 
 

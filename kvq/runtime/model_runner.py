@@ -42,38 +42,13 @@ class ForwardOutput:
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)
 
 
-class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.loaded = load_model(config)  # this rank's model and group, and the checkpoint's facts
-        self.model, self.tp = self.loaded.model, self.loaded.tp
-        self.kv_pool = make_kv_pool(config, self.loaded)
-        self.page_size, self.zero_page = config.page_size, self.kv_pool.zero_page
-        self.device = config.torch_device
-        # of this rank's KV pool layout: one for the MLA latent
-        self.num_kv_heads = heads_per_rank(self.loaded.kv_spec, self.tp.size)
-        self.rank_checks: RankLeader | None = None  # rank 0 at --tp N with --kv-integrity on (`Engine`)
-        # CPU decode steps replay C calls bound once per batch size (kvq's CUDA graphs); None: eager
-        self.decode_plans = DecodePlans.of(self.model, config.enforce_eager)
+class StepBatches:
+    """Host-side batch preparation alone (what the tests of the kernels and the checked pool drive without a
+    model): sequences -> `StepInputs` -> this rank's `ForwardBatch`."""
 
-    def loop(self) -> None:
-        """Ranks past 0: run rank 0's steps on this rank's shard until rank 0 sends the stop: a bare batch
-        (integrity off), or a checked pool's message (this rank's own page checks and guarded writes, over a
-        tracker of its own that `RankReset` renews). Then leave the process group: gloo's threads still
-        running at interpreter exit abort the process."""
-        tracker = make_tracker(self.config.kv_integrity, self.kv_pool)
-        while True:
-            message = self.tp.broadcast(None)
-            if isinstance(message, StepInputs):
-                self.forward_local(self.batch_of(message))
-            elif message == STOP:
-                dist.destroy_process_group()
-                return
-            elif isinstance(message, RankReset):
-                tracker = make_tracker(message.kv_integrity, self.kv_pool)
-            else:
-                assert tracker is not None and isinstance(message, RankCheck | RankStep), type(message)
-                follow(self, tracker, message)
+    def __init__(self, page_size: int, zero_page: int, num_kv_heads: int, device: torch.device) -> None:
+        self.page_size, self.zero_page, self.device = page_size, zero_page, device
+        self.num_kv_heads = num_kv_heads  # of this rank's KV pool layout: one for the MLA latent
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
         """Prefill: every token after the cached prefix; decode: the last token of each sequence."""
@@ -159,6 +134,38 @@ class ModelRunner:
             pad_slot=self.zero_page * self.page_size,
             has_empty=min(context_lens_list) == 0,
         )
+
+
+class ModelRunner(StepBatches):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = load_model(config)  # this rank's model and group, and the checkpoint's facts
+        self.model, self.tp = self.loaded.model, self.loaded.tp
+        self.kv_pool = make_kv_pool(config, self.loaded)
+        num_kv_heads = heads_per_rank(self.loaded.kv_spec, self.tp.size)
+        super().__init__(config.page_size, self.kv_pool.zero_page, num_kv_heads, config.torch_device)
+        self.rank_checks: RankLeader | None = None  # rank 0 at --tp N with --kv-integrity on (`Engine`)
+        # CPU decode steps replay C calls bound once per batch size (kvq's CUDA graphs); None: eager
+        self.decode_plans = DecodePlans.of(self.model, config.enforce_eager)
+
+    def loop(self) -> None:
+        """Ranks past 0: run rank 0's steps on this rank's shard until rank 0 sends the stop: a bare batch
+        (integrity off), or a checked pool's message (this rank's own page checks and guarded writes, over a
+        tracker of its own that `RankReset` renews). Then leave the process group: gloo's threads still
+        running at interpreter exit abort the process."""
+        tracker = make_tracker(self.config.kv_integrity, self.kv_pool)
+        while True:
+            message = self.tp.broadcast(None)
+            if isinstance(message, StepInputs):
+                self.forward_local(self.batch_of(message))
+            elif message == STOP:
+                dist.destroy_process_group()
+                return
+            elif isinstance(message, RankReset):
+                tracker = make_tracker(message.kv_integrity, self.kv_pool)
+            else:
+                assert tracker is not None and isinstance(message, RankCheck | RankStep), type(message)
+                follow(self, tracker, message)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> ForwardOutput:
         """Logits `[B, V]` of each sequence's next token (the lm_head's dtype), and prompt scores."""

@@ -6,8 +6,6 @@ own tests (tests/runtime/kernels) cover their math on irregular shapes."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +16,7 @@ from kvq.runtime.kernels.kv_cache_layout import dequantize_kv, quantize_kv
 from kvq.runtime.kv_layout import GqaLayout
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.layers.attention import PagedAttention
-from kvq.runtime.model_runner import ModelRunner
+from kvq.runtime.model_runner import StepBatches
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.sequence import Sequence
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
@@ -93,7 +91,7 @@ def test_prefill_then_decode_is_causal_attention_over_the_stored_kv(
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     pool, layer = bound_layer(cache_dtype)
-    runner = ModelRunner(SimpleNamespace(), PAGE, pool.zero_page, HKV, CPU)  # type: ignore[arg-type]
+    runner = StepBatches(PAGE, pool.zero_page, HKV, CPU)
     # a: 9 prompt tokens, its first page a cached prefix; b: 6 fresh ones. Pages 1, 3, 4, 6, 8, 10, 11 unused
     seqs = [Sequence(b, [3] * n, n, SamplingParams(), 32) for b, n in enumerate((9, 6))]
     seqs[0].block_table, seqs[0].num_cached_tokens, seqs[1].block_table = [7, 2, 9], PAGE, [0, 5]

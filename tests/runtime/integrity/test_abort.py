@@ -9,17 +9,13 @@ import torch
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.integrity.tracker import TagTracker
-from kvq.runtime.model_runner import ModelRunner
+from kvq.runtime.model_runner import StepBatches
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.sequence import Sequence, Status
 
 P = 4
 NUM_PAGES = 8
-
-
-class NoModel:
-    num_kv_heads = 1
 
 
 def request(seq_id: int, token_ids: list[int]) -> Sequence:
@@ -40,7 +36,7 @@ def test_a_hit_prefill_requeues_who_shares_its_unwritten_pages() -> None:
     assert y.block_table[:2] == x.block_table[:2]  # sealed by x this step, its K/V not yet written
     x_own_last, y_last = x.block_table[2], y.block_table[2]
     x.block_table[2] = y_last  # an off-by-one slip: x would read and write y's page
-    runner = ModelRunner(NoModel(), P, NUM_PAGES, 1, torch.device("cpu"))  # type: ignore[arg-type]
+    runner = StepBatches(P, NUM_PAGES, 1, torch.device("cpu"))
     mismatches = tracker.check(seqs, runner.prepare(seqs, is_prefill))
     assert {m.seq.seq_id for m in mismatches} == {0}
 

@@ -4,8 +4,6 @@ builds no tracker at all."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from kvq.runtime.batch import ForwardBatch
@@ -15,7 +13,7 @@ from kvq.runtime.engine import Engine
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.tags import FREE_TAG, sealed_tag
 from kvq.runtime.integrity.tracker import TagTracker
-from kvq.runtime.model_runner import ModelRunner
+from kvq.runtime.model_runner import StepBatches
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.sequence import Sequence
 
@@ -34,7 +32,7 @@ def manager(num_pages: int = 8) -> tuple[BlockManager, TagTracker]:
 
 def prepare(seqs: list[Sequence], is_prefill: bool, num_pages: int = 8) -> ForwardBatch:
     """The batch the engine would check (a runner without a model: only `prepare` is used)."""
-    return ModelRunner(SimpleNamespace(), P, num_pages, 1, CPU).prepare(seqs, is_prefill)  # type: ignore[arg-type]
+    return StepBatches(P, num_pages, 1, CPU).prepare(seqs, is_prefill)
 
 
 def assert_consistent(tracker: TagTracker, *seqs: Sequence) -> None:
