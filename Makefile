@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15
 
 # Opt-in: kvq eval item by item against lm-eval's own hf backend, and through two kvq serve processes
-# against the in-process table (tens of minutes on 2 cores: generation in fp32 on both sides).
+# against the in-process table (about 6 more minutes on 2 cores: fp32 generation on both sides).
 test-eval: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -m harness tests/eval
 
