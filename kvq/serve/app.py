@@ -1,7 +1,7 @@
 """The HTTP app: OpenAI-compatible routes over an `AsyncEngine`.
 
-GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/completions and
-/v1/chat/completions (`stream: true` as server-sent events ending in `data: [DONE]`). A bad request gets
+GET /health, GET /version, GET /metrics (Prometheus text), GET /v1/models (with vLLM's `root`), POST
+/v1/completions and /v1/chat/completions (`stream: true` as server-sent events ending in `data: [DONE]`). A bad request gets
 400 (404 for another model name, 413 for a body too large, 429 when the queue is full, 401 without the
 key) and an OpenAI error body naming the problem; a request the engine stopped (a failed KV page check,
 its own output handling failed) gets 500 with the engine's message, or, when streaming, its last chunk
@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvq import __version__ as kvq_version
 from kvq.errors import KvqError
 from kvq.runtime.outputs import RequestOutput
 from kvq.runtime.sampling import SamplingParams
@@ -102,6 +103,10 @@ def make_app(served: Served) -> AccessMiddleware:
             return JSONResponse(error_body(f"the engine stopped: {dead}", 503), status_code=503)
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kvq_version}  # as vLLM and SGLang answer it
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(served.metrics.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
@@ -113,6 +118,7 @@ def make_app(served: Served) -> AccessMiddleware:
             "object": "model",
             "created": 0,
             "owned_by": "kvq",
+            "root": str(served.engine.engine.ckpt.root),  # vLLM's: the checkpoint served (kvq eval --server)
             "max_model_len": served.engine.engine.max_model_len,
         }
         return {"object": "list", "data": [entry]}

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 
+import kvq
 from kvq.runtime.engine import Engine
 from kvq.runtime.sampling import SamplingParams
 from tests.serve.conftest import Running, running_server
@@ -182,6 +184,8 @@ def test_models_and_batch_prompts(server: Running, client) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["smollm2"]
     assert models[0].model_extra["max_model_len"] == server.engine.max_model_len == 8192
+    assert models[0].model_extra["root"] == str(server.engine.ckpt.root)  # vLLM's field: what is served
+    assert httpx.get(f"{server.url}/version").json() == {"version": kvq.__version__}
     reply = client.completions.create(
         model="smollm2", prompt=[PROMPT, "Water boils at"], max_tokens=4, temperature=0
     )
