@@ -1,14 +1,14 @@
 """The HTTP app: OpenAI-compatible routes over an `AsyncEngine`.
 
 GET /health, GET /version, GET /metrics (Prometheus text), GET /v1/models (with vLLM's `root`), POST
-/v1/completions and /v1/chat/completions (`stream: true` as server-sent events ending in `data: [DONE]`). A bad request gets
-400 (404 for another model name, 413 for a body too large, 429 when the queue is full, 401 without the
-key) and an OpenAI error body naming the problem; a request the engine stopped (a failed KV page check,
-its own output handling failed) gets 500 with the engine's message, or, when streaming, its last chunk
-with finish reason "error" and an error event after the text sent so far; one still running when the
-shutdown timeout passes, or when the engine thread has stopped, gets 503 (or an error event). Every error
-body, 5xx included, is OpenAI's JSON. A client that goes away, streaming or not, aborts its request.
-Imports fastapi, prometheus_client and kvq.
+/v1/completions and /v1/chat/completions (`stream: true` as server-sent events ending in `data: [DONE]`).
+A bad request gets 400 (404 for another model name, 413 for a body too large, 429 when the queue is full,
+401 without the key) and an OpenAI error body naming the problem; a request the engine stopped (a failed
+KV page check, its own output handling failed) gets 500 with the engine's message, or, when streaming,
+its last chunk with finish reason "error" and an error event after the text sent so far; one still
+running when the shutdown timeout passes, or when the engine thread has stopped, gets 503 (or an error
+event). Every error body, 5xx included, is OpenAI's JSON. A client that goes away, streaming or not,
+aborts its request. Imports fastapi, prometheus_client and kvq.
 """
 
 from __future__ import annotations
