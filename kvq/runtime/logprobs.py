@@ -54,9 +54,7 @@ class TokenTexts:
         return [self.texts[t] for t in token_ids]
 
 
-def prompt_entries(
-    texts: TokenTexts, prompt_ids: list[int], scores: PromptScores
-) -> list[TokenLogprob]:
+def prompt_entries(texts: TokenTexts, prompt_ids: list[int], scores: PromptScores) -> list[TokenLogprob]:
     """One entry per prompt token; the first has no log-probability (nothing came before it), as OpenAI
     and vLLM show it (`null`)."""
     logprobs, ranks = scores.token_logprobs.tolist(), scores.ranks.tolist()

