@@ -199,10 +199,15 @@ def serve_command(
     if role == "pd":
         child, pd_socket = start_decode_worker([str(decode_model or path), *engine_flags(engine_config)])
     servers: list[DrainingServer] = []  # the one below, once made: the engine's death stops it
+
+    def on_death() -> None:
+        for server_ in servers:
+            server_.drain_now()
+
     try:
         front = Engine(engine_config) if role == "single" else PrefillFront(engine_config, pd_socket, pd_addr)
         metrics = ServeMetrics()
-        engine = AsyncEngine(front, metrics, on_death=lambda: [s.drain_now() for s in servers])
+        engine = AsyncEngine(front, metrics, on_death=on_death)
     except BaseException:
         stop_child(child)
         raise
