@@ -44,7 +44,7 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     for name, (off, why) in UNSUPPORTED.items():
         if name in body and not _is_off(body[name], off):
             raise ValueError(f"{name}: {why}")
-    best_of, n = body.get("best_of"), body.get("n", 1)
+    best_of, n = body.get("best_of"), body.get("n") or 1
     if best_of is not None and best_of != n:
         raise ValueError("best_of: kvq returns every choice it samples; send best_of equal to n, or none")
     response_format = body.get("response_format")
