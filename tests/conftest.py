@@ -29,21 +29,34 @@ Compressed = Callable[..., Path]
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
-    """`tiny_checkpoint(arch, fmt, *, seed=0, num_layers=None, vocab_size=None) -> Path`, each built once
-    per session; `vocab_size` pads the embedding past the tokenizer's 2000 tokens, as real checkpoints do.
+    """`tiny_checkpoint(arch, fmt, *, seed=0, num_layers=None, vocab_size=None, num_mtp_layers=0) -> Path`,
+    each built once per session; `vocab_size` pads the embedding past the tokenizer's 2000 tokens, as real
+    checkpoints do; `num_mtp_layers` (glm_moe_dsa, deepseek_v3) appends MTP / NextN layers.
 
     Treat the directory as read-only: other tests share it.
     """
     built: dict[tuple, Path] = {}
 
     def get(
-        arch: str, fmt: str, *, seed: int = 0, num_layers: int | None = None, vocab_size: int | None = None
+        arch: str,
+        fmt: str,
+        *,
+        seed: int = 0,
+        num_layers: int | None = None,
+        vocab_size: int | None = None,
+        num_mtp_layers: int = 0,
     ) -> Path:
-        key = (arch, fmt, seed, num_layers, vocab_size)
+        key = (arch, fmt, seed, num_layers, vocab_size, num_mtp_layers)
         if key not in built:
-            parent = tmp_path_factory.mktemp(f"{arch}-{fmt}-s{seed}-l{num_layers}-v{vocab_size}")
+            name = f"{arch}-{fmt}-s{seed}-l{num_layers}-v{vocab_size}-mtp{num_mtp_layers}"
             built[key] = build_fixture(
-                arch, fmt, parent / "model", seed=seed, num_layers=num_layers, vocab_size=vocab_size
+                arch,
+                fmt,
+                tmp_path_factory.mktemp(name) / "model",
+                seed=seed,
+                num_layers=num_layers,
+                vocab_size=vocab_size,
+                num_mtp_layers=num_mtp_layers,
             )
         return built[key]
 
@@ -58,8 +71,8 @@ def smollm2() -> SmolLM2Paths:
 
 @pytest.fixture(scope="session")
 def compressed(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Compressed:
-    """`compressed(arch, fmt, recipe="w4a16-experts", group_size=None, target="vllm") -> Path`: kvq's
-    output, built once."""
+    """`compressed(arch, fmt, recipe="w4a16-experts", group_size=None, target="vllm", num_mtp_layers=0)
+    -> Path`: kvq's output of `tiny_checkpoint(arch, fmt, num_mtp_layers=...)`, built once."""
     built: dict[tuple, Path] = {}
 
     def get(
@@ -68,13 +81,16 @@ def compressed(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Com
         recipe: str = "w4a16-experts",
         group_size: int | None = None,
         target: str = "vllm",
+        num_mtp_layers: int = 0,
     ) -> Path:
-        key = (arch, fmt, recipe, group_size, target)
+        key = (arch, fmt, recipe, group_size, target, num_mtp_layers)
         if key not in built:
-            out = tmp_path_factory.mktemp(f"kvq-{arch}-{fmt}-{recipe}-g{group_size}-{target}") / "out"
+            name = f"kvq-{arch}-{fmt}-{recipe}-g{group_size}-{target}-mtp{num_mtp_layers}"
             from tests.compress.conftest import compress
 
-            built[key] = compress(tiny_checkpoint(arch, fmt), out, recipe, group_size, target=target)
+            src = tiny_checkpoint(arch, fmt, num_mtp_layers=num_mtp_layers)
+            out = tmp_path_factory.mktemp(name) / "out"
+            built[key] = compress(src, out, recipe, group_size, target=target)
         return built[key]
 
     return get
