@@ -47,9 +47,11 @@ def model_dir(model: Path | None, config: ConfigFile | None) -> Path:
 
 
 def refuse_paper_deployment(config: ConfigFile | None, command: str) -> None:
-    """A config for several GPUs describes a deployment kvq cannot run yet."""
+    """A config for several GPUs describes a deployment to plan (`kvq plan --config`), not one to start."""
     if config is not None and config.deployment is not None and config.deployment.tp > 1:
         raise KvqError(
-            f"{config.path}: a deployment on {config.deployment.tp} GPUs (tensor parallel); kvq {command} "
-            f"does not run tensor parallelism yet. `kvq plan --config {config.path}` checks that it fits"
+            f"{config.path}: a deployment on {config.deployment.tp} GPUs (tensor parallel), which "
+            f"kvq {command} --config does not start; on the machine that has them run `kvq {command} "
+            f"MODEL --tp {config.deployment.tp}` (kvq starts the ranks, or torchrun does; NCCL on CUDA "
+            f"has not run on a GPU yet). `kvq plan --config {config.path}` checks that it fits"
         )
