@@ -1,6 +1,6 @@
 """`kvq bench decode`'s report (`kvq.bench.decode_render.render`) from the JSON of a recorded run
-(`benchmarks/`, stop 40 on Zen 4): the speeds as recorded, and each ratio row the quotient of the medians
-it names, recomputed here."""
+(`benchmarks/`, the Zen 4 run BENCHMARKS.md cites): the speeds as recorded, and each ratio row the quotient
+of the medians it names, recomputed here."""
 
 from __future__ import annotations
 
@@ -48,5 +48,5 @@ def test_report_of_a_recorded_run() -> None:
     for name, ratio in expected.items():
         assert rows[name] == f"{ratio:.2f}x", name
     c1, c32 = list(expected)[1], list(expected)[3]
-    assert (rows[c1], rows[c32]) == ("3.26x", "2.07x")  # BENCHMARKS.md's run A
+    assert (rows[c1], rows[c32]) == ("3.26x", "2.07x")  # as BENCHMARKS.md quotes them
     assert rows["vLLM"] == "0.32.0, BF16 weights, torch CPU capability AVX512"
