@@ -10,13 +10,13 @@ trap 'rm -rf "$out"' EXIT
 suffix=$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 include=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 ${CC:-cc} -O1 -fPIC -shared -std=gnu11 -pthread -ffp-contract=off -Wno-psabi -DKVQ_SIMDE_CHECK -I"$include" \
-    kvq/runtime/kernels/_w4a16_cpu.c -o "$out/_w4a16_cpu$suffix"
+    kvq/runtime/kernels/cpu/_linear.c -o "$out/_w4a16_cpu$suffix"
 $PY - "$out/_w4a16_cpu$suffix" "$@" <<'PYTHON'
 import importlib.util
 import os
 import sys
 
-name = "kvq.runtime.kernels._w4a16_cpu"
+name = "kvq.runtime.kernels.cpu._linear"
 spec = importlib.util.spec_from_file_location(name, sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)

@@ -48,7 +48,7 @@ timeout 180 "$python" -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test
     || engine_status=$?
 
 bench_status=0
-timeout 170 "$python" -m kvq.runtime.kernels.bench --out "$results_dir/kernel_bench.json" 2>&1 \
+timeout 170 "$python" -m kvq.bench.kernels --out "$results_dir/kernel_bench.json" 2>&1 \
     | tee "$results_dir/kernel_bench.log" || bench_status=$?
 
 echo "gpu_check: tests exit $tests_status, MLA engine exit $engine_status, bench exit $bench_status;" \

@@ -133,9 +133,10 @@ def _row(name: str, argv: list[str], m: Measurement) -> dict:
 
 
 def runtime_perplexity(path: Path, kv_cache_dtype: str, windows: list[list[int]], threads: int) -> float:
-    """`Engine.perplexity` of `windows`, every prediction a decode step over `kv_cache_dtype` KV pages."""
+    """`scoring.perplexity` of `windows`, every prediction a decode step over `kv_cache_dtype` KV pages."""
     from kvq.runtime.config import EngineConfig
     from kvq.runtime.engine import Engine
+    from kvq.runtime.scoring import perplexity
 
     config = EngineConfig(
         model=str(path),
@@ -144,7 +145,7 @@ def runtime_perplexity(path: Path, kv_cache_dtype: str, windows: list[list[int]]
         threads=threads,
         max_num_seqs=len(windows),
     )
-    return Engine(config).perplexity(windows)
+    return perplexity(Engine(config), windows)
 
 
 def write_scales_copy(source: Path, dst: Path, result: CalibrationResult, strategy: str) -> Path:
@@ -163,7 +164,7 @@ def write_scales_copy(source: Path, dst: Path, result: CalibrationResult, strate
 
 
 def measure_perplexity(cfg: CalibrateBenchConfig, work: Path) -> dict:
-    """SmolLM2 perplexity on held-out Wikipedia through the runtime (`Engine.perplexity`, KV read from the
+    """SmolLM2 perplexity on held-out Wikipedia through the runtime (`scoring.perplexity`, KV read from the
     paged pool by decode steps): BF16 pages, FP8 pages with scale 1.0 (no scales in the checkpoint), FP8
     pages with the scales of one `kvq calibrate` run (per tensor, and per head from the same maxima)."""
     import torch
@@ -210,7 +211,7 @@ def measure_perplexity(cfg: CalibrateBenchConfig, work: Path) -> dict:
         )
     return {
         "model": str(source),
-        "method": "kvq runtime, Engine.perplexity (teacher-forced decode steps over the paged KV pool)",
+        "method": "kvq runtime, scoring.perplexity (teacher-forced decode steps over the paged KV pool)",
         "eval_windows": cfg.ppl_windows,
         "eval_seq_len": cfg.ppl_seq_len,
         "eval_text": windows.source,

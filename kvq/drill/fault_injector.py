@@ -22,7 +22,7 @@ import torch
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.block_manager import ROOT_HASH, chain_hash
 from kvq.runtime.model_runner import ForwardOutput
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.request import Request
 
 if TYPE_CHECKING:
     from kvq.runtime.engine import Engine
@@ -35,7 +35,7 @@ class FaultInjector:
         self.engine = engine
         self.block_manager = engine.block_manager
 
-    def running(self, request_id: int) -> Sequence:
+    def running(self, request_id: int) -> Request:
         """The running sequence of `request_id` (its block table is what the faults change)."""
         for seq in self.engine.scheduler.running:
             if seq.seq_id == request_id:
@@ -94,13 +94,13 @@ class FaultInjector:
         """Preempt a running request now (recomputed from its tokens when readmitted)."""
         self.engine.scheduler.requeue(self.running(request_id))
 
-    def after_next_allocate(self, request_id: int, change: Callable[[Sequence], None]) -> None:
+    def after_next_allocate(self, request_id: int, change: Callable[[Request], None]) -> None:
         """`change(seq)` runs right after the request's next admission gave it pages (a slip between the
         block manager and the batch preparation, in the step that seals its new prefix pages)."""
         manager = self.block_manager
         original = manager.allocate
 
-        def allocate(seq: Sequence) -> None:
+        def allocate(seq: Request) -> None:
             original(seq)
             if seq.seq_id == request_id:
                 manager.allocate = original  # type: ignore[method-assign]  # one shot
@@ -112,7 +112,7 @@ class FaultInjector:
         """At the request's next admission its cached-token count claims one token more than the pages it
         attached (a recompute that skips a token: attention would read a slot never written)."""
 
-        def skip(seq: Sequence) -> None:
+        def skip(seq: Request) -> None:
             seq.num_cached_tokens += 1
 
         self.after_next_allocate(request_id, skip)
@@ -122,7 +122,7 @@ class FaultInjector:
         `Engine.abort` while the step is still handling its tokens)."""
         hooks = self.engine.token_hooks
 
-        def hook(seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
+        def hook(seqs: list[Request], logits: torch.Tensor, token_ids: list[int]) -> None:
             if any(s.seq_id == request_id for s in seqs):
                 hooks.remove(hook)
                 self.engine.abort(request_id)
@@ -137,7 +137,7 @@ class FaultInjector:
         prepare, forward = runner.prepare, runner.forward
         state: dict = {"rows": [], "late": None, "count": 0}
 
-        def record(seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
+        def record(seqs: list[Request], is_prefill: bool) -> ForwardBatch:
             state["rows"] = [] if is_prefill else [s.seq_id for s in seqs]
             return prepare(seqs, is_prefill)
 
@@ -166,7 +166,7 @@ class FaultInjector:
         runner = self.engine.runner
         original = runner.prepare
 
-        def prepare(seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
+        def prepare(seqs: list[Request], is_prefill: bool) -> ForwardBatch:
             batch = original(seqs, is_prefill)
             rows = [i for i, s in enumerate(seqs) if s.seq_id == request_id]
             if is_prefill or not rows:
@@ -181,7 +181,7 @@ class FaultInjector:
         runner = self.engine.runner
         original = runner.prepare
 
-        def prepare(seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
+        def prepare(seqs: list[Request], is_prefill: bool) -> ForwardBatch:
             batch = original(seqs, is_prefill)
             rows = [i for i, s in enumerate(seqs) if s.seq_id == request_id]
             if not is_prefill or not rows:

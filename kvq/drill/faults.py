@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvq.drill.fault_injector import FaultInjector
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.request import Request
 
 Ids = dict[str, int]
 Inject = Callable[[FaultInjector, Ids], int | None]  # returns the page the failed check must name
@@ -93,7 +93,7 @@ def _prefix_unwritten(injector: FaultInjector, ids: Ids) -> None:
     """h's entry for the page it seals at admission (logical page 1, which i attaches in the same
     prefill and j later) names another page, so h's forward would never write its own page 1."""
 
-    def slip(seq: Sequence) -> None:
+    def slip(seq: Request) -> None:
         seq.block_table[1] = injector.running(ids["c"]).block_table[1]
 
     injector.after_next_allocate(ids["h"], slip)

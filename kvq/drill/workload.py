@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvq.runtime.request import Request
 from kvq.runtime.sampling import SamplingParams
-from kvq.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvq.drill.faults import Fault
@@ -34,10 +34,10 @@ STEPS_BEFORE_FAULT = 5
 WAVE_STEPS = (0, STEPS_BEFORE_FAULT, STEPS_BEFORE_FAULT + 2)
 MAX_STEPS = 10_000
 
-Request = tuple[list[int], SamplingParams]
+Prompt = tuple[list[int], SamplingParams]
 
 
-def waves(page_size: int) -> list[dict[str, Request]]:
+def waves(page_size: int) -> list[dict[str, Prompt]]:
     """The drill's requests by name, wave by wave (queued at `WAVE_STEPS`); token ids below 1,000."""
     prefix_ab = [100 + i for i in range(2 * page_size + 1)]  # two full shareable pages
     prefix_cd = [300 + i for i in range(2 * page_size + 1)]
@@ -166,14 +166,14 @@ class _Drill:
 
     def __init__(self, engine: Engine, departures: Departures | None) -> None:
         self.engine, self.replay = engine, departures
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Request] = {}
         self.names: dict[int, str] = {}
         self.forwards: list[set[int]] = []
         self.logits: dict[str, list[str]] = {}
         self.aborts_before = engine.stats.integrity_aborts
         self.mid_step_aborts: list[str] = []
 
-    def record(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
+    def record(self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int]) -> None:
         self.forwards.append({s.seq_id for s in seqs})  # the requests this step's forward computed
         for seq, row in zip(seqs, logits.cpu(), strict=True):
             self.logits.setdefault(self.names[seq.seq_id], []).append(logits_digest(row))

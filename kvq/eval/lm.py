@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
 
     from kvq.runtime.engine import Engine
-    from kvq.runtime.sequence import Sequence as Request
+    from kvq.runtime.request import Request
 
 Advance = Callable[[int], None]
 Progress = Callable[[str, int], Advance]  # (what, total units) -> advance(n)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvq.runtime.request import Request
 from kvq.runtime.scoring import TeacherForcing, check_finished, force
-from kvq.runtime.sequence import Sequence as Request
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -11,7 +11,7 @@ pages. With `--kv-integrity` on, a `TagTracker` is told of every take, attach, s
 deallocation (`kvq.runtime.integrity.ledger`): it may refuse a seal (the block table names a page the
 request was not given there) and a free (requests still hold the page), and it says which pages a
 deallocation releases. With it off, `tracker` is None and only the bookkeeping asserts run.
-Imports kvq.runtime.sequence (and kvq.runtime.integrity for types).
+Imports kvq.runtime.request (and kvq.runtime.integrity for types).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.request import Request
 
 if TYPE_CHECKING:
     from kvq.runtime.integrity.tracker import TagTracker
@@ -85,11 +85,11 @@ class BlockManager:
         return -(-num_tokens // self.page_size)
 
     # -- admission ------------------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+    def can_allocate(self, seq: Request, reserve: int = 0) -> bool:
         """Enough free pages for all of `seq`'s tokens (prefix hits not counted) plus `reserve` more."""
         return self.num_free_pages >= self.pages_for(seq.num_tokens) + reserve
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Request) -> None:
         """Give `seq` pages for all its tokens, sharing full prefix pages already in the pool.
 
         Only full pages before the last token can be shared (the last token must be computed for its
@@ -127,7 +127,7 @@ class BlockManager:
             previous = page_hash if page_hash is not None else previous
         seq.num_cached_tokens, seq.last_page_hash = num_cached, previous
 
-    def deallocate(self, seq: Sequence) -> None:
+    def deallocate(self, seq: Request) -> None:
         """Drop `seq`'s references; pages nobody uses go back to the free list (keeping their hash).
 
         With a tracker the references dropped are the pages `seq` was given, as the tracker recorded
@@ -140,11 +140,11 @@ class BlockManager:
         seq.num_cached_tokens, seq.last_page_hash, seq.last_page_serial = 0, ROOT_HASH, 0
 
     # -- decode ---------------------------------------------------------------------------------------
-    def can_append(self, seq: Sequence) -> bool:
+    def can_append(self, seq: Request) -> bool:
         """Room for the K/V of `seq`'s last token (a free page when it starts a new one)."""
         return len(seq.block_table) >= self.pages_for(seq.num_tokens) or self.num_free_pages >= 1
 
-    def may_append(self, seq: Sequence) -> None:
+    def may_append(self, seq: Request) -> None:
         """Make room for the last token's K/V; seal the last page when that token fills it.
 
         Without a tracker a block table that does not hold exactly the pages of `seq`'s tokens stops the
@@ -202,7 +202,7 @@ class BlockManager:
         page = self.pages[page_id]
         return page if page.token_ids == token_ids and page.parent == parent else None
 
-    def _take_free_page(self, seq: Sequence) -> Page:
+    def _take_free_page(self, seq: Request) -> Page:
         """The next free page, for `seq`'s next logical page."""
         page = self.pages[self.free_page_ids.popleft()]
         assert page.ref_count == 0
@@ -230,7 +230,7 @@ class BlockManager:
                 self.free_page_ids.append(page_id)
 
     def _seal(
-        self, seq: Sequence, index: int, page: Page, page_hash: int, token_ids: tuple[int, ...]
+        self, seq: Request, index: int, page: Page, page_hash: int, token_ids: tuple[int, ...]
     ) -> None:
         """`page`, `seq`'s logical page `index`, is full: it gets its chain hash (and a cache entry), and
         a serial that the page after it records; unless the tracker refuses (the request is stopped)."""

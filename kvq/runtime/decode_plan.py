@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.kernels.cpu_ops import (
+from kvq.runtime.kernels.cpu.isa import Call, cpu_isa_env
+from kvq.runtime.kernels.cpu.ops import (
     decode_attention_call,
     native_ops_enabled,
     rms_norm_call,
@@ -35,7 +36,6 @@ from kvq.runtime.kernels.cpu_ops import (
     silu_mul_call,
     store_kv_call,
 )
-from kvq.runtime.kernels.w4a16_cpu import Call, cpu_isa_env
 from kvq.runtime.layers.linear import Linear
 from kvq.runtime.layers.norm import RMSNorm
 

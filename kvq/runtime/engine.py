@@ -32,15 +32,15 @@ from kvq.runtime.model_load import weight_bytes
 from kvq.runtime.model_runner import ForwardOutput, ModelRunner
 from kvq.runtime.outputs import OutputProcessor, RequestOutput
 from kvq.runtime.prompt_encoding import encode_messages, encode_text, eos_token_ids
+from kvq.runtime.request import Request, Status
 from kvq.runtime.sampling import SamplingParams, make_generator, sample_requests
 from kvq.runtime.scheduler import Scheduler
-from kvq.runtime.sequence import Sequence, Status
 
 Prompt = str | list[int]
 # Called after each step's sampling with (the step's sequences, their logits [B, V] (bf16 or fp32), the
 # sampled token ids): a hook may read the logits and replace token ids (teacher forcing,
 # `kvq.runtime.scoring`).
-TokenHook = Callable[[list[Sequence], torch.Tensor, list[int]], None]
+TokenHook = Callable[[list[Request], torch.Tensor, list[int]], None]
 logger = logging.getLogger("kvq")
 
 
@@ -127,7 +127,7 @@ class Engine:
         """A conversation through the chat template (`kvq.runtime.prompt_encoding.encode_messages`)."""
         return encode_messages(self.tokenizer, messages, str(self.ckpt.root))
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+    def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Request:
         """Validate one request (raises `KvqError`) and make its sequence, not yet queued."""
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -149,7 +149,7 @@ class Engine:
                 f"a request of {max_len} tokens needs {num_pages} KV pages but the pool has "
                 f"{self.block_manager.num_pages}; raise --kv-memory or lower --max-tokens"
             )
-        seq = Sequence(next(self._ids), token_ids, len(token_ids), params, max_len, make_generator(params))
+        seq = Request(next(self._ids), token_ids, len(token_ids), params, max_len, make_generator(params))
         seq.needs_prompt_logprobs = params.prompt_logprobs is not None
         return seq
 
@@ -159,7 +159,7 @@ class Engine:
         self._queue(seq)
         return seq.seq_id
 
-    def _queue(self, seq: Sequence) -> None:
+    def _queue(self, seq: Request) -> None:
         """Queue a request whose tokens become text (scored sequences are queued without)."""
         self.outputs.add(seq)
         self.scheduler.add(seq)
@@ -214,7 +214,7 @@ class Engine:
         return outputs
 
     def _run_token_hooks(
-        self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]
+        self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]
     ) -> None:
         """Every hook over the step; a hook that fails is run again request by request, so that only the
         requests it fails on end (their error set in `errors`)."""
@@ -231,7 +231,7 @@ class Engine:
                 if error is not None and errors[row] is None:
                     errors[row] = error
 
-    def _guarded(self, seq: Sequence, work: Callable[[], object]) -> str | None:
+    def _guarded(self, seq: Request, work: Callable[[], object]) -> str | None:
         """Run one request's share of the step's output handling; the error that ends it, or None."""
         try:
             work()
@@ -266,12 +266,6 @@ class Engine:
                         final[out.request_id] = out
         return [final[s.seq_id] for s in seqs]
 
-    def perplexity(self, windows: Seq[Seq[int]]) -> float:
-        """Perplexity of token windows as this engine decodes them (`kvq.runtime.scoring.perplexity`)."""
-        from kvq.runtime.scoring import perplexity
-
-        return perplexity(self, windows)
-
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
         """One request, output by output (other queued requests advance alongside)."""
         request_id = self.add_request(prompt, params)
@@ -283,14 +277,14 @@ class Engine:
                         return
 
     def _run_checked(
-        self, seqs: list[Sequence], is_prefill: bool
-    ) -> tuple[list[Sequence], ForwardOutput | None, list[RequestOutput]]:
+        self, seqs: list[Request], is_prefill: bool
+    ) -> tuple[list[Request], ForwardOutput | None, list[RequestOutput]]:
         """Check the step's requests (their state before the batch is made, then the batch itself), stop
         the ones hit, run the rest: (seqs run, logits, outputs of the stopped ones). Rechecked after each
         removal, as the batch is rebuilt. Nothing the tracker finds is raised: it stops requests."""
         tracker = self.tracker
         assert tracker is not None
-        stopped: list[Sequence] = []
+        stopped: list[Request] = []
         while seqs:
             mismatches = tracker.screen(seqs)
             if not mismatches:

@@ -19,7 +19,7 @@ from kvq.checkpoint.kv_cache_spec import KvCacheSpec, heads_per_rank
 from kvq.errors import KvqError
 from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.kernels.kv_cache_layout import per_head_scale
-from kvq.runtime.kernels.latent_cache import PagedLatentCache
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 
 Scales = dict[str, torch.Tensor | None]  # a layer's checkpoint scales by name ("k_scale", "v_scale")
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvq.runtime.prompt_logprobs import PromptScores
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.request import Request
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class LogprobRecorder:
         taken, self.entries[seq_id] = self.entries[seq_id], []
         return taken
 
-    def __call__(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
+    def __call__(self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int]) -> None:
         if not self.num_top:
             return
         rows = [i for i, s in enumerate(seqs) if s.seq_id in self.num_top]

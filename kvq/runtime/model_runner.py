@@ -18,17 +18,18 @@ import torch
 import torch.distributed as dist
 
 from kvq.checkpoint.kv_cache_spec import heads_per_rank
-from kvq.runtime.batch import ForwardBatch, StepInputs
+from kvq.runtime.batch import ForwardBatch, StepInputs, WriteGuard
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.decode_plan import DecodePlans
 from kvq.runtime.distributed.group import STOP
 from kvq.runtime.integrity import make_tracker
-from kvq.runtime.integrity.ranks import RankCheck, RankReset, RankStep, follow
+from kvq.runtime.integrity.ranks import RankCheck, RankReset, RankStep
+from kvq.runtime.integrity.tracker import TagTracker
 from kvq.runtime.kernels import PagedDecodePlan, plan_paged_decode
-from kvq.runtime.kernels.step_check import guard_slot_mapping
+from kvq.runtime.kernels.integrity.step_check import guard_slot_mapping
 from kvq.runtime.model_load import load_model, make_kv_pool
 from kvq.runtime.prompt_logprobs import PromptScores, score_prompt
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.request import Request
 
 if TYPE_CHECKING:
     from kvq.runtime.integrity.ranks import RankLeader
@@ -50,11 +51,11 @@ class StepBatches:
         self.page_size, self.zero_page, self.device = page_size, zero_page, device
         self.num_kv_heads = num_kv_heads  # of this rank's KV pool layout: one for the MLA latent
 
-    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> ForwardBatch:
+    def prepare(self, seqs: list[Request], is_prefill: bool) -> ForwardBatch:
         """Prefill: every token after the cached prefix; decode: the last token of each sequence."""
         return self.batch_of(self.inputs_of(seqs, is_prefill))
 
-    def inputs_of(self, seqs: list[Sequence], is_prefill: bool) -> StepInputs:
+    def inputs_of(self, seqs: list[Request], is_prefill: bool) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -165,9 +166,21 @@ class ModelRunner(StepBatches):
                 tracker = make_tracker(message.kv_integrity, self.kv_pool)
             else:
                 assert tracker is not None and isinstance(message, RankCheck | RankStep), type(message)
-                follow(self, tracker, message)
+                self._follow(tracker, message)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> ForwardOutput:
+    def _follow(self, tracker: TagTracker, message: RankCheck | RankStep) -> None:
+        """Run one of rank 0's integrity messages on this rank (past 0), its pool and its `tracker`."""
+        tracker.mirror_tags(message.tags.pages, message.tags.tags)
+        batch = self.batch_of(message.inputs)
+        if isinstance(message, RankCheck):
+            step = message.step
+            self.tp.gather(tracker.check_pages(batch, step.expected, step.sealed).on_host())
+            return
+        write_tags = torch.tensor(message.write_tags, dtype=torch.int64).to(tracker.device)
+        self.forward(replace(batch, write_guard=WriteGuard(tracker.page_tags, write_tags)))
+        tracker.hash_pages(message.sealed)
+
+    def run(self, seqs: list[Request], is_prefill: bool) -> ForwardOutput:
         """Logits `[B, V]` of each sequence's next token (the lm_head's dtype), and prompt scores."""
         return self.forward(self.prepare(seqs, is_prefill))
 

@@ -17,7 +17,7 @@ import torch
 from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.logprobs import LogprobRecorder, TokenLogprob, TokenTexts, prompt_entries
 from kvq.runtime.prompt_logprobs import PromptScores
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.request import Request
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class OutputProcessor:
         self.token_texts = TokenTexts(tokenizer)
         self.logprobs = LogprobRecorder(self.token_texts)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """A request whose tokens become text (scored requests are queued without)."""
         params = seq.params
         self.texts[seq.seq_id] = CompletionText(
@@ -60,7 +60,7 @@ class OutputProcessor:
         if params.logprobs is not None and params.max_tokens > 0:
             self.logprobs.watch(seq.seq_id, params.logprobs)
 
-    def record_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
+    def record_logprobs(self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int]) -> None:
         """The engine token hook: log-probabilities of the step's tokens, for the requests that asked."""
         if self.logprobs.num_top:
             self.logprobs(seqs, logits, token_ids)
@@ -70,7 +70,7 @@ class OutputProcessor:
         self.prompt_logprobs.pop(seq_id, None)
         self.logprobs.forget(seq_id)
 
-    def keep_prompt_scores(self, seqs: list[Sequence], scores: dict[int, PromptScores]) -> None:
+    def keep_prompt_scores(self, seqs: list[Request], scores: dict[int, PromptScores]) -> None:
         """A prefill's prompt scores (by row of `seqs`), as entries for each request's next output."""
         for row, rows_scores in scores.items():
             seq = seqs[row]
@@ -78,7 +78,7 @@ class OutputProcessor:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             self.prompt_logprobs[seq.seq_id] = prompt_entries(self.token_texts, prompt, rows_scores)
 
-    def append(self, seq: Sequence, token_id: int) -> None:
+    def append(self, seq: Request, token_id: int) -> None:
         """Add a sampled token to `seq` and set its finish reason if this token ends it."""
         params = seq.params
         if params.max_tokens == 0:  # a prompt scored, nothing generated
@@ -96,7 +96,7 @@ class OutputProcessor:
         if text is not None and text.add(token_id, is_last=seq.finish_reason is not None, can_stop=can_stop):
             seq.finish_reason = "stop"
 
-    def output(self, seq: Sequence) -> RequestOutput:
+    def output(self, seq: Request) -> RequestOutput:
         """`seq`'s output now; a finished request is forgotten."""
         is_finished = seq.finish_reason is not None
         text = self.texts.pop(seq.seq_id, None) if is_finished else self.texts.get(seq.seq_id)

@@ -32,8 +32,8 @@ from kvq.runtime.kv_transfer import (
     write_pages,
 )
 from kvq.runtime.outputs import RequestOutput
+from kvq.runtime.request import Request
 from kvq.runtime.sampling import SamplingParams
-from kvq.runtime.sequence import Sequence
 
 
 class PDEngine(Engine):
@@ -44,7 +44,7 @@ class PDEngine(Engine):
                 "KV pages only; drop --tp, or serve --role single at --tp N"
             )
         super().__init__(config)
-        self._arrived: deque[tuple[Sequence, KVHandoff]] = deque()  # verified, waiting for pages
+        self._arrived: deque[tuple[Request, KVHandoff]] = deque()  # verified, waiting for pages
         self._to_hand_off: set[int] = set()  # queued here for their prefill only
         self._handoffs: dict[int, KVHandoff] = {}  # exported, not yet taken
         self.token_hooks.append(self._export_prefilled)
@@ -72,7 +72,7 @@ class PDEngine(Engine):
         handoffs, self._handoffs = self._handoffs, {}
         return handoffs
 
-    def _export_prefilled(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
+    def _export_prefilled(self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int]) -> None:
         """A token hook: right after the prefill forward, export the pages of requests to hand off."""
         for seq in seqs:
             if seq.seq_id in self._to_hand_off and seq.num_tokens == seq.num_prompt_tokens:

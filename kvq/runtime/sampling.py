@@ -9,7 +9,7 @@ positive logit divided by it, a negative one multiplied) and vLLM's `min_tokens`
 them are never touched. A row with non-finite logits, or one that cannot be sampled, is reported by its
 error, not sampled: only that request ends. The parameters themselves are `kvq.runtime.sampling_params`
 (no torch: a command line checks them before torch loads). Imports torch and the C argmax
-(kvq.runtime.kernels.cpu_ops).
+(kvq.runtime.kernels.cpu.ops).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvq.runtime.kernels.cpu_ops import argmax_finite
+from kvq.runtime.kernels.cpu.ops import argmax_finite
 from kvq.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["MAX_TOP_LOGPROBS", "SamplingParams", "make_generator", "sample", "sample_requests"]
 
 if TYPE_CHECKING:
-    from kvq.runtime.sequence import Sequence
+    from kvq.runtime.request import Request
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -125,7 +125,7 @@ def process_row(
 
 
 def sample_requests(
-    seqs: list[Sequence], logits: torch.Tensor, eos_token_ids: Collection[int]
+    seqs: list[Request], logits: torch.Tensor, eos_token_ids: Collection[int]
 ) -> tuple[list[int], list[str | None]]:
     """Each request's next token from its row of `logits` `[B, V]`, or the error that ends it (its
     penalties or its sampling failed: only that request)."""

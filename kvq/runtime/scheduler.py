@@ -10,7 +10,7 @@ import math
 from collections import deque
 
 from kvq.runtime.block_manager import BlockManager
-from kvq.runtime.sequence import Sequence, Status
+from kvq.runtime.request import Request, Status
 
 
 class Scheduler:
@@ -24,20 +24,20 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.decode_reserve_ratio = decode_reserve_ratio
-        self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.waiting: deque[Request] = deque()
+        self.running: deque[Request] = deque()
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         self.waiting.append(seq)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self) -> tuple[list[Request], bool]:
         """The sequences of the next step and whether it is a prefill step (prefill goes first)."""
-        scheduled: list[Sequence] = []
+        scheduled: list[Request] = []
         num_batched_tokens = 0
         reserved = sum(self._decode_reserve(s) for s in self.running)
         while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
@@ -68,7 +68,7 @@ class Scheduler:
         self.running.extend(scheduled)
         return scheduled, False
 
-    def admit_prefilled(self, seq: Sequence, num_computed: int) -> bool:
+    def admit_prefilled(self, seq: Request, num_computed: int) -> bool:
         """Give pages to a sequence whose first `num_computed` tokens' K/V another engine computed and run
         it from this step's decode, which computes its last token (no prefill here); False when the pool
         or the batch has no room for it yet."""
@@ -86,7 +86,7 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Request) -> None:
         """Free `seq`'s pages and put it first in line; it is recomputed from its tokens when readmitted."""
         self.block_manager.deallocate(seq)
         seq.status = Status.WAITING
@@ -94,13 +94,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Request) -> None:
         """Release a finished sequence's pages and take it out of the running set."""
         self.block_manager.deallocate(seq)
         seq.status = Status.FINISHED
         self.running.remove(seq)
 
-    def abort(self, seq_id: int) -> Sequence | None:
+    def abort(self, seq_id: int) -> Request | None:
         """Take request `seq_id` out, queued or running (its pages are freed); None if it is not here."""
         for seq in self.waiting:
             if seq.seq_id == seq_id:  # a waiting request holds no pages (preemption freed them)
@@ -113,12 +113,12 @@ class Scheduler:
                 return seq
         return None
 
-    def requeue(self, seq: Sequence) -> None:
+    def requeue(self, seq: Request) -> None:
         """Take a running sequence out of this step and preempt it (recomputed when readmitted)."""
         self.running.remove(seq)
         self.preempt(seq)
 
-    def _decode_reserve(self, seq: Sequence) -> int:
+    def _decode_reserve(self, seq: Request) -> int:
         """Pages held back for the tokens `seq` may still generate (decode_reserve_ratio of them)."""
         held = len(seq.block_table) or self.block_manager.pages_for(seq.num_tokens)  # waiting: its prompt
         future = self.block_manager.pages_for(seq.max_len) - held

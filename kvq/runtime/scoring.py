@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvq.errors import KvqError
+from kvq.runtime.request import Request
 from kvq.runtime.sampling import SamplingParams
-from kvq.runtime.sequence import Sequence as Request
 
 if TYPE_CHECKING:
     from kvq.runtime.engine import Engine

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from kvq.errors import KvqError
-from kvq.runtime.config import EngineConfig
+from kvq.runtime.config import ENGINE_OPTIONS, EngineConfig
 from kvq.runtime.kv_transfer import KVHandoff, KvTransferError, check_same_kv
 from kvq.runtime.outputs import RequestOutput
 from kvq.runtime.pd_engine import PDEngine, failed_output
+from kvq.runtime.request import Request
 from kvq.runtime.sampling import SamplingParams
-from kvq.runtime.sequence import Sequence
 from kvq.serve.pd_link import Link, connect, hello, receive_handoff, send_handoff
 from kvq.serve.pd_torch import TorchListener, connect_torch, parse_addr
 
@@ -53,7 +53,7 @@ class PrefillFront(PDEngine):
         self.num_handoffs = 0
         self.handoff_bytes = 0
 
-    def _queue(self, seq: Sequence) -> None:
+    def _queue(self, seq: Request) -> None:
         super()._queue(seq)
         if self.link is not None:
             self.mark_for_hand_off(seq.seq_id)
@@ -268,24 +268,15 @@ def stop_child(child: subprocess.Popen | None, timeout_s: float = 10.0) -> None:
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
-    """`kvq serve` flags that make the decode worker's engine as `config` (but its own model)."""
-    flags = [
-        f"--dtype={config.dtype}",
-        f"--kv-cache-dtype={config.kv_cache_dtype}",
-        f"--page-size={config.page_size}",
-        f"--max-num-seqs={config.max_num_seqs}",
-        f"--kv-integrity={config.kv_integrity}",
-        f"--lm-head-weights={config.lm_head_weights}",
-        f"--int4-compute={config.int4_compute}",
-    ]
-    if config.kv_memory is not None:
-        flags.append(f"--kv-memory={config.kv_memory}")
-    if config.threads is not None:
-        flags.append(f"--threads={config.threads}")
-    if config.require_kv_scales:
-        flags.append("--require-kv-scales")
-    if config.enforce_eager:
-        flags.append("--enforce-eager")
+    """`kvq serve` flags that make the decode worker's engine as `config` (but its own model): every engine
+    option that is set (a flag that is off, or a value that is None, is left to its default)."""
+    flags = []
+    for name in ENGINE_OPTIONS:
+        value = getattr(config, name)
+        if value is True:
+            flags.append("--" + name.replace("_", "-"))
+        elif value is not None and value is not False:
+            flags.append(f"--{name.replace('_', '-')}={value}")
     return flags
 
 

@@ -37,4 +37,4 @@ def test_perplexity_rows(smollm2: object, tmp_path: Path) -> None:
     assert len(ppl) == 4 and all(math.isfinite(v) and v > 1 for v in ppl.values())
     assert report["calibration"]["dataset"]["split"] == "calibration"
     assert "held_out" in report["eval_text"]
-    assert report["method"].startswith("kvq runtime, Engine.perplexity")
+    assert report["method"].startswith("kvq runtime, scoring.perplexity")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, runnable_isas
+from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV, runnable_isas
 
 CPU_ISAS = [
     *(

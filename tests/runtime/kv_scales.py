@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels.latent_cache import PagedLatentCache
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from kvq.runtime.sampling import SamplingParams
 
 FP8_E4M3_MAX = 448.0

@@ -17,8 +17,8 @@ from kvq.runtime.kv_layout import GqaLayout
 from kvq.runtime.kv_pool import KVPool
 from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.model_runner import StepBatches
+from kvq.runtime.request import Request
 from kvq.runtime.sampling import SamplingParams
-from kvq.runtime.sequence import Sequence
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
 
 HQ, HKV, D, PAGE, NUM_PAGES = 6, 2, 64, 4, 12
@@ -93,7 +93,7 @@ def test_prefill_then_decode_is_causal_attention_over_the_stored_kv(
     pool, layer = bound_layer(cache_dtype)
     runner = StepBatches(PAGE, pool.zero_page, HKV, CPU)
     # a: 9 prompt tokens, its first page a cached prefix; b: 6 fresh ones. Pages 1, 3, 4, 6, 8, 10, 11 unused
-    seqs = [Sequence(b, [3] * n, n, SamplingParams(), 32) for b, n in enumerate((9, 6))]
+    seqs = [Request(b, [3] * n, n, SamplingParams(), 32) for b, n in enumerate((9, 6))]
     seqs[0].block_table, seqs[0].num_cached_tokens, seqs[1].block_table = [7, 2, 9], PAGE, [0, 5]
     kv = [(torch.randn(10, 2, HKV, D, generator=gen) / 5).to(dtype) for _ in seqs]  # [L, K|V, Hkv, D]
     prefix_slots = torch.arange(PAGE) + 7 * PAGE  # as an earlier request's prefill left them

@@ -7,14 +7,14 @@ import pytest
 
 from kvq.runtime import block_manager as bm
 from kvq.runtime.block_manager import BlockManager, page_hashes
+from kvq.runtime.request import Request
 from kvq.runtime.sampling import SamplingParams
-from kvq.runtime.sequence import Sequence
 
 P = 4  # page size
 
 
-def seq(token_ids: list[int], seq_id: int = 0) -> Sequence:
-    return Sequence(seq_id, list(token_ids), len(token_ids), SamplingParams(max_tokens=8), len(token_ids) + 8)
+def seq(token_ids: list[int], seq_id: int = 0) -> Request:
+    return Request(seq_id, list(token_ids), len(token_ids), SamplingParams(max_tokens=8), len(token_ids) + 8)
 
 
 def test_allocate_and_deallocate_return_every_page() -> None:

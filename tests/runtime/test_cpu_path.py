@@ -10,7 +10,7 @@ import pytest
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import CPU_ISA_ENV, describe_cpu_path, resolve_cpu_isa
-from kvq.runtime.kernels.w4a8_cpu import w4a8_path
+from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 from kvq.runtime.layers.linear import Int4Linear
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.cpu_isa import needs_amx
@@ -55,7 +55,7 @@ def test_a_bad_choice_is_one_line(tiny_checkpoint, monkeypatch) -> None:
 
 def test_the_isa_is_read_as_the_environment_says_now(monkeypatch) -> None:
     """`cpu_isa_env` (read at every C op) follows os.environ's sets and deletes, as os.environ.get does."""
-    from kvq.runtime.kernels.w4a16_cpu import cpu_isa_env
+    from kvq.runtime.kernels.cpu.isa import cpu_isa_env
 
     monkeypatch.setenv(CPU_ISA_ENV, "avx2")
     assert cpu_isa_env() == "avx2"

@@ -13,7 +13,7 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.decode_plan import DecodePlan, linear_call, model_blocker
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import CPU_ISA_ENV
-from kvq.runtime.kernels.w4a8_cpu import w4a8_path
+from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
 from kvq.runtime.layers.linear import DenseLinear
 from kvq.runtime.layers.moe import Int4Experts

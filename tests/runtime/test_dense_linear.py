@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV
+from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV
 from kvq.runtime.layers.linear import DenseLinear, linear_one_row_cpu, prepack_cpu_bf16
 
 

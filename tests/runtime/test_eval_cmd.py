@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from kvq.checkpoint.reader import Checkpoint
 from kvq.cli import build_app
 from kvq.compress.manifest import source_fingerprint
-from kvq.runtime.kernels.w4a8_cpu import w4a8_path
+from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 
 ARGS = ["--limit", "3", "--num-windows", "2", "--seq-len", "24"]
 # a task of one's own, handed to lm-eval by --include-path: greedy completions of two lines, exact match

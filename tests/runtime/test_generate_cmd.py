@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from kvq.cli import build_app
 from kvq.drill.fault_injector import FaultInjector
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels.w4a8_cpu import w4a8_path
+from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 from kvq.runtime.outputs import RequestOutput
 from tests.runtime.kv_scales import measure_kv_scales, with_kv_scales
 from tests.test_cli_errors import assert_one_line_error, run_kvq

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import kvq.runtime.kernels.latent_attention_triton as latent_attention_triton
+import kvq.runtime.kernels.triton.latent_attention as latent_attention_triton
 from tests.runtime.test_mla_fast_path import check_fast_path
 
 pytestmark = pytest.mark.gpu

@@ -10,9 +10,9 @@ from kvq.formats.pack_quantized import quantize_pack_int4
 from kvq.runtime.config import LM_HEAD_GROUP_SIZE, EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import w4a16_reference
-from kvq.runtime.kernels.w4a8_cpu import NativeW8A8, w4a8_path, w4a8_reference, w8a8_reference
+from kvq.runtime.kernels.cpu.w4a8 import NativeW8A8, w4a8_path, w4a8_reference, w8a8_reference
+from kvq.runtime.kernels.cpu.w8a16 import W8A16Weight, quantize_int8_rows, w8a16_reference
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
-from kvq.runtime.kernels.w8a16 import W8A16Weight, quantize_int8_rows, w8a16_reference
 from kvq.runtime.layers.linear import DenseLinear, Int4Linear, Int8Linear, int8_copy, onednn_prepack_available
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
 

@@ -1,4 +1,4 @@
-"""`Engine.perplexity` (teacher-forced decode steps over the paged KV pool) equals transformers' forward."""
+"""`scoring.perplexity` (teacher-forced decode steps over the paged KV pool) equals transformers' forward."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvq.data.texts import load_texts
 from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
+from kvq.runtime.scoring import perplexity
 
 
 def transformers_perplexity(path, input_ids: torch.Tensor) -> float:
@@ -39,7 +40,7 @@ def windows_and_expected(smollm2) -> tuple[list[list[int]], float]:
 def test_equals_transformers_in_fp32(smollm2, windows_and_expected, kv_memory) -> None:
     engine = Engine(EngineConfig(model=str(smollm2.bf16), dtype="float32", kv_memory=kv_memory, threads=2))
     windows, expected = windows_and_expected
-    assert engine.perplexity(windows) == pytest.approx(expected, rel=1e-5)
+    assert perplexity(engine, windows) == pytest.approx(expected, rel=1e-5)
     if kv_memory == "5MiB":  # 6 pages of fp32 K/V: not the 16 of 4 windows at once
         assert engine.stats.largest_batch < 4
     else:
@@ -50,4 +51,4 @@ def test_equals_transformers_in_fp32(smollm2, windows_and_expected, kv_memory) -
 def test_windows_need_two_tokens(smollm2) -> None:
     engine = Engine(EngineConfig(model=str(smollm2.bf16), kv_memory="8MiB"))
     with pytest.raises(KvqError, match="at least 2 tokens"):
-        engine.perplexity([[1, 2, 3], [4]])
+        perplexity(engine, [[1, 2, 3], [4]])

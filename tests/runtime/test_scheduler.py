@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvq.runtime.block_manager import BlockManager
+from kvq.runtime.request import Request, Status
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.scheduler import Scheduler
-from kvq.runtime.sequence import Sequence, Status
 
 P = 4
 
@@ -14,14 +14,14 @@ def make(num_pages: int, ratio: float, max_num_seqs: int = 8, max_batched: int =
     return Scheduler(BlockManager(num_pages, P), max_num_seqs, max_batched, ratio)
 
 
-def request(seq_id: int, prompt_len: int = 4, max_tokens: int = 8) -> Sequence:
+def request(seq_id: int, prompt_len: int = 4, max_tokens: int = 8) -> Request:
     tokens = [seq_id * 100 + i for i in range(prompt_len)]  # distinct: no prefix sharing
-    return Sequence(
+    return Request(
         seq_id, tokens, prompt_len, SamplingParams(max_tokens=max_tokens), prompt_len + max_tokens
     )
 
 
-def decode_step(s: Scheduler) -> list[Sequence]:
+def decode_step(s: Scheduler) -> list[Request]:
     """One scheduled decode step, each sequence gaining one token (as the engine does after sampling)."""
     seqs, is_prefill = s.schedule()
     assert not is_prefill

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, NativeW8A8, w4a8_path
+from kvq.runtime.kernels.cpu.w4a8 import NativeW4A8, NativeW8A8, w4a8_path
 from kvq.runtime.layers.linear import Int4Linear, Int8Linear
 from kvq.runtime.sampling import SamplingParams
 from tests.runtime.reference import engine_greedy, hf_greedy, hf_logits, hf_reference, teacher_forced_logits

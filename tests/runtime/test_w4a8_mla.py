@@ -10,7 +10,7 @@ import torch
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels.w4a8_cpu import w4a8_path
+from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
 from kvq.runtime.layers.moe import Int4Experts
 from kvq.runtime.sampling import SamplingParams

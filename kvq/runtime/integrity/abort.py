@@ -18,17 +18,17 @@ import logging
 from kvq.runtime.integrity.mismatch import PageMismatch
 from kvq.runtime.integrity.tags import sealed_tag
 from kvq.runtime.integrity.tracker import TagTracker
+from kvq.runtime.request import Request
 from kvq.runtime.scheduler import Scheduler
-from kvq.runtime.sequence import Sequence
 
 logger = logging.getLogger("kvq.integrity")
 
 
 def remove_hit(
-    mismatches: list[PageMismatch], seqs: list[Sequence], scheduler: Scheduler, tracker: TagTracker
-) -> tuple[list[Sequence], list[Sequence]]:
+    mismatches: list[PageMismatch], seqs: list[Request], scheduler: Scheduler, tracker: TagTracker
+) -> tuple[list[Request], list[Request]]:
     """(the step's sequences that still run, the ones ended with an error), before any K/V is read."""
-    by_seq: dict[Sequence, list[PageMismatch]] = {}
+    by_seq: dict[Request, list[PageMismatch]] = {}
     for mismatch in mismatches:
         by_seq.setdefault(mismatch.seq, []).append(mismatch)
     untrusted = {m.page_id for m in mismatches if m.kind == "bytes" and m.page_id is not None}

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvq.runtime.integrity.tags import FREE_TAG, fill_tag, format_tag, sealed_tag
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.request import Request
 
 logger = logging.getLogger("kvq.integrity")
 
@@ -58,7 +58,7 @@ class PageLedger:
         self.num_free_page_releases = 0  # releases of a page that was already free
 
     # -- hooks (block manager) ------------------------------------------------------------------------
-    def on_take(self, seq: Sequence, page_id: int) -> None:
+    def on_take(self, seq: Request, page_id: int) -> None:
         """`page_id` left the free list to be `seq`'s next logical page: a new fill tag for both."""
         self.generation += 1
         holding = self.holdings.setdefault(seq.seq_id, Holding())
@@ -68,13 +68,13 @@ class PageLedger:
         self._host[page_id] = tag
         self._is_dirty = True
 
-    def on_attach(self, seq: Sequence, page_id: int, page_hash: int) -> None:
+    def on_attach(self, seq: Request, page_id: int, page_hash: int) -> None:
         """`seq` shares sealed page `page_id`; `page_hash` is computed from `seq`'s own tokens."""
         holding = self.holdings.setdefault(seq.seq_id, Holding())
         self._give(holding, page_id, sealed_tag(page_hash), int(self._generation_of[page_id]))
         holding.num_attached += 1
 
-    def on_seal(self, seq: Sequence, index: int, page_id: int, page_hash: int) -> bool:
+    def on_seal(self, seq: Request, index: int, page_id: int, page_hash: int) -> bool:
         """Whether `seq`'s logical page `index`, named `page_id` by its block table, may be sealed: only
         the page it was given there, still carrying the fill tag it was given with. If so, page and
         expectation become the chain hash's tag; if not, nothing changes and `seq` is marked."""
@@ -97,7 +97,7 @@ class PageLedger:
         self.sealed_now[page_id] = seq.seq_id
         return True
 
-    def on_deallocate(self, seq: Sequence) -> list[int]:
+    def on_deallocate(self, seq: Request) -> list[int]:
         """`seq` gives its pages back (finished, stopped or preempted): the pages to release, in logical
         order; a page taken by another since it was given (a free slipped past) is not `seq`'s."""
         holding = self.holdings.pop(seq.seq_id, None)
@@ -146,16 +146,16 @@ class PageLedger:
     def tag_of(self, page_id: int) -> int:
         return int(self._host[page_id])
 
-    def expected_tags(self, seq: Sequence) -> list[int]:
+    def expected_tags(self, seq: Request) -> list[int]:
         """The tag each of `seq`'s logical pages must carry, from its own tokens and allocations."""
         holding = self.holdings.get(seq.seq_id)
         return [] if holding is None else holding.tags
 
-    def sealed_this_step(self, seq: Sequence) -> set[int]:
+    def sealed_this_step(self, seq: Request) -> set[int]:
         """Pages `seq` sealed this step: their K/V is written by this step's forward, not before."""
         return {page for page, seq_id in self.sealed_now.items() if seq_id == seq.seq_id}
 
-    def is_given(self, seq: Sequence, page_ids: set[int]) -> bool:
+    def is_given(self, seq: Request, page_ids: set[int]) -> bool:
         """Whether `seq` was given (took or attached) any of `page_ids`."""
         holding = self.holdings.get(seq.seq_id)
         return holding is not None and not page_ids.isdisjoint(holding.pages)
@@ -167,7 +167,7 @@ class PageLedger:
         holding.generations.append(generation)
         self._num_holders[page_id] += 1
 
-    def _fault(self, seq: Sequence, what: str) -> bool:
+    def _fault(self, seq: Request, what: str) -> bool:
         """Record the first slip seen for `seq` (it is stopped at its next check); False, for the hooks."""
         if seq.seq_id not in self.faults:
             self.faults[seq.seq_id] = f"KV integrity: {what}"

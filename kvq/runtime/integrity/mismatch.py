@@ -17,14 +17,14 @@ import torch
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.integrity.tags import FREE_TAG, format_tag
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.request import Request
 
 MismatchKind = Literal["read", "slot", "length", "bookkeeping", "bytes"]
 
 
 @dataclass(frozen=True)
 class PageMismatch:
-    seq: Sequence
+    seq: Request
     kind: MismatchKind
     logical_index: int | None = None
     page_id: int | None = None
@@ -64,7 +64,7 @@ class PageMismatch:
 class StepMismatches:
     """Collects the failures of one step's check of `batch` (rows in the order of `seqs`)."""
 
-    def __init__(self, seqs: list[Sequence], batch: ForwardBatch, num_pages: int, page_size: int) -> None:
+    def __init__(self, seqs: list[Request], batch: ForwardBatch, num_pages: int, page_size: int) -> None:
         self.seqs, self.batch, self.num_pages, self.page_size = seqs, batch, num_pages, page_size
         self.found: list[PageMismatch] = []
 
@@ -127,11 +127,11 @@ class StepMismatches:
                     if page == sealed[n]:
                         self.found.append(PageMismatch(seq, "bytes", index, page, recorded[n], found[n]))
 
-    def _length(self, seqs: list[Sequence], what: str) -> None:
+    def _length(self, seqs: list[Request], what: str) -> None:
         for seq in seqs:
             self.found.append(PageMismatch(seq, "length", detail=f"KV integrity: {what}"))
 
-    def _slot(self, seq: Sequence, t: int, position: int, own_page: int) -> None:
+    def _slot(self, seq: Request, t: int, position: int, own_page: int) -> None:
         size = self.page_size
         slot, found_position = int(self.batch.slot_mapping[t]), int(self.batch.positions[t])
         own = own_page * size + position % size

@@ -4,7 +4,7 @@ In every layer, in each part of the page (GQA: its K half and its V half; MLA: t
 `samples_per_slot` byte positions in each token slot's row (`KVPool.row_bytes`), drawn once per pool
 from a fixed seed: a token's cache entry written over a sealed page changes sampled bytes in every
 layer, and a change of any one sampled byte always changes the hash (odd weights, no overflow:
-`kernels.integrity_check`). A change in an unsampled byte is not seen: a random single-bit flip is
+`kernels.integrity.page_check`). A change in an unsampled byte is not seen: a random single-bit flip is
 caught with probability samples_per_slot / row bytes.
 Imports torch only.
 """

@@ -21,20 +21,15 @@ Cost at --tp N: one more broadcast and one gather per checked step. Imports nump
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kvq.runtime.batch import ForwardBatch, StepInputs, WriteGuard
+from kvq.runtime.batch import ForwardBatch, StepInputs
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.integrity.mismatch import CheckedStep, HostFindings, PageMismatch, StepMismatches
 from kvq.runtime.integrity.tags import FREE_TAG
 from kvq.runtime.integrity.tracker import TagTracker
-from kvq.runtime.sequence import Sequence
-
-if TYPE_CHECKING:
-    from kvq.runtime.model_runner import ModelRunner
+from kvq.runtime.request import Request
 
 
 @dataclass(frozen=True)
@@ -78,7 +73,7 @@ class RankLeader:
         self.tp, self.tracker = tp, tracker
         self._sent = np.zeros(tracker.num_pages, dtype=np.int64)  # the tags the other ranks' mirrors hold
 
-    def check(self, seqs: list[Sequence], batch: ForwardBatch) -> list[PageMismatch]:
+    def check(self, seqs: list[Request], batch: ForwardBatch) -> list[PageMismatch]:
         """Every other rank's failures of `batch` (which passed rank 0's `check`), naming the rank."""
         tracker, step = self.tracker, self.tracker.last_check
         assert step is not None and batch.inputs is not None
@@ -105,16 +100,3 @@ class RankLeader:
         pages = np.flatnonzero(host != self._sent)
         self._sent[pages] = host[pages]
         return TagChanges(pages.tolist(), host[pages].tolist())
-
-
-def follow(runner: ModelRunner, tracker: TagTracker, message: RankCheck | RankStep) -> None:
-    """Run one of rank 0's integrity messages on this rank (past 0), its pool and its `tracker`."""
-    tracker.mirror_tags(message.tags.pages, message.tags.tags)
-    batch = runner.batch_of(message.inputs)
-    if isinstance(message, RankCheck):
-        step = message.step
-        runner.tp.gather(tracker.check_pages(batch, step.expected, step.sealed).on_host())
-        return
-    write_tags = torch.tensor(message.write_tags, dtype=torch.int64).to(tracker.device)
-    runner.forward(replace(batch, write_guard=WriteGuard(tracker.page_tags, write_tags)))
-    tracker.hash_pages(message.sealed)

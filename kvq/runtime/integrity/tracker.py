@@ -2,7 +2,7 @@
 
 `screen(seqs)` (host, before the batch is prepared) stops requests a hook marked and requests whose
 pages and tokens disagree; `check(seqs, batch)` then proves the prepared batch in one gather-and-compare
-on the device (`kernels.step_check`), before the model reads any page: every block-table entry carries
+on the device (`kernels.integrity.step_check`), before the model reads any page: every block-table entry carries
 its request's tag (and a row names no page past what it holds), every context length is the tokens its
 request holds, and every new token has its request's position and the slot that position owns. The
 expectations come from each request's own tokens and the ledger, never from the batch. By induction over
@@ -25,9 +25,9 @@ from kvq.runtime.integrity.ledger import Holding, PageLedger
 from kvq.runtime.integrity.mismatch import CheckedStep, PageFindings, PageMismatch, StepMismatches
 from kvq.runtime.integrity.page_sample import PageSample
 from kvq.runtime.integrity.tags import FREE_TAG
-from kvq.runtime.kernels.integrity_check import sampled_page_hash
-from kvq.runtime.kernels.step_check import check_step
-from kvq.runtime.sequence import Sequence
+from kvq.runtime.kernels.integrity.page_check import sampled_page_hash
+from kvq.runtime.kernels.integrity.step_check import check_step
+from kvq.runtime.request import Request
 
 NO_BYTE_HASH = -1  # not hashed (yet): the sampled-bytes hash itself is never negative
 
@@ -56,7 +56,7 @@ class TagTracker(PageLedger):
         self.last_check: CheckedStep | None = None  # what the last `check` that got to the pages used
 
     # -- the step check ---------------------------------------------------------------------------------
-    def screen(self, seqs: list[Sequence]) -> list[PageMismatch]:
+    def screen(self, seqs: list[Request]) -> list[PageMismatch]:
         """Host only, before the batch is made: requests a hook marked, and requests whose holding,
         block table and token count disagree (the batch of such a request could not be laid out)."""
         out = []
@@ -77,7 +77,7 @@ class TagTracker(PageLedger):
                 out.append(PageMismatch(seq, "bookkeeping", detail=fault))
         return out
 
-    def check(self, seqs: list[Sequence], batch: ForwardBatch) -> list[PageMismatch]:
+    def check(self, seqs: list[Request], batch: ForwardBatch) -> list[PageMismatch]:
         """Every failure of this step's batch (empty: all good). One gather-and-compare, one host sync.
         What it checked against stays in `last_check` (tensor-parallel ranks past 0 check their own pool
         against the same, `integrity.ranks`)."""
@@ -159,12 +159,12 @@ class TagTracker(PageLedger):
         self.after_step(is_forward_run=True)
 
     # -- internals --------------------------------------------------------------------------------------
-    def on_take(self, seq: Sequence, page_id: int) -> None:
+    def on_take(self, seq: Request, page_id: int) -> None:
         super().on_take(seq, page_id)
         if self.is_full:
             self.byte_hashes[page_id] = NO_BYTE_HASH  # its old bytes' hash says nothing about the new ones
 
-    def _query_lens(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def _query_lens(self, seqs: list[Request], is_prefill: bool) -> list[int]:
         """New tokens per request: one in decode; in prefill, all after the pages it attached."""
         if not is_prefill:
             return [1] * len(seqs)
@@ -177,7 +177,7 @@ class TagTracker(PageLedger):
             self.page_tags.copy_(self.host_tags)
         self._is_dirty = False
 
-    def _expected(self, seqs: list[Sequence], query_lens: list[int], width: int) -> list[int]:
+    def _expected(self, seqs: list[Request], query_lens: list[int], width: int) -> list[int]:
         """Flat `[B * width + B + T + T]`: each row's tags (0-padded), each row's token count, then each
         new token's row and position."""
         expected: list[int] = []

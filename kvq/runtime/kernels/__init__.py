@@ -34,14 +34,16 @@ from __future__ import annotations
 import torch
 
 from kvq.runtime.kernels.backend import KVQ_KERNELS_ENV, resolve_backend
+from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV, resolve_cpu_isa
+from kvq.runtime.kernels.cpu.path import describe_cpu_path
 from kvq.runtime.kernels.fused_moe import fused_moe_reference, fused_moe_torch
-from kvq.runtime.kernels.kv_store import store_kv_reference
-from kvq.runtime.kernels.paged_attention import (
+from kvq.runtime.kernels.paged.attention import (
     PagedDecodePlan,
     paged_decode_attention_reference,
     plan_paged_decode,
 )
-from kvq.runtime.kernels.paged_kv_cache import PagedKVCache
+from kvq.runtime.kernels.paged.kv_cache import PagedKVCache
+from kvq.runtime.kernels.paged.kv_store import store_kv_reference
 from kvq.runtime.kernels.w4a16 import (
     W4A16Weight,
     check_w4a16_tensors,
@@ -50,7 +52,6 @@ from kvq.runtime.kernels.w4a16 import (
     w4a16_linear_torch,
     w4a16_reference,
 )
-from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, describe_cpu_path, resolve_cpu_isa
 
 __all__ = [
     "CPU_ISA_ENV",
@@ -83,7 +84,7 @@ def prepare_w4a16(
     int8_activations: bool = False,
 ) -> W4A16Weight:
     """Check a pack-quantized weight and ready it for the backend chosen for its device (once, at load);
-    int8_activations: on CPU, for the W4A8 kernel (`w4a8_cpu`, where it runs; stacked experts too)."""
+    int8_activations: on CPU, for the W4A8 kernel (`cpu.w4a8`, where it runs; stacked experts too)."""
     check_w4a16_tensors(weight_packed, weight_scale, group_size)
     if resolve_backend(weight_packed.device, backend) == "torch":
         return prepare_w4a16_torch(weight_packed, weight_scale, group_size, int8_activations)
@@ -102,7 +103,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     if w.backend == "torch":
         y = w4a16_linear_torch(x2d, w)
     else:
-        from kvq.runtime.kernels.w4a16_triton import w4a16_linear_triton
+        from kvq.runtime.kernels.triton.w4a16 import w4a16_linear_triton
 
         y = w4a16_linear_triton(x2d, w)
     return y.reshape(*x.shape[:-1], w.out_features)
@@ -116,7 +117,7 @@ def fused_moe_w4a16(
         raise ValueError(f"w13 was prepared for {w13.backend} but w2 for {w2.backend}: prepare both alike")
     if w13.backend == "torch":
         return fused_moe_torch(x, topk_ids, topk_weights, w13, w2)
-    from kvq.runtime.kernels.fused_moe_triton import fused_moe_triton
+    from kvq.runtime.kernels.triton.fused_moe import fused_moe_triton
 
     return fused_moe_triton(x, topk_ids, topk_weights, w13, w2)
 

@@ -5,7 +5,7 @@ For each token t and each of its k routed experts e = topk_ids[t, j]:
   a = SiLU(h[:I]) * h[I:], rounded to x.dtype (the kernels keep `a` in the activation dtype)
   y[t] += topk_weights[t, j] * (a @ w2[e]^T)
 Sums are fp32; y is returned in x.dtype. Renormalising topk_weights is the caller's job.
-The Triton path is in `fused_moe_triton.py`. Imports torch only.
+The Triton path is in `triton/fused_moe.py`. Imports torch only.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Layout (the contract): `weight_packed` int32 `[N, K/8]` (or `[E, N, K/8]` for st
 `[N, K/group_size]` in bf16 (any float dtype is accepted); symmetric: real weight = q * scale;
 y = x @ W^T with fp32 accumulation. group_size in {32, 64, 128}.
 This file holds the reference (the spec), the prepared-weight type and the torch (CPU) path, which runs
-kvq's native kernel (`w4a16_cpu.py`) or `aten._weight_int4pack_mm_for_cpu`; the Triton kernel is in
-`w4a16_triton.py`. Imports torch, kvq.formats (the shared INT4 unpack) and kvq.runtime.kernels.w4a16_cpu.
+kvq's native kernel (`cpu/linear.py`) or `aten._weight_int4pack_mm_for_cpu`; the Triton kernel is in
+`triton/w4a16.py`. Imports torch, kvq.formats (the shared INT4 unpack) and kvq.runtime.kernels.cpu.linear.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 
 from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
 from kvq.formats.shapes import GROUP_SIZES
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_path
-from kvq.runtime.kernels.w4a16_cpu import NativeW4A16, native_scale, resolve_cpu_isa, w4a16_native
+from kvq.runtime.kernels.cpu.isa import resolve_cpu_isa
+from kvq.runtime.kernels.cpu.linear import NativeW4A16, native_scale, w4a16_native
+from kvq.runtime.kernels.cpu.w4a8 import NativeW4A8, w4a8_path
 
 LAYOUT_COMPRESSED_TENSORS = "compressed-tensors"
 LAYOUT_INT4PACK_CPU = "int4pack-cpu"

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.kernels.latent_cache import PagedLatentCache
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from kvq.runtime.layers.norm import LayerNorm
 from kvq.runtime.layers.rotary import RotaryEmbedding
 from kvq.runtime.loader import WeightLoader

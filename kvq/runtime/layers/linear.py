@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
 from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
-from kvq.runtime.kernels.dense_cpu import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
-from kvq.runtime.kernels.w4a8_cpu import NativeW8A8, w4a8_path, w8a8_chunk
-from kvq.runtime.kernels.w4a16_cpu import Call, gemm_dense_call
-from kvq.runtime.kernels.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
+from kvq.runtime.kernels.cpu.dense import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
+from kvq.runtime.kernels.cpu.isa import Call
+from kvq.runtime.kernels.cpu.linear import gemm_dense_call
+from kvq.runtime.kernels.cpu.w4a8 import NativeW8A8, w4a8_path, w8a8_chunk
+from kvq.runtime.kernels.cpu.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
 
 DENSE, FP8, INT4 = "dense", "fp8", "int4"
 

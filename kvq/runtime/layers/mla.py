@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.distributed.shard import COLS, ROWS
-from kvq.runtime.kernels.latent_cache import PagedLatentCache
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from kvq.runtime.layers.dsa_indexer import Indexer, Selection, SharedSelection
 from kvq.runtime.layers.norm import RMSNorm
 from kvq.runtime.layers.rotary import RotaryEmbedding
@@ -131,7 +131,7 @@ class MLAttention:
     ) -> torch.Tensor:
         """Each sequence's new queries `[Lq, H, *]` over its whole context read back from the pages:
         K = [kv_c W_UK^T, k_pe], V = kv_c W_UV^T, causal (and DSA-selected): `[T, H, v]` in q's dtype."""
-        dtype = torch.float32 if q_nope.device.type == "cpu" else q_nope.dtype  # as `paged_prefill`
+        dtype = torch.float32 if q_nope.device.type == "cpu" else q_nope.dtype  # as `paged.prefill`
         q = torch.cat([q_nope, q_pe], dim=-1).to(dtype)  # [T, H, nope + rope]
         out = torch.empty(*q.shape[:2], self.v_dim, dtype=q_nope.dtype, device=q.device)
         kv_b, start = self.kv_b.to(dtype), 0

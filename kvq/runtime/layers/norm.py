@@ -2,14 +2,14 @@
 which normalizes in fp32 and rounds once (transformers rounds the normalized value, then the product
 with the weight: a bf16 rounding step apart; equal in fp32). On CPU, bf16 rows go through kvq's C op
 (`kernels/cpu_ops.py`: the same rounding, one call instead of ~8 eager ops), with the residual add
-fused in `add_norm`. Imports torch and kvq.runtime.kernels.cpu_ops."""
+fused in `add_norm`. Imports torch and kvq.runtime.kernels.cpu.ops."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels.cpu_ops import native_ops_apply, rms_norm_native
+from kvq.runtime.kernels.cpu.ops import native_ops_apply, rms_norm_native
 
 
 class RMSNorm:

@@ -6,7 +6,7 @@ Rotate-half (Llama the whole head, GLM-4.5 the first half: partial_rotary_factor
 Frequencies and the cos/sin scaling come from transformers' rope initializers, so every rope type it
 knows (default, llama3, yarn with its attention factor, ...) gives the same tables. Rotate-half on CPU
 bf16 runs kvq's C op (`kernels/cpu_ops.py`, the same rounding). Imports torch, transformers and
-kvq.runtime.kernels.cpu_ops.
+kvq.runtime.kernels.cpu.ops.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvq.errors import KvqError
-from kvq.runtime.kernels.cpu_ops import rotary_applies, rotary_native
+from kvq.runtime.kernels.cpu.ops import rotary_applies, rotary_native
 
 
 def _default_inv_freq(config: PretrainedConfig, rotary_dim: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from kvq.runtime.config import LM_HEAD_GROUP_SIZE
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
-from kvq.runtime.kernels.cpu_ops import silu_and_mul
+from kvq.runtime.kernels.cpu.ops import silu_and_mul
 from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.layers.linear import DenseLinear, Linear, int4_copy, int8_copy
 from kvq.runtime.layers.norm import RMSNorm

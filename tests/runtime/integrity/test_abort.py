@@ -10,16 +10,16 @@ from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.integrity.tracker import TagTracker
 from kvq.runtime.model_runner import StepBatches
+from kvq.runtime.request import Request, Status
 from kvq.runtime.sampling import SamplingParams
 from kvq.runtime.scheduler import Scheduler
-from kvq.runtime.sequence import Sequence, Status
 
 P = 4
 NUM_PAGES = 8
 
 
-def request(seq_id: int, token_ids: list[int]) -> Sequence:
-    return Sequence(seq_id, token_ids, len(token_ids), SamplingParams(max_tokens=4), len(token_ids) + 4)
+def request(seq_id: int, token_ids: list[int]) -> Request:
+    return Request(seq_id, token_ids, len(token_ids), SamplingParams(max_tokens=4), len(token_ids) + 4)
 
 
 def test_a_hit_prefill_requeues_who_shares_its_unwritten_pages() -> None:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvq.runtime.integrity.page_sample import make_page_sample
-from kvq.runtime.kernels.integrity_check import sampled_page_hash, sampled_page_hash_reference
-from kvq.runtime.kernels.integrity_check_triton import sampled_page_hash_triton
-from kvq.runtime.kernels.step_check import check_step, check_step_reference, guard_slot_mapping
-from kvq.runtime.kernels.step_check_triton import check_step_triton
+from kvq.runtime.kernels.integrity.page_check import sampled_page_hash, sampled_page_hash_reference
+from kvq.runtime.kernels.integrity.step_check import check_step, check_step_reference, guard_slot_mapping
+from kvq.runtime.kernels.triton.page_check import sampled_page_hash_triton
+from kvq.runtime.kernels.triton.step_check import check_step_triton
 
 
 def step_case(num_pages: int, lens: list[int], query_lens: list[int], page_size: int, seed: int):

@@ -14,8 +14,8 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kv_layout import GqaLayout
 from kvq.runtime.kv_pool import page_bytes
+from kvq.runtime.request import Request
 from kvq.runtime.sampling import SamplingParams
-from kvq.runtime.sequence import Sequence
 
 PAGE_SIZE = 4
 NUM_PAGES = 48  # about four requests' worth at their longest: decode runs out of pages often
@@ -63,7 +63,7 @@ def test_full_mode_stops_nothing_over_10k_decode_steps(tiny_checkpoint) -> None:
     num_decode_steps, num_seq_decode_steps = 0, 0
     schedule = engine.scheduler.schedule
 
-    def counting_schedule() -> tuple[list[Sequence], bool]:
+    def counting_schedule() -> tuple[list[Request], bool]:
         nonlocal num_decode_steps, num_seq_decode_steps
         seqs, is_prefill = schedule()
         if seqs and not is_prefill:

@@ -14,15 +14,15 @@ from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.tags import FREE_TAG, sealed_tag
 from kvq.runtime.integrity.tracker import TagTracker
 from kvq.runtime.model_runner import StepBatches
+from kvq.runtime.request import Request
 from kvq.runtime.sampling import SamplingParams
-from kvq.runtime.sequence import Sequence
 
 P = 4
 CPU = torch.device("cpu")
 
 
-def seq(token_ids: list[int], seq_id: int) -> Sequence:
-    return Sequence(seq_id, list(token_ids), len(token_ids), SamplingParams(max_tokens=8), len(token_ids) + 8)
+def seq(token_ids: list[int], seq_id: int) -> Request:
+    return Request(seq_id, list(token_ids), len(token_ids), SamplingParams(max_tokens=8), len(token_ids) + 8)
 
 
 def manager(num_pages: int = 8) -> tuple[BlockManager, TagTracker]:
@@ -30,12 +30,12 @@ def manager(num_pages: int = 8) -> tuple[BlockManager, TagTracker]:
     return BlockManager(num_pages, P, tracker=tracker), tracker
 
 
-def prepare(seqs: list[Sequence], is_prefill: bool, num_pages: int = 8) -> ForwardBatch:
+def prepare(seqs: list[Request], is_prefill: bool, num_pages: int = 8) -> ForwardBatch:
     """The batch the engine would check (a runner without a model: only `prepare` is used)."""
     return StepBatches(P, num_pages, 1, CPU).prepare(seqs, is_prefill)
 
 
-def assert_consistent(tracker: TagTracker, *seqs: Sequence) -> None:
+def assert_consistent(tracker: TagTracker, *seqs: Request) -> None:
     for s in seqs:
         assert len(tracker.expected_tags(s)) == len(s.block_table)
         assert [tracker.tag_of(p) for p in s.block_table] == tracker.expected_tags(s)

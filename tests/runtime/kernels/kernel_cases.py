@@ -15,7 +15,7 @@ import torch
 
 from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 from kvq.formats.pack_quantized import pack_int4
-from kvq.runtime.kernels.latent_cache import PagedLatentCache
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from kvq.runtime.kv_layout import LatentLayout
 
 # Tolerances, as a fraction of max |expected|, by the dtype the kernel computes and returns in.

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvq.bench.kernels import BenchConfig, evaluate_targets, run, smollm2_config
 from kvq.runtime.kernels import KVQ_KERNELS_ENV
-from kvq.runtime.kernels.bench import BenchConfig, evaluate_targets, run, smollm2_config
 
 TINY = BenchConfig(
     gemv_shapes=(("tiny", 48, 256),), target_shapes=("tiny",), batches=(1, 3), group_size=64,

@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
-from kvq.runtime.kernels import PagedKVCache, cpu_ops
-from kvq.runtime.kernels.cpu_ops import decode_attention_native, native_attention_applies
-from kvq.runtime.kernels.paged_attention import paged_decode_attention_reference
-from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, runnable_isas
+from kvq.runtime.kernels import PagedKVCache
+from kvq.runtime.kernels.cpu import ops as cpu_ops
+from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV, runnable_isas
+from kvq.runtime.kernels.cpu.ops import decode_attention_native, native_attention_applies
+from kvq.runtime.kernels.paged.attention import paged_decode_attention_reference
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
 from tests.runtime.kernels.test_cpu_ops import torch_threads, vector_level_runs
 
@@ -54,9 +55,9 @@ def test_decode_attention_reads_the_pages_in_place(
 _POOL_PROBE = """
 import os, torch
 import kvq.runtime.kernels  # the package first, as every kvq entry point imports it
-from kvq.runtime.kernels import _cpu_ops
-from kvq.runtime.kernels.cpu_ops import decode_attention_native
-from kvq.runtime.kernels.paged_attention import paged_decode_attention_reference
+from kvq.runtime.kernels.cpu import _ops as _cpu_ops
+from kvq.runtime.kernels.cpu.ops import decode_attention_native
+from kvq.runtime.kernels.paged.attention import paged_decode_attention_reference
 torch.set_num_threads(3)
 q = torch.randn(8, 9, 64).bfloat16()
 k, v = torch.randn(2, 9, 16, 3, 64).bfloat16()

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels import cpu_ops
-from kvq.runtime.kernels.cpu_ops import (
+from kvq.runtime.kernels.cpu import ops as cpu_ops
+from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV
+from kvq.runtime.kernels.cpu.ops import (
     argmax_finite,
     native_ops_apply,
     rms_norm_native,
@@ -23,7 +24,6 @@ from kvq.runtime.kernels.cpu_ops import (
     store_applies,
     store_kv_native,
 )
-from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV
 from kvq.runtime.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.skipif(cpu_ops._ext is None, reason="kvq's CPU extension is not built")
@@ -43,7 +43,7 @@ def torch_threads(n: int) -> Iterator[None]:
 def vector_level_runs() -> list[str]:
     """The KVQ_CPU_ISA values that hold the C ops to each vector level this CPU runs: `scalar` (the
     baseline) first, then `avx2` where it runs, then `auto` (the widest)."""
-    from kvq.runtime.kernels.w4a16_cpu import runnable_isas
+    from kvq.runtime.kernels.cpu.isa import runnable_isas
 
     return ["scalar"] + [isa for isa in ("avx2", "auto") if isa == "auto" or isa in runnable_isas()]
 
@@ -228,7 +228,7 @@ def test_every_vector_level_gives_the_same_bits(monkeypatch) -> None:
     """RMSNorm (with the residual), SiLU-and-mul, rotary, the FP8 store and the argmax built for the
     baseline, AVX2 and AVX-512 (KVQ_CPU_ISA=scalar / avx2 / auto hold the level) give the same bits,
     on widths off the vector steps."""
-    from kvq.runtime.kernels.cpu_ops import rotary_native
+    from kvq.runtime.kernels.cpu.ops import rotary_native
 
     runs = vector_level_runs()
     gen = torch.Generator().manual_seed(11)

@@ -1,4 +1,4 @@
-"""The dense BF16 GEMM on AMX tiles (`dense_cpu`, `_dense_cpu_amx.h`): the fp32 product of bf16 x and a bf16
+"""The dense BF16 GEMM on AMX tiles (`cpu.dense`, `_dense_cpu_amx.h`): the fp32 product of bf16 x and a bf16
 weight within fp32 rounding, for batches 1..32 (A tiles straight from the weight's rows, pairs of strips and
 a last strip), more rows (strip passes over a copy), irregular N, K one tile to several blocks, fp32 / bf16 /
 fp16 outputs, two threads; `DenseLinear` taking it for decode batches where the path is amx, and the
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels.dense_cpu import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
-from kvq.runtime.kernels.w4a16_cpu import CPU_ISA_ENV, gemm_dense
+from kvq.runtime.kernels.cpu.dense import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
+from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV
+from kvq.runtime.kernels.cpu.linear import gemm_dense
 from kvq.runtime.layers.linear import DenseLinear
 from tests.runtime.cpu_isa import needs_amx
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvq.runtime.kernels.fused_moe_triton as fused_moe_triton
-import kvq.runtime.kernels.kv_store_triton as kv_store_triton
-import kvq.runtime.kernels.latent_attention_triton as latent_attention_triton
-import kvq.runtime.kernels.paged_attention_triton as paged_attention_triton
-import kvq.runtime.kernels.w4a16_triton as w4a16_triton
+import kvq.runtime.kernels.triton.fused_moe as fused_moe_triton
+import kvq.runtime.kernels.triton.kv_store as kv_store_triton
+import kvq.runtime.kernels.triton.latent_attention as latent_attention_triton
+import kvq.runtime.kernels.triton.paged_attention as paged_attention_triton
+import kvq.runtime.kernels.triton.w4a16 as w4a16_triton
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import KVQ_KERNELS_ENV

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvq.runtime.kernels import fused_moe_reference, fused_moe_w4a16, prepare_w4a16, w4a16_linear
-from kvq.runtime.kernels.fused_moe_triton import moe_align_block_size
-from kvq.runtime.kernels.w4a8_cpu import NativeW4A8, w4a8_path
+from kvq.runtime.kernels.cpu.w4a8 import NativeW4A8, w4a8_path
+from kvq.runtime.kernels.triton.fused_moe import moe_align_block_size
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
 

@@ -20,8 +20,8 @@ from kvq.runtime.kernels import (
     w4a16_linear,
     w4a16_reference,
 )
-from kvq.runtime.kernels.latent_attention import latent_decode_attention_reference
-from kvq.runtime.kernels.latent_cache import PagedLatentCache
+from kvq.runtime.kernels.paged.latent_attention import latent_decode_attention_reference
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from tests.runtime.kernels.kernel_cases import (
     REL_TOL,
     assert_close_rel,

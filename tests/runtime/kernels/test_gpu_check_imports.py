@@ -21,7 +21,7 @@ def test_kernel_tests_and_bench_import_without_the_cpu_only_packages() -> None:
     block = "".join(f"sys.modules[{name!r}] = None\n" for name in ABSENT_ON_THE_GPU_MACHINE)  # import fails
     code = (
         f"import sys\n{block}"
-        "import kvq.runtime.kernels.bench\n"
+        "import kvq.bench.kernels\n"
         "import pytest\n"
         "sys.exit(pytest.main(['-q', '--collect-only', '-p', 'no:cacheprovider', '-m', 'gpu or not gpu',"
         f" *{[f'--ignore={path}' for path in IGNORED]!r}, 'tests/runtime/kernels', {MLA_ENGINE_TESTS!r}]))\n"

@@ -8,8 +8,8 @@ import torch
 
 from kvq.runtime.kernels import PagedKVCache, store_kv_reference
 from kvq.runtime.kernels.kv_cache_layout import kv_slot_rows
-from kvq.runtime.kernels.kv_store import store_kv_torch
-from kvq.runtime.kernels.kv_store_triton import store_kv_triton
+from kvq.runtime.kernels.paged.kv_store import store_kv_torch
+from kvq.runtime.kernels.triton.kv_store import store_kv_triton
 
 FP8 = torch.float8_e4m3fn
 

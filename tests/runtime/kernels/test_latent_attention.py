@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels.latent_attention import (
+from kvq.runtime.kernels.paged.attention import plan_paged_decode
+from kvq.runtime.kernels.paged.latent_attention import (
     latent_decode_attention_reference,
     latent_decode_attention_torch,
 )
-from kvq.runtime.kernels.latent_attention_triton import latent_decode_attention_triton
-from kvq.runtime.kernels.latent_cache import PagedLatentCache, store_latent, store_latent_reference
-from kvq.runtime.kernels.paged_attention import plan_paged_decode
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache, store_latent, store_latent_reference
+from kvq.runtime.kernels.triton.latent_attention import latent_decode_attention_triton
 from kvq.runtime.kv_layout import LatentLayout
 from tests.runtime.kernels.kernel_cases import (
     REL_TOL,

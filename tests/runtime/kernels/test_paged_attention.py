@@ -13,8 +13,8 @@ from kvq.runtime.kernels import (
     paged_decode_attention_reference,
     plan_paged_decode,
 )
-from kvq.runtime.kernels.paged_attention import paged_decode_attention_torch
-from kvq.runtime.kernels.paged_attention_triton import paged_decode_attention_triton
+from kvq.runtime.kernels.paged.attention import paged_decode_attention_torch
+from kvq.runtime.kernels.triton.paged_attention import paged_decode_attention_triton
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
 
 FP8 = torch.float8_e4m3fn

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.kernels.kv_cache_layout import dequantize_kv, per_head_scale
-from kvq.runtime.kernels.paged_prefill import paged_prefill_attention
+from kvq.runtime.kernels.paged.prefill import paged_prefill_attention
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
 
 FP8 = torch.float8_e4m3fn
@@ -69,7 +69,7 @@ def test_a_group_larger_than_one_call_gathers_is_split(monkeypatch: pytest.Monke
     q = torch.randn(sum(query_lens), HQ, D, generator=gen)
     cache = PagedKVCache.of(kv.k_cache, kv.v_cache)
     whole = paged_prefill_attention(q, cache, kv.block_tables, query_lens, seq_lens, 0.2)
-    monkeypatch.setattr("kvq.runtime.kernels.paged_prefill.GROUP_CONTEXT_TOKENS", 50)  # 40s: one a call
+    monkeypatch.setattr("kvq.runtime.kernels.paged.prefill.GROUP_CONTEXT_TOKENS", 50)  # 40s: one a call
     split = paged_prefill_attention(q, cache, kv.block_tables, query_lens, seq_lens, 0.2)
     assert_close_rel(split, whole, 1e-6)
 

@@ -10,8 +10,8 @@ import torch
 
 from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
 from kvq.runtime.kernels import prepare_w4a16, w4a16_linear
+from kvq.runtime.kernels.triton.w4a16 import W4A16LaunchConfig, w4a16_linear_triton
 from kvq.runtime.kernels.w4a16 import w4a16_reference
-from kvq.runtime.kernels.w4a16_triton import W4A16LaunchConfig, w4a16_linear_triton
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
 
 

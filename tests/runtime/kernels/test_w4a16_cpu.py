@@ -13,22 +13,24 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.runtime.kernels import fused_moe_reference, fused_moe_w4a16, prepare_w4a16, w4a16_linear
-from kvq.runtime.kernels.w4a16 import w4a16_reference
-from kvq.runtime.kernels.w4a16_cpu import (
+from kvq.runtime.kernels.cpu.isa import (
     CPU_DOT_ENV,
     CPU_ISA_ENV,
     DENSE_CHUNK_ELEMENTS,
     DENSE_FROM_ROWS,
     VDPBF16PS_DENSE_FROM_ROWS,
-    NativeW4A16,
     bf16_dot,
+    resolve_cpu_isa,
+    runnable_isas,
+)
+from kvq.runtime.kernels.cpu.linear import (
+    NativeW4A16,
     dense_from_rows,
     dequantize,
     native_scale,
-    resolve_cpu_isa,
-    runnable_isas,
     w4a16_native,
 )
+from kvq.runtime.kernels.w4a16 import w4a16_reference
 from tests.runtime.cpu_isa import SIMD_ISAS, needs_native
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, bf16_weight, random_w4a16
 
@@ -205,11 +207,11 @@ def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_without_the_extension_auto_is_the_torch_op() -> None:
     code = (
-        "import sys; sys.modules['kvq.runtime.kernels._w4a16_cpu'] = None\n"
+        "import sys; sys.modules['kvq.runtime.kernels.cpu._linear'] = None\n"
         "import os, torch\n"
         "from kvq.errors import KvqError\n"
         "from kvq.runtime.kernels import prepare_w4a16\n"
-        "from kvq.runtime.kernels.w4a16_cpu import resolve_cpu_isa, runnable_isas\n"
+        "from kvq.runtime.kernels.cpu.linear import resolve_cpu_isa, runnable_isas\n"
         "assert runnable_isas() == () and resolve_cpu_isa('auto') == 'torch'\n"
         "w = prepare_w4a16(torch.zeros(16, 4, dtype=torch.int32), torch.ones(16, 1), 32)\n"
         "assert w.layout == 'int4pack-cpu', w.layout\n"
@@ -280,7 +282,7 @@ def test_prefill_batches_run_the_decompressed_weight_through_torch(monkeypatch, 
     """From `dense_from_rows` bf16 rows (DENSE_FROM_ROWS, or VDPBF16PS_DENSE_FROM_ROWS where the GEMM is the
     vdpbf16ps one), avx512bf16 runs x @ bf16(q * scale)^T in torch's BF16 GEMM: the result is that product's
     (not the W4A16 kernel's fp32 sums), for either GEMM."""
-    monkeypatch.setattr("kvq.runtime.kernels.w4a16_cpu.DENSE_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr("kvq.runtime.kernels.cpu.linear.DENSE_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(5)
     packed, scale = random_w4a16(200, 384, 128, gen)
     weight = w4a16_reference(torch.eye(384), packed, scale, 128).t().bfloat16()

@@ -8,14 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq.runtime.kernels.w4a16_cpu import (
-    AMX_DENSE_FROM_ROWS,
-    AMX_FROM_ROWS,
-    DENSE_CHUNK_ELEMENTS,
-    NativeW4A16,
-    native_scale,
-    w4a16_native,
-)
+from kvq.runtime.kernels.cpu.isa import AMX_DENSE_FROM_ROWS, AMX_FROM_ROWS, DENSE_CHUNK_ELEMENTS
+from kvq.runtime.kernels.cpu.linear import NativeW4A16, native_scale, w4a16_native
 from tests.runtime.cpu_isa import needs_amx
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, bf16_weight, random_w4a16
 
@@ -40,7 +34,7 @@ BATCHES = [2, 3, 16, 17, 33, 64, 100]  # tails of the 16-row activation tiles an
 @pytest.fixture
 def amx_from_two_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The AMX GEMM for every batch of 2 rows and more (it takes them; auto runs it from AMX_FROM_ROWS)."""
-    monkeypatch.setattr("kvq.runtime.kernels.w4a16_cpu.AMX_FROM_ROWS", 2)
+    monkeypatch.setattr("kvq.runtime.kernels.cpu.linear.AMX_FROM_ROWS", 2)
 
 
 @pytest.mark.usefixtures("amx_from_two_rows")
@@ -135,7 +129,7 @@ def test_amx_prefill_batches(monkeypatch: pytest.MonkeyPatch, chunk_elements: in
     """On amx, bf16 batches run the AMX GEMM up to AMX_DENSE_FROM_ROWS rows and dense_matmul (torch's BF16
     GEMM over the decompressed weight) from there: both the bf16-weight product, the latter F.linear's
     bits."""
-    monkeypatch.setattr("kvq.runtime.kernels.w4a16_cpu.DENSE_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr("kvq.runtime.kernels.cpu.linear.DENSE_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(5)
     packed, scale = random_w4a16(200, 384, 128, gen)
     linear = NativeW4A16(packed, native_scale(scale), 128, "amx")

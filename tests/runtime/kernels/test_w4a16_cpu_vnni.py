@@ -11,15 +11,9 @@ import torch
 
 from kvq.errors import KvqError
 from kvq.formats.pack_quantized import pack_int4
-from kvq.runtime.kernels.w4a16_cpu import (
-    CPU_DOT_ENV,
-    bf16_dot,
-    describe_cpu_path,
-    native_scale,
-    resolve_cpu_isa,
-    runnable_isas,
-    w4a16_native,
-)
+from kvq.runtime.kernels.cpu.isa import CPU_DOT_ENV, bf16_dot, resolve_cpu_isa, runnable_isas
+from kvq.runtime.kernels.cpu.linear import native_scale, w4a16_native
+from kvq.runtime.kernels.cpu.path import describe_cpu_path
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, bf16_weight, random_w4a16
 
 pytestmark = pytest.mark.skipif("avx512bf16" not in runnable_isas(), reason="no avx512bf16 path here")

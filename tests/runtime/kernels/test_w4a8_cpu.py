@@ -1,4 +1,4 @@
-"""The W4A8 CPU kernels (`kernels.w4a8_cpu`, `_w4a8_cpu.h`), each that runs here (AVX-512 VNNI, AVX2): their
+"""The W4A8 CPU kernels (`kernels.cpu.w4a8`, `_w4a8_cpu.h`), each that runs here (AVX-512 VNNI, AVX2): their
 sums are the exact integer sums of q times the quantized activations, times the scales, on irregular shapes,
 every group size, batches across their row groups and 64-row passes, every activation dtype; both paths give
 the same bits; the activations are `quantize_activations`'; the result stays within int8 rounding of the
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvq.formats.pack_quantized import unpack_int4
-from kvq.runtime.kernels.w4a8_cpu import (
+from kvq.runtime.kernels.cpu.w4a8 import (
     NativeW4A8,
     quantize_activations,
     w4a8_chunk,

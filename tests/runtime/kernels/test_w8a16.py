@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from kvq.runtime.kernels.w4a16_cpu import runnable_isas
-from kvq.runtime.kernels.w8a16 import (
+from kvq.runtime.kernels.cpu.isa import runnable_isas
+from kvq.runtime.kernels.cpu.w8a16 import (
     INT8_MAX,
     prepare_w8a16,
     quantize_int8_rows,

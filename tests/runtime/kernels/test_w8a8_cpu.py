@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq.runtime.kernels.w4a8_cpu import (
+from kvq.runtime.kernels.cpu.w4a8 import (
     NativeW8A8,
     quantize_activations,
     w4a8_runnable,
@@ -17,7 +17,7 @@ from kvq.runtime.kernels.w4a8_cpu import (
     w8a8_pack,
     w8a8_reference,
 )
-from kvq.runtime.kernels.w8a16 import quantize_int8_rows, w8a16_reference
+from kvq.runtime.kernels.cpu.w8a16 import quantize_int8_rows, w8a16_reference
 from tests.runtime.kernels.kernel_cases import same_bits_on_every_path_and_thread_count
 
 PATHS = w4a8_runnable()

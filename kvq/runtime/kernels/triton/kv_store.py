@@ -1,0 +1,224 @@
+"""Triton KV store: one program per new token writes its K and V rows (all heads) into the page slot.
+
+Spec: `paged.kv_store.store_kv_reference`. The launcher takes the layer's `PagedKVCache` (pages and fp32
+`[Hkv]` scales checked once when it was made) and checks only the new K/V and slots. fp8 stores divide
+with IEEE rounding (`div_rn`) and clamp to +-448 before the round-to-nearest-even cast, like the
+reference. The interpreter's casts to fp8e4nv (ties away from zero; 127.99 becomes 64) and to bf16
+(truncation) are wrong, so interpreted launches round in fp32 arithmetic first and the cast is then
+exact. Imports Triton; loaded lazily.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
+from kvq.runtime.kernels.paged.kv_store import check_new_kv
+from kvq.runtime.kernels.triton.launch import is_interpreted, kernel_for, next_pow2
+
+if TYPE_CHECKING:
+    from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 (|x| <= 448) rounded to the nearest e4m3 value, ties to even, keeping the sign of zero."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step_bits = (tl.maximum(exponent, -6) - 3 + 127) << 23  # step 2^(e-3); 2^-9 for e4m3 subnormals
+    step = step_bits.to(tl.float32, bitcast=True)
+    rounded = ((x / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: fp32 add rounds to whole steps
+    return tl.where(rounded == 0.0, x * 0.0, rounded)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 rounded to the nearest bf16 value, ties to even (NaN kept)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
+def _store_one(
+    src_ptr,
+    cache_ptr,
+    scale_ptr,
+    page,
+    offset,
+    pid_t,
+    stride_st,
+    stride_sh,
+    stride_sd,
+    stride_cp,
+    stride_ct,
+    stride_ch,
+    stride_cd,
+    stride_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROUND_FP8_IN_SOFTWARE: tl.constexpr,
+    ROUND_BF16_IN_SOFTWARE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < NUM_KV_HEADS
+    mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+    src = tl.load(
+        src_ptr + pid_t * stride_st + offs_h[:, None] * stride_sh + offs_d[None, :] * stride_sd,
+        mask=mask,
+        other=0.0,
+    )
+    dst = (
+        cache_ptr
+        + page * stride_cp
+        + offset * stride_ct
+        + offs_h[:, None] * stride_ch
+        + offs_d[None, :] * stride_cd
+    )
+    if IS_FP8:
+        scale = tl.load(scale_ptr + offs_h * stride_scale, mask=mask_h, other=1.0)
+        scaled = tl.math.div_rn(src.to(tl.float32), scale[:, None])
+        scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+        if ROUND_FP8_IN_SOFTWARE:
+            scaled = _round_to_e4m3(scaled)
+        tl.store(dst, scaled.to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        value = src
+        if ROUND_BF16_IN_SOFTWARE:
+            value = _round_to_bf16(src.to(tl.float32))
+        tl.store(dst, value.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    page_size,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcp,
+    stride_kct,
+    stride_kch,
+    stride_kcd,
+    stride_vcp,
+    stride_vct,
+    stride_vch,
+    stride_vcd,
+    stride_ks,
+    stride_vs,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROUND_FP8_IN_SOFTWARE: tl.constexpr,
+    ROUND_BF16_IN_SOFTWARE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + pid_t).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // page_size
+    offset = slot % page_size
+    _store_one(
+        k_ptr,
+        k_cache_ptr,
+        k_scale_ptr,
+        page,
+        offset,
+        pid_t,
+        stride_kt,
+        stride_kh,
+        stride_kd,
+        stride_kcp,
+        stride_kct,
+        stride_kch,
+        stride_kcd,
+        stride_ks,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        IS_FP8,
+        FP8_MAX,
+        ROUND_FP8_IN_SOFTWARE,
+        ROUND_BF16_IN_SOFTWARE,
+        BLOCK_H,
+        BLOCK_D,
+    )
+    _store_one(
+        v_ptr,
+        v_cache_ptr,
+        v_scale_ptr,
+        page,
+        offset,
+        pid_t,
+        stride_vt,
+        stride_vh,
+        stride_vd,
+        stride_vcp,
+        stride_vct,
+        stride_vch,
+        stride_vcd,
+        stride_vs,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        IS_FP8,
+        FP8_MAX,
+        ROUND_FP8_IN_SOFTWARE,
+        ROUND_BF16_IN_SOFTWARE,
+        BLOCK_H,
+        BLOCK_D,
+    )
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv: PagedKVPages, slot_mapping: torch.Tensor) -> None:
+    """Triton path of `PagedKVCache.store`: in place, one program per token of `slot_mapping` `[T]`."""
+    k_cache, v_cache, k_scale, v_scale = kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale  # [Hkv] scales
+    check_new_kv(k, v, slot_mapping, k_cache)
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    kernel = kernel_for(store_kv_kernel, k.device)
+    kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        page_size,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        k_scale.stride(0),
+        v_scale.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        IS_FP8=is_fp8(k_cache),
+        FP8_MAX=FP8_E4M3_MAX,
+        ROUND_FP8_IN_SOFTWARE=is_interpreted(kernel),
+        ROUND_BF16_IN_SOFTWARE=is_interpreted(kernel) and k_cache.dtype == torch.bfloat16,
+        BLOCK_H=next_pow2(num_kv_heads),
+        BLOCK_D=next_pow2(head_dim),
+    )

@@ -1,0 +1,221 @@
+"""Triton MLA decode attention (absorbed, flash-decoding) over FP8 e4m3 or 16-bit latent pages.
+
+Spec: `paged.latent_attention.latent_decode_attention_reference`. The launcher takes the layer's
+`PagedLatentCache` (pages, fp32 `k_scale`, checked once when it was made) and checks only q and the
+tables. Grid (B, ceil(H / BLOCK_H), num_splits): a program takes BLOCK_H (>= 16, for `tl.dot`) heads of
+one sequence over one slice of its tokens (or of its DSA selection, `token_indices`), gathering each
+token's row through the block table (any page_size, holes, shared pages, strided slots): scores are
+q_nope . kv_c + q_pe . k_pe in two dots, and the output accumulates p @ kv_c. FP8 rows are converted to
+fp16 exactly (q, pre-multiplied by sm_scale, too) and k_scale is folded into the scores and the output.
+With several splits each writes (out, log-sum-exp) and torch combines them (`triton.flash_decoding`).
+Imports Triton; loaded lazily by `kvq.runtime.kernels`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
+from kvq.runtime.kernels.paged.latent_attention import check_latent_queries
+from kvq.runtime.kernels.triton.flash_decoding import (
+    dot,
+    finish,
+    merge_splits,
+    online_softmax_step,
+    plan_splits,
+)
+from kvq.runtime.kernels.triton.launch import dot_dtype, is_interpreted, kernel_for, next_pow2, tl_dtype
+
+if TYPE_CHECKING:
+    from kvq.runtime.kernels.paged.latent_pages import PagedLatentPages
+
+
+@triton.jit
+def latent_decode_kernel(
+    q_ptr,
+    latent_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    indices_ptr,
+    k_scale_ptr,
+    o_ptr,
+    lse_ptr,
+    sm_scale,
+    page_size,
+    tokens_per_split,
+    num_heads,
+    num_indices,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_lp,
+    stride_lt,
+    stride_btb,
+    stride_btp,
+    stride_ib,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    IS_SPARSE: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IS_FP32_DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    num_tokens = num_indices if IS_SPARSE else tl.load(seq_lens_ptr + pid_b)
+    start = pid_s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, num_tokens)
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < num_heads
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_r = offs_r < KV_LORA_RANK
+    mask_p = offs_p < ROPE_DIM
+    q_base = q_ptr + pid_b * stride_qb + heads[:, None] * stride_qh
+    q_nope = tl.load(q_base + offs_r[None, :] * stride_qd, mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    q_pe = tl.load(
+        q_base + (KV_LORA_RANK + offs_p[None, :]) * stride_qd,
+        mask=mask_h[:, None] & mask_p[None, :],
+        other=0.0,
+    )
+    q_nope = (q_nope.to(tl.float32) * sm_scale).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_R], pre-scaled
+    q_pe = (q_pe.to(tl.float32) * sm_scale).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_P]
+    qk_scale = 1.4426950408889634  # log2(e): scores in log2 units for exp2
+    if IS_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        mask_t = offs_t < end
+        if IS_SPARSE:
+            positions = tl.load(indices_ptr + pid_b * stride_ib + offs_t, mask=mask_t, other=-1).to(tl.int64)
+            mask_t = mask_t & (positions >= 0)
+        else:
+            positions = offs_t.to(tl.int64)
+        page = tl.load(
+            block_tables_ptr + pid_b * stride_btb + (positions // page_size) * stride_btp,
+            mask=mask_t,
+            other=0,
+        ).to(tl.int64)
+        row = latent_ptr + page[:, None] * stride_lp + (positions % page_size)[:, None] * stride_lt
+        kv_c = tl.load(row + offs_r[None, :], mask=mask_t[:, None] & mask_r[None, :], other=0.0)
+        k_pe = tl.load(
+            row + KV_LORA_RANK + offs_p[None, :], mask=mask_t[:, None] & mask_p[None, :], other=0.0
+        )
+        kv_c = kv_c.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]
+        scores = dot(q_nope, tl.trans(kv_c), IS_FP32_DOT) + dot(
+            q_pe, tl.trans(k_pe.to(DOT_DTYPE)), IS_FP32_DOT
+        )
+        scores = tl.where(mask_t[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
+        m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, scores)  # a tile may hold no selected token
+        acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), kv_c, IS_FP32_DOT)
+
+    v_scale = 1.0
+    if IS_FP8:
+        v_scale = tl.load(k_scale_ptr)
+    out, lse = finish(acc, m_i, l_i, v_scale)
+    o_ptrs = (
+        o_ptr
+        + pid_b * stride_ob
+        + heads[:, None] * stride_oh
+        + pid_s * stride_os
+        + offs_r[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_r[None, :])
+    if IS_SPLIT:
+        tl.store(lse_ptr + pid_b * stride_lb + heads * stride_lh + pid_s * stride_ls, lse, mask=mask_h)
+
+
+def latent_decode_attention_triton(
+    q: torch.Tensor,
+    cache: PagedLatentPages,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    max_seq_len: int | None = None,
+    token_indices: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton path of `PagedLatentCache.decode_attention`; `max_seq_len` (>= every seq_len) avoids a sync."""
+    latent = cache.latent_cache
+    check_latent_queries(q, block_tables, seq_lens, latent, token_indices)
+    num_seqs, num_heads, width = q.shape
+    rank = cache.kv_lora_rank
+    is_sparse = token_indices is not None
+    if is_sparse:
+        assert token_indices is not None
+        token_indices = token_indices.contiguous()
+        max_seq_len = token_indices.shape[1]
+    elif max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if num_seqs else 0
+    kernel = kernel_for(latent_decode_kernel, q.device)
+    interpreted = is_interpreted(kernel)
+    block_n = block_n or (16 if interpreted else 32)
+    if num_seqs == 0 or max_seq_len == 0:
+        return q.new_zeros(num_seqs, num_heads, rank)
+    block_h = 16  # tl.dot's smallest M; a 512-wide fp32 accumulator per head is the register budget
+    num_head_blocks = triton.cdiv(num_heads, block_h)
+    splits = plan_splits(q, rank, max_seq_len, block_n, num_head_blocks, interpreted, num_splits)
+    out, lse = splits.out, splits.lse  # [B, H, S, R], [B, H, S]
+    indices = token_indices if token_indices is not None else seq_lens  # unread when dense
+    # fp8 rows convert to fp16 in one instruction (to bf16 in two); fp32 queries keep fp32 dots
+    dot_input_dtype = torch.float16 if is_fp8(latent) and q.dtype != torch.float32 else q.dtype
+    operand_dtype = dot_dtype(dot_input_dtype, interpreted)
+    kernel[(num_seqs, num_head_blocks, splits.num_splits)](
+        q,
+        latent,
+        block_tables,
+        seq_lens,
+        indices,
+        cache.k_scale,
+        out,
+        lse,
+        sm_scale,
+        cache.page_size,
+        splits.tokens_per_split,
+        num_heads,
+        max_seq_len if is_sparse else 0,
+        *q.stride(),
+        latent.stride(0),
+        latent.stride(1),
+        *block_tables.stride(),
+        indices.stride(0),
+        *out.stride(),
+        *lse.stride(),
+        KV_LORA_RANK=rank,
+        ROPE_DIM=width - rank,
+        IS_FP8=is_fp8(latent),
+        IS_SPARSE=is_sparse,
+        IS_SPLIT=splits.is_split,
+        DOT_DTYPE=tl_dtype(operand_dtype),
+        IS_FP32_DOT=operand_dtype == torch.float32,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=max(16, next_pow2(rank)),
+        BLOCK_P=max(16, next_pow2(width - rank)),
+        num_warps=8,
+        num_stages=2,
+    )
+    return merge_splits(splits, q.dtype)
