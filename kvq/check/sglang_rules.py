@@ -15,9 +15,11 @@ from kvq.check.ct_scheme import (
     shard_names,
 )
 from kvq.check.kv_scales import check_kv_scales
+from kvq.check.mtp_rules import MtpLoader, check_mtp
 from kvq.check.report import ERROR, WARNING, EngineVerdict
 from kvq.check.tp_rules import check_engine_tp
 from kvq.check.view import FP8, INT4, MOE, CheckpointView, EngineLayer
+from kvq.checkpoint.mtp_layers import sglang_nextn_name
 
 SOURCE = "sglang compressed_tensors/compressed_tensors.py"
 WNA16_SOURCE = "sglang compressed_tensors/schemes/compressed_tensors_wNa16.py"
@@ -56,17 +58,34 @@ def check(view: CheckpointView, tp: int) -> EngineVerdict:
     check_engine_tp(view, verdict, tp)
     if not is_checked_format(view, verdict):
         return verdict
-    if view.quant.get("config_groups"):
-        resolved = check_linear_layers(view, verdict, MATCHING, SOURCE)
-        for layer in view.layers:
-            if layer.kind == MOE:
-                _check_moe(view, verdict, layer)
-            elif layer.name in resolved:  # SGLang runs vLLM's CompressedTensorsWNA16 for INT4 Linears
-                check_wna16_tp(view, verdict, layer, resolved[layer.name], tp, WNA16_SOURCE)
+    check_layers(view, verdict, tp)
+    check_mtp(view, verdict, tp, SGLANG_MTP)
     _check_dsa_indexer(view, verdict)
     _check_shared_expert_fusion(view, verdict)
     check_kv_scales(view, verdict, attn_name=".self_attn.attn.")
     return verdict
+
+
+def check_layers(view: CheckpointView, verdict: EngineVerdict, tp: int) -> None:
+    """Each of `view.layers` resolved to its scheme, its stored form and TP split checked."""
+    if not view.quant.get("config_groups"):
+        return
+    resolved = check_linear_layers(view, verdict, MATCHING, SOURCE)
+    for layer in view.layers:
+        if layer.kind == MOE:
+            _check_moe(view, verdict, layer)
+        elif layer.name in resolved:  # SGLang runs vLLM's CompressedTensorsWNA16 for INT4 Linears
+            check_wna16_tp(view, verdict, layer, resolved[layer.name], tp, WNA16_SOURCE)
+
+
+# deepseek_nextn.py: the MTP decoder layer is built as `model.decoder`; the quantization config follows
+# it through a mapper written for layer 61 only (`kvq.checkpoint.mtp_layers`).
+SGLANG_MTP = MtpLoader(
+    check_layers,
+    rename=sglang_nextn_name,
+    flag="--speculative-algorithm NEXTN (EAGLE)",
+    source="python/sglang/srt/models/deepseek_nextn.py",
+)
 
 
 def _check_moe(view: CheckpointView, verdict: EngineVerdict, layer: EngineLayer) -> None:

@@ -24,9 +24,9 @@ LINEAR, MOE = "linear", "moe"
 _EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.\d+\.(gate|up|down)_proj$")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Built by vLLM and SGLang without a quant_config whatever the checkpoint says (glm4_moe / deepseek_v2
-# `self.gate = ReplicatedLinear(..., quant_config=None)`, the DSA indexer's `weights_proj`), so they
-# must be stored dense.
-_ALWAYS_DENSE = re.compile(r"\.mlp\.gate$|\.indexer\.weights_proj$|(^|\.)lm_head$")
+# `self.gate = ReplicatedLinear(..., quant_config=None)`, the DSA indexer's `weights_proj`, the MTP
+# layer's `eh_proj` = `nn.Linear` in deepseek_mtp.py / deepseek_nextn.py), so they must be stored dense.
+_ALWAYS_DENSE = re.compile(r"\.mlp\.gate$|\.indexer\.weights_proj$|(^|\.)lm_head$|\.eh_proj$")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class CheckpointView:
     linears: dict[str, StoredLinear]
     layers: list[EngineLayer] = field(default_factory=list)
     file_config: dict = field(default_factory=dict)  # config.json as stored (a wrapper's included)
+    mtp_layers: list[EngineLayer] = field(default_factory=list)  # loaded only to speculate
 
     @property
     def model_type(self) -> str:
@@ -97,9 +98,8 @@ def open_view(path: str | Path) -> CheckpointView:
     num_layers = config.get("num_hidden_layers")  # checked by the checkpoint rules; any value reads here
     num_layers = num_layers if isinstance(num_layers, int) else 1 << 30
     view = CheckpointView(ckpt.root, config, quant, ckpt.tensors, linears, file_config=ckpt.config)
-    view.layers = engine_layers(
-        [m for m in linears if not _is_mtp(m, num_layers)]  # MTP layers load only for speculative decoding
-    )
+    view.layers = engine_layers([m for m in linears if not _is_mtp(m, num_layers)])
+    view.mtp_layers = engine_layers([m for m in linears if _is_mtp(m, num_layers)])
     return view
 
 

@@ -16,6 +16,7 @@ from kvq.check.ct_layers import (
 )
 from kvq.check.ct_scheme import PACK_QUANTIZED, WNA16, first_match, match_fused_layer, shard_names
 from kvq.check.kv_scales import check_kv_scales
+from kvq.check.mtp_rules import MtpLoader, check_mtp
 from kvq.check.report import ERROR, NOTE, WARNING, EngineVerdict
 from kvq.check.tp_rules import check_engine_tp
 from kvq.check.view import INT4, LINEAR, MOE, CheckpointView, EngineLayer
@@ -57,12 +58,8 @@ def check(view: CheckpointView, tp: int) -> EngineVerdict:
     check_engine_tp(view, verdict, tp)
     if not is_checked_format(view, verdict):
         return verdict
-    resolved = check_linear_layers(view, verdict, MATCHING, SOURCE) if view.quant.get("config_groups") else {}
-    for layer in view.layers:
-        if layer.kind == LINEAR and layer.name in resolved:
-            _check_tp(view, verdict, layer, resolved[layer.name], tp)
-        elif layer.kind == MOE:
-            _check_moe(view, verdict, layer, tp)
+    check_layers(view, verdict, tp)
+    check_mtp(view, verdict, tp, VLLM_MTP)
     check_kv_scales(view, verdict, attn_name=".self_attn.attn.")
     if view.is_dsa and (view.kv_scales or view.quant.get("kv_cache_scheme")):
         verdict.add(
@@ -74,6 +71,25 @@ def check(view: CheckpointView, tp: int) -> EngineVerdict:
             "(v1/attention/backends/mla/flashmla_sparse.py)",
         )
     return verdict
+
+
+def check_layers(view: CheckpointView, verdict: EngineVerdict, tp: int) -> None:
+    """Each of `view.layers` resolved to its scheme, its stored form and TP split checked."""
+    resolved = check_linear_layers(view, verdict, MATCHING, SOURCE) if view.quant.get("config_groups") else {}
+    for layer in view.layers:
+        if layer.kind == LINEAR and layer.name in resolved:
+            _check_tp(view, verdict, layer, resolved[layer.name], tp)
+        elif layer.kind == MOE:
+            _check_moe(view, verdict, layer, tp)
+
+
+# deepseek_mtp.py: the MTP decoder layer is built under its checkpoint prefix `model.layers.{N}`.
+VLLM_MTP = MtpLoader(
+    check_layers,
+    rename=None,
+    flag="""--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'""",
+    source="vllm/model_executor/models/deepseek_mtp.py",
+)
 
 
 def _check_tp(

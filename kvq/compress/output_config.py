@@ -13,7 +13,10 @@ Linears and the fused layers vLLM and SGLang build from them (`qkv_proj`, `gate_
 (as a substring of `QKVParallelLinear`) before expanding fused names, so a fused FP8 layer must be named
 itself. The checkpoint `format` is then `mixed-precision`. Every other Linear left at source
 precision is listed by name in `ignore`, with the recipe's own ignore entries that touch nothing kvq
-quantized or kept FP8 (so a tied `lm_head`, which has no tensor of its own, stays unquantized).
+quantized or kept FP8 (so a tied `lm_head`, which has no tensor of its own, stays unquantized). The MTP
+layers' (`model.layers.{N + i}`, past the `num_layers` decoder layers) are listed by one `re:` entry per
+parent module that also matches the `model.decoder.` name SGLang's NextN model gives them
+(`kvq.checkpoint.mtp_layers`): their experts then resolve like the main layers' in both engines.
 """
 
 from __future__ import annotations
@@ -22,15 +25,19 @@ import re
 from collections import defaultdict
 
 from kvq.checkpoint.fused_layers import FUSED_LAYERS
+from kvq.checkpoint.mtp_layers import mtp_ignore_entries, mtp_layer_of
 from kvq.compress.recipe import Recipe, matches_target
 from kvq.compress.tensor_plan import CompressPlan
 
 SCHEMA_VERSION = "0.19.0"  # the compressed-tensors release whose `QuantizationConfig` dump this reproduces
 
 
-def quantization_config(recipe: Recipe, plan: CompressPlan, kv_cache_scheme: dict | None = None) -> dict:
+def quantization_config(
+    recipe: Recipe, plan: CompressPlan, kv_cache_scheme: dict | None = None, num_layers: int | None = None
+) -> dict:
     """The `quantization_config` dict for config.json (JSON-ready); a source's KV-cache scheme (from
-    `kvq calibrate`, with its `k_scale`/`v_scale` tensors copied through) is kept."""
+    `kvq calibrate`, with its `k_scale`/`v_scale` tensors copied through) is kept. `num_layers`: the
+    decoder layers (config.json num_hidden_layers); layers past them are MTP layers."""
     groups = {"group_0": _scheme(["Linear"], quantization_args(**recipe.weights_args()), "pack-quantized")}
     if plan.fp8_modules:
         block = list(plan.block)
@@ -53,7 +60,7 @@ def quantization_config(recipe: Recipe, plan: CompressPlan, kv_cache_scheme: dic
         "format": "mixed-precision" if plan.fp8_modules else "pack-quantized",
         "quantization_status": "compressed",
         "global_compression_ratio": None,
-        "ignore": ignore_list(recipe, plan),
+        "ignore": ignore_list(recipe, plan, num_layers),
     }
 
 
@@ -101,12 +108,15 @@ def fp8_targets(modules: list[str]) -> list[str]:
     return targets
 
 
-def ignore_list(recipe: Recipe, plan: CompressPlan) -> list[str]:
-    """Dense Linears by name, plus recipe ignore entries that hide no INT4 or FP8 module from its group."""
+def ignore_list(recipe: Recipe, plan: CompressPlan, num_layers: int | None = None) -> list[str]:
+    """Dense Linears by name (MTP layers' by `mtp_ignore_entries`), plus recipe ignore entries that hide
+    no INT4 or FP8 module from its group."""
     quantized = [*plan.int4_modules, *plan.fp8_modules]
     safe = [
         entry for entry in recipe.ignore if not any(matches_target(module, entry) for module in quantized)
     ]
     if not plan.has_lm_head:
         safe.append("lm_head")  # tied to the embeddings: nothing stored, nothing to quantize
-    return sorted(set(plan.dense_linear_modules) | set(safe))
+    dense = set(plan.dense_linear_modules)
+    mtp = sorted(m for m in dense if num_layers is not None and mtp_layer_of(m, num_layers) is not None)
+    return sorted((dense - set(mtp)) | set(mtp_ignore_entries(mtp)) | set(safe))

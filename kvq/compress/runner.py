@@ -163,7 +163,10 @@ def _finish(job: PreparedJob, weight_map: dict[str, str], shards: dict) -> None:
     total = sum(shards[name]["tensor_bytes"] for name in set(weight_map.values()))
     write_index(out, weight_map, total)
     kv_cache_scheme = job.ckpt.quantization_config.get("kv_cache_scheme")
-    quant = quantization_config(job.recipe, job.plan, kv_cache_scheme)
+    num_layers = job.ckpt.config.get("num_hidden_layers")  # past it: MTP layers (none in a wrapper)
+    quant = quantization_config(
+        job.recipe, job.plan, kv_cache_scheme, num_layers if isinstance(num_layers, int) else None
+    )
     write_json_atomic(with_quantization_config(job.ckpt.config, quant), out / CONFIG_NAME)
     for path in sorted(src.iterdir()):
         if _is_side_file(path):

@@ -4,7 +4,8 @@ The INT4 modules of a `kvq compress` plan, by layer: plain `nn.Linear`s (`self_a
 expert, a dense MLP, ...) and slices of the fused routed experts (`mlp.experts.{e}.{gate,up,down}_proj`
 -> `gate_up_proj[e]` rows `[:I]` / `[I:]`, `down_proj[e]`). Every target is checked against the model
 built on the meta device (a module of that name and shape must exist) before any work starts. INT4
-modules outside the layers the forward runs (MTP layers) cannot be calibrated and stay RTN.
+modules outside the layers the forward runs (MTP layers) are quantized round-to-nearest, deliberately
+(docs/mtp.md): GPTQ's streamed forward does not run the MTP layer.
 Imports torch and kvq (compress plan, errors).
 """
 
@@ -21,7 +22,7 @@ from kvq.gptq.experts import DOWN, GATE_UP
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
-NOT_REACHED = "outside the decoder layers the forward runs (an MTP layer?): no calibration inputs"
+NOT_REACHED = "MTP layer: round-to-nearest by design, GPTQ's forward does not run it (docs/mtp.md)"
 
 
 @dataclass(frozen=True)
