@@ -18,6 +18,7 @@ from kvq import __version__
 from kvq.calibrate.config import CalibrationConfig
 from kvq.calibrate.kv_layout import KvLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.layer_stream import embed, meta_model, run_layers
+from kvq.calibrate.mtp_stream import run_mtp_layers
 from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.samples import CalibrationSamples, build_samples
 from kvq.calibrate.scales import layer_scales
@@ -25,6 +26,7 @@ from kvq.calibrate.scales_record import SCALES_FILE, UNIT_FILES
 from kvq.calibrate.write_scales import apply_update, plan_update
 from kvq.checkpoint.file_commit import recover
 from kvq.checkpoint.model_config import TextModel, pretrained_config, text_model
+from kvq.checkpoint.mtp_layers import mtp_layer_indexes
 from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint
 from kvq.checkpoint.writable import check_writable_dir
 from kvq.data.texts import load_texts, source_name
@@ -65,13 +67,14 @@ def calibrate(
     samples = calibration_samples(ckpt.root, config)
     # Fail now, not after the forward, on anything writing would reject (foreign scales, bad JSON).
     plan_update(ckpt, {}, config.strategy, {})
+    mtp = stored_mtp_layers(lm, model.fields)
     if on_start is not None:
         on_start(layout.num_layers)
     recorder = measure_kv(
-        lm, model, layout, layer_names, samples.input_ids, DTYPES[config.dtype], on_layer_done
+        lm, model, layout, layer_names, samples.input_ids, DTYPES[config.dtype], on_layer_done, mtp
     )
     scales: dict[str, torch.Tensor] = {}
-    for i in range(layout.num_layers):
+    for i in [*range(layout.num_layers), *mtp]:
         scales |= layer_scales(layout, config.strategy, i, recorder.amax[i])
     record = run_record(layout, config, samples, recorder, scales)
     scales = {model.checkpoint_name(name): scale for name, scale in scales.items()}
@@ -123,6 +126,14 @@ def load_tokenizer(root: Path) -> PreTrainedTokenizerBase:
         ) from e
 
 
+def stored_mtp_layers(ckpt: Checkpoint, fields: dict) -> range:
+    """The MTP layers config.json declares and `ckpt` stores (they have their own attention and KV
+    cache: calibrated too); empty when any of them has no attention tensors."""
+    indexes = mtp_layer_indexes(fields)
+    stored = all(any(n.startswith(f"model.layers.{i}.self_attn.") for n in ckpt.tensors) for i in indexes)
+    return indexes if stored else range(0)
+
+
 def measure_kv(
     ckpt: Checkpoint,
     model: TextModel,
@@ -131,13 +142,16 @@ def measure_kv(
     input_ids: torch.Tensor,
     dtype: torch.dtype,
     on_layer_done: LayerDone | None = None,
+    mtp: range = range(0),
 ) -> KvRecorder:
-    """Stream the layers of `ckpt` (the language model, in transformers' names) over `input_ids` `[N, S]`
-    and return the running maxima (no writing)."""
+    """Stream the layers of `ckpt` (the language model, in transformers' names) over `input_ids` `[N, S]`,
+    then the MTP layers `mtp`, and return the running maxima (no writing)."""
     hf_model = meta_model(pretrained_config(model), dtype)
     state = embed(hf_model, ckpt, input_ids)
     recorder = KvRecorder(layout)
     run_layers(hf_model, ckpt, layer_names, state, recorder, on_layer_done)
+    if mtp:
+        run_mtp_layers(hf_model, ckpt, state, input_ids, mtp, recorder)
     return recorder
 
 
@@ -150,7 +164,7 @@ def run_record(
 ) -> dict:
     """The manifest entry: what was observed, on which tokens, and every layer's amax and scales."""
     layers = []
-    for i in range(layout.num_layers):
+    for i in sorted(recorder.amax):  # the decoder layers, then any MTP layers
         prefix = f"model.layers.{i}.self_attn."
         layers.append(
             {
