@@ -21,33 +21,13 @@ from typing import Any
 import yaml
 
 from kvq.errors import KvqError
+from kvq.runtime.config import ENGINE_KEYS  # no torch either
 
 EMBEDDED = {
     "embedded:smollm2": "SmolLM2-135M-Instruct, BF16 (kvq default-model)",
     "embedded:smollm2-int4": "SmolLM2-135M-Instruct, INT4 weights (group 64) + calibrated FP8 KV scales",
 }
 SECTIONS = ("model", "engine", "server", "deployment")
-ENGINE_KEYS = (
-    "dtype",
-    "kv_cache_dtype",
-    "page_size",
-    "kv_memory",
-    "kv_memory_fraction",
-    "require_kv_scales",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "decode_reserve_ratio",
-    "enable_prefix_caching",
-    "fp8_weights",
-    "device",
-    "threads",
-    "tp",
-    "kv_integrity",
-    "lm_head_weights",
-    "int4_compute",
-    "enforce_eager",
-)  # EngineConfig's fields but `model`, here so that reading a config needs no torch (a test checks)
 
 
 @dataclass(frozen=True)
@@ -151,6 +131,6 @@ def embedded_model(name: str) -> Path:
     bf16 = ensure_smollm2().bf16
     if name == "embedded:smollm2":
         return bf16
-    from kvq.bench.decode import DecodeBenchConfig, int4_model
+    from kvq.smollm2_int4 import ensure_smollm2_int4
 
-    return int4_model(DecodeBenchConfig(), bf16)
+    return ensure_smollm2_int4(bf16)

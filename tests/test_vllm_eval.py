@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvq.eval.config import EvalConfig
+from kvq.eval.eval_config import EvalConfig
 from kvq.eval.served import ClientSettings, evaluate_served
 from kvq.eval.server_client import Server
 from tests.test_vllm_cpu import HAS_AVX512, VLLM_PYTHON
@@ -72,7 +72,7 @@ def vllm_serve(model: Path, name: str, timeout_s: float = 900) -> Iterator[str]:
 
 
 def test_served_by_vllm_equals_the_kvq_runtime(smollm2) -> None:
-    from kvq.eval.run import EngineSettings, evaluate
+    from kvq.eval.in_process import EngineSettings, evaluate
 
     ours = evaluate(smollm2.bf16, None, CONFIG, EngineSettings(kv_memory="128MiB", threads=2))
     with vllm_serve(smollm2.bf16, "bf16") as url:

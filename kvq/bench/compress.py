@@ -24,6 +24,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from kvq.bench.json_output import JsonOption
 from kvq.bench.measure import Measurement, run_measured
 from kvq.byte_sizes import format_bytes
 from kvq.commands.render import console
@@ -251,9 +252,7 @@ def bench_compress_command(
         int,
         typer.Option("--repeats", help="Runs of kvq and of the I/O floor after a warm-up (median reported)."),
     ] = 3,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
-    ] = None,
+    json_out: JsonOption = None,
     method: Annotated[
         str,
         typer.Option(

@@ -14,7 +14,7 @@
 3. KV pool: tokens held by BF16 and FP8 pools of the same bytes.
 4. Admission: a KV budget where BF16 pages admit 32 requests; FP8 pages of the same bytes admit 64; the
    same 64-request workload through both (INT4 weights), total generated tokens / wall time.
-The INT4 model is built once (kvq compress + kvq calibrate) under `kvq.paths.cache_dir()/bench`.
+The INT4 model is built once (kvq compress + kvq calibrate, `kvq.smollm2_int4`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import psutil
 import torch
 
 from kvq.bench.decode_speed import PROMPT, decode_tok_s, kvq_generate, transformers_generate
-from kvq.paths import cache_dir
 
 
 @dataclass(frozen=True)
@@ -110,20 +109,6 @@ print(json.dumps({"rss_delta": rss() - before, "weight_bytes": weight_bytes, "ch
 """
 
 
-def int4_model(config: DecodeBenchConfig, bf16: Path) -> Path:
-    """SmolLM2 compressed (w4a16-linear) and calibrated, built once under the bench cache."""
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibrate
-    from kvq.compress.recipe import load_recipe
-    from kvq.compress.runner import prepare, run
-
-    path = cache_dir() / "bench" / f"smollm2-w4a16-g{config.group_size}-kv"
-    if not (path / "kv_scales.safetensors").is_file():
-        run(prepare(bf16, path, load_recipe("w4a16-linear", config.group_size)), workers=1)
-        calibrate(path, CalibrationConfig(num_samples=config.calib_samples, seq_len=config.calib_seq_len))
-    return path
-
-
 def engine(path: Path, config: DecodeBenchConfig, **kwargs):
     from kvq.runtime.config import EngineConfig
     from kvq.runtime.engine import Engine
@@ -194,7 +179,7 @@ def host_ms_per_token(path: Path, config: DecodeBenchConfig) -> dict[str, float]
 
 def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchResult:
     from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
-    from kvq.runtime.kernels.w4a8_cpu import w4a8_path
+    from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
     from kvq.runtime.kv_layout import layout_for
     from kvq.runtime.kv_pool import page_bytes
 

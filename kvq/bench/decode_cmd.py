@@ -3,22 +3,24 @@ the MLA bench (`decode_mla`) or the tensor-parallel one (`decode_tp`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from kvq.bench.decode import DecodeBenchConfig, int4_model, run_bench
+from kvq.bench.decode import DecodeBenchConfig, run_bench
 from kvq.bench.decode_render import render
-from kvq.commands.engine_options import EnforceEagerOption
+from kvq.bench.json_output import JsonOption, write_json
+from kvq.commands.engine_options import engine_options
+from kvq.commands.field_options import GivenOptions
 from kvq.commands.render import console
 from kvq.errors import KvqError
+from kvq.smollm2_int4 import ensure_smollm2_int4
 
 
+@engine_options("enforce_eager")
 def bench_decode_command(
     threads: Annotated[
         int, typer.Option(help="torch threads (pinned for every contender).")
@@ -57,9 +59,7 @@ def bench_decode_command(
             "(each end: 256 tokens, or a quarter of it when shorter)."
         ),
     ] = DecodeBenchConfig.long_tokens,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
-    ] = None,
+    json_out: JsonOption = None,
     model: Annotated[
         str,
         typer.Option(
@@ -87,7 +87,8 @@ def bench_decode_command(
             "vLLM on the BF16 weights as a contender at concurrency 1 and --batch-seqs (decode_vllm.py)."
         ),
     ] = None,
-    enforce_eager: EnforceEagerOption = False,
+    *,
+    engine: GivenOptions,
 ) -> None:
     """Decode speed (INT4 vs BF16 weights vs transformers, at concurrency 1 and --batch-seqs), resident
     weight memory, FP8 vs BF16 KV capacity and admission throughput on the embedded SmolLM2-135M-Instruct;
@@ -118,12 +119,12 @@ def bench_decode_command(
         long_tokens=long_tokens,
         long_window=min(DecodeBenchConfig.long_window, max(1, long_tokens // 4)),
         vllm_python=str(vllm_python) if vllm_python else None,
-        enforce_eager=enforce_eager,
+        enforce_eager=engine.values["enforce_eager"],
     )
     if bf16 is not None and int4 is None:
         raise KvqError("--bf16 is given without --int4; pass the INT4 checkpoint made from it too")
     bf16 = bf16 or ensure_smollm2().bf16
-    int4 = int4 or int4_model(config, bf16)
+    int4 = int4 or ensure_smollm2_int4(bf16, config.group_size, config.calib_samples, config.calib_seq_len)
     if tp > 1:
         from kvq.bench.decode_tp import render_tp, run_tp_bench
 
@@ -135,5 +136,4 @@ def bench_decode_command(
 def _report(result: Any, render_result: Callable[[Any], Table], json_out: Path | None) -> None:
     """Print a bench's table and write its result dataclass as JSON where asked."""
     console.print(render_result(result))
-    if json_out is not None:
-        json_out.write_text(json.dumps(asdict(result), indent=2))
+    write_json(result, json_out)

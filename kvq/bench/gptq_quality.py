@@ -25,6 +25,7 @@ import typer
 from rich.table import Table
 
 from kvq.bench.compress_gptq import calibration_ids, shared_nibbles
+from kvq.bench.json_output import JsonOption
 from kvq.bench.measure import run_measured
 from kvq.commands.render import console
 from kvq.paths import cache_dir
@@ -190,9 +191,7 @@ def bench_gptq_command(
     gptaq: Annotated[
         bool, typer.Option(help="Also kvq compress --method gptaq with the same recipe (kvq-gptaq).")
     ] = GptqQualityConfig.gptaq,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
-    ] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ (and kvq's GPTAQ), on two
     kinds of text.

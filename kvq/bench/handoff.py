@@ -16,7 +16,6 @@ Imports torch, typer, rich and kvq.
 
 from __future__ import annotations
 
-import json
 import socket
 import statistics
 import threading
@@ -30,6 +29,7 @@ import torch
 import typer
 from rich.table import Table
 
+from kvq.bench.json_output import JsonOption, write_json
 from kvq.commands.render import console
 from kvq.errors import KvqError
 
@@ -225,9 +225,7 @@ def bench_handoff_command(
             "--pd-transport torch sends between hosts, without the network)."
         ),
     ] = HandoffBenchConfig.transport,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
-    ] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """The prefill/decode handoff's cost per prompt token, stage by stage (export, send and receive over
     --transport, verify, admit), next to the prefill step's time per token."""
@@ -242,5 +240,4 @@ def bench_handoff_command(
     config = HandoffBenchConfig(model, lengths, repeats, threads, page_size, transport)
     result = run_handoff_bench(config)
     console.print(render_handoff(result))
-    if json_out is not None:
-        json_out.write_text(json.dumps(asdict(result), indent=2))
+    write_json(result, json_out)

@@ -25,7 +25,6 @@ Imports torch, typer, rich and kvq.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from rich.table import Table
 
 from kvq.bench.integrity_drill import drill_rows, drill_table, random_fault_rows, random_fault_table
 from kvq.bench.integrity_lockstep import TrackerTimer, lockstep_round, summarize
+from kvq.bench.json_output import JsonOption, write_json
 from kvq.byte_sizes import SIZE_HELP
 from kvq.commands.render import console
 from kvq.drill.workload import DRILL_PAGE_SIZE
@@ -212,9 +212,7 @@ def bench_integrity_command(
     random_faults: Annotated[
         int, typer.Option(help="With --drill: this many faults drawn at random (seeds 0..N-1), in tags mode.")
     ] = IntegrityBenchConfig.random_faults,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Where to write the results as JSON.")
-    ] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """Throughput and P95 step latency of --kv-integrity off / tags / full (interleaved, as ratios to off),
     the check's own share of step time, and a fault drill."""
@@ -245,5 +243,4 @@ def bench_integrity_command(
     result = run_bench(config, model)
     for table in render(result):
         console.print(table)
-    if json_out is not None:
-        json_out.write_text(json.dumps(asdict(result), indent=2))
+    write_json(result, json_out)

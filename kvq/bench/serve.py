@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvq.bench.json_output import JsonOption
 from kvq.bench.serve_load import LevelResult, run_level, served_model, summarize
 from kvq.bench.serve_plot import plot_levels
 from kvq.bench.serve_servers import ServerSpec, parse_servers, server_up
@@ -150,7 +151,7 @@ def bench_serve_command(
     api_key: Annotated[
         str | None, typer.Option(envvar="KVQ_API_KEY", help="Sent as 'Authorization: Bearer KEY'.")
     ] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
+    json_out: JsonOption = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG plot of the results.")] = None,
     server_log: Annotated[
         Path | None, typer.Option(help="Append the output of the servers kvq starts to this file.")

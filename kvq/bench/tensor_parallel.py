@@ -20,6 +20,7 @@ from typing import Annotated
 
 import typer
 
+from kvq.bench.json_output import JsonOption
 from kvq.byte_sizes import format_bytes
 from kvq.commands.render import console
 
@@ -115,7 +116,7 @@ def bench_tp_command(
             help="A GLM-5-FP8 config.json folder: project GLM-5 INT4 at TP8 on H200s from the plan."
         ),
     ] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """Per-rank weights, KV bytes per token and decode bytes per token at --tp 1 and --tp N, against
     `kvq plan --tp N`; with --glm5-config, the same arithmetic for GLM-5 INT4 at TP8."""

@@ -1,5 +1,5 @@
 """Write a whole checkpoint directory laid out like real Hugging Face ones: BF16, FP8-block (DeepSeek-V3
-style) or Kimi K2.6's native INT4 (`kimi-int4`, `deepseek_v3` models only: see `kvq.fixtures.kimi_fixture`),
+style) or a layout the caller passes (the fixtures' Kimi K2.6 native INT4: `kvq.fixtures.kimi_fixture`),
 from a transformers config, a tokenizer and a function giving each BF16 tensor.
 
 `write_checkpoint` is what the embedded model (`kvq.data.embedded_model`) and the random fixtures
@@ -26,11 +26,13 @@ from kvq.checkpoint.write import save_safetensors_atomic, write_index, write_jso
 from kvq.errors import KvqError
 from kvq.formats.fp8_block import quantize_fp8_block
 
-FORMATS = ("bf16", "fp8-block", "kimi-int4")
+FORMATS = ("bf16", "fp8-block")
 DEFAULT_MAX_SHARD_BYTES = 512 * 1024**2
 
 Source = Callable[[TensorSpec], torch.Tensor]  # the BF16 checkpoint's tensor for a spec
 Produce = Callable[[TensorSpec], dict[str, torch.Tensor]]  # a stored tensor, with any partner made with it
+# (BF16 specs, source, config) -> (the stored specs, a function making each, the config.json dict)
+Layout = Callable[[Sequence[TensorSpec], Source, PretrainedConfig], tuple[list[TensorSpec], Produce, dict]]
 
 
 def write_checkpoint(
@@ -38,14 +40,15 @@ def write_checkpoint(
     specs: Sequence[TensorSpec],
     source: Source,
     *,
-    fmt: str,
+    fmt: str | Layout,
     config: PretrainedConfig,
     tokenizer: PreTrainedTokenizerBase,
     generation_config: GenerationConfig | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write `specs` (the BF16 tensors, in module order) as a `fmt` checkpoint directory, atomically."""
-    if fmt not in FORMATS:
+    """Write `specs` (the BF16 tensors, in module order) as a `fmt` checkpoint directory, atomically: `fmt`
+    one of `FORMATS`, or a `Layout` of the caller's."""
+    if isinstance(fmt, str) and fmt not in FORMATS:
         raise KvqError(f"checkpoint format {fmt!r} is unknown; pick one of {', '.join(FORMATS)}")
     bf16_specs = {s.name: s for s in specs}
     generation_config = generation_config or GenerationConfig(
@@ -53,10 +56,8 @@ def write_checkpoint(
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
-    if fmt == "kimi-int4":
-        from kvq.fixtures.kimi_fixture import kimi_layout
-
-        stored, produce, config_dict = kimi_layout(specs, source, config)
+    if not isinstance(fmt, str):
+        stored, produce, config_dict = fmt(specs, source, config)
     else:
         stored = [s for spec in specs for s in fp8_block_specs(spec)] if fmt == "fp8-block" else list(specs)
         config_dict = config_json(config)

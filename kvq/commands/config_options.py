@@ -1,14 +1,12 @@
-"""`--config FILE` on the command line: a serving config's settings, overridden by the flags given.
-
-A flag counts as given when it came from the command line or its environment variable (click's
-parameter source), so a flag's default never overrides the file. Imports typer/click and kvq.config_file.
+"""`--config FILE` on the command line: a serving config's settings, overridden by the flags given
+(`kvq.commands.field_options.GivenOptions.over`: a flag's default never overrides the file). Imports typer
+and kvq.config_file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -23,17 +21,10 @@ ConfigOption = Annotated[
         "override it.",
     ),
 ]
-_GIVEN = ("COMMANDLINE", "ENVIRONMENT")  # click's ParameterSource names (typer ships its own click)
 
 
 def read_config(path: Path | None) -> ConfigFile | None:
     return None if path is None else load_config(path)
-
-
-def settings(ctx: typer.Context, from_file: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
-    """The file's settings with the flags among `names` that were given on top."""
-    given = {n: ctx.params[n] for n in names if getattr(ctx.get_parameter_source(n), "name", None) in _GIVEN}
-    return {**from_file, **given}
 
 
 def model_dir(model: Path | None, config: ConfigFile | None) -> Path:

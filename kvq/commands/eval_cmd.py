@@ -22,16 +22,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvq.checkpoint.validate import validate_dir
 from kvq.checkpoint.writable import check_writable_file
-from kvq.commands.engine_options import (
-    DtypeOption,
-    Int4ComputeOption,
-    KvMemoryOption,
-    LmHeadWeightsOption,
-    ThreadsOption,
-)
+from kvq.commands.engine_options import engine_options
+from kvq.commands.field_options import GivenOptions
 from kvq.commands.render import console
 from kvq.errors import KvqError
-from kvq.eval.config import DEFAULT_TASKS, TEXT_TASK, EvalConfig
+from kvq.eval.eval_config import DEFAULT_TASKS, TEXT_TASK, EvalConfig
 from kvq.kv_cache_dtypes import KV_CACHE_DTYPES, check_dtype
 from kvq.runtime.config import EngineConfig
 
@@ -55,6 +50,20 @@ def _check_before_work(model: Path, json_out: Path | None, baseline_dtype: str, 
         check_writable_file(json_out, "--json")
 
 
+@engine_options(
+    "kv_memory",
+    "dtype",
+    "threads",
+    "max_num_seqs",
+    "tp",
+    "lm_head_weights",
+    "int4_compute",
+    help={
+        "max_num_seqs": "Requests each engine batches at most.",
+        "tp": "Tensor-parallel ranks for MODEL's runs (gloo on CPU, NCCL on CUDA); the baseline runs at "
+        "--tp 1 beside them (it scores in lockstep).",
+    },
+)
 def eval_command(
     model: Annotated[
         Path,
@@ -130,24 +139,11 @@ def eval_command(
             help="With --server: prompt log-probabilities per position KL and agreement read (1-20)."
         ),
     ] = _DEFAULTS.top_logprobs,
-    kv_memory: KvMemoryOption = None,
-    dtype: DtypeOption = EngineConfig.dtype,
+    *,
+    engine: GivenOptions,
     baseline_dtype: Annotated[
         str, typer.Option(help="The baseline's activations: auto (bfloat16) or float32 (reference mode).")
     ] = EngineConfig.dtype,
-    threads: ThreadsOption = None,
-    max_num_seqs: Annotated[
-        int, typer.Option(help="Requests each engine batches at most.")
-    ] = EngineConfig.max_num_seqs,
-    tp: Annotated[
-        int,
-        typer.Option(
-            help="Tensor-parallel ranks for MODEL's runs (gloo on CPU, NCCL on CUDA); the baseline runs "
-            "at --tp 1 beside them (it scores in lockstep)."
-        ),
-    ] = EngineConfig.tp,
-    lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
-    int4_compute: Int4ComputeOption = EngineConfig.int4_compute,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
 ) -> None:
     """lm-evaluation-harness tasks and held-out perplexity, KL and top-1 agreement of MODEL (vs --baseline),
@@ -168,17 +164,13 @@ def eval_command(
         client = (tokenizer or str(model), num_concurrent, max_retries)
         _report(_served(str(model), baseline, server, baseline_server, api_key, config, client), json_out)
         return
-    engine = {"dtype": dtype, "kv_memory": kv_memory, "threads": threads, "max_num_seqs": max_num_seqs}
-    engine |= {"lm_head_weights": lm_head_weights, "tp": tp, "int4_compute": int4_compute}
-    _check_before_work(model, json_out, baseline_dtype, engine)
+    _check_before_work(model, json_out, baseline_dtype, engine.values)
     for checkpoint in (model, baseline):  # before any engine loads: each is what its config.json says
         if checkpoint is not None:
             validate_dir(checkpoint)
-    from kvq.eval.run import EngineSettings, evaluate
+    from kvq.eval.in_process import EngineSettings, evaluate
 
-    settings = EngineSettings(
-        dtype, baseline_dtype, kv_memory, threads, max_num_seqs, lm_head_weights, tp, int4_compute
-    )
+    settings = EngineSettings(baseline_dtype=baseline_dtype, **engine.values)
     with _progress_bars() as progress:
         report = evaluate(model, baseline, config, settings, progress)
     _report(report, json_out)

@@ -9,36 +9,17 @@ from typing import Annotated
 import typer
 
 from kvq.checkpoint.validate import validate_dir
-from kvq.commands.config_options import (
-    ConfigOption,
-    model_dir,
-    read_config,
-    refuse_paper_deployment,
-    settings,
-)
-from kvq.commands.engine_options import (
-    ENGINE_OPTION_NAMES,
-    DtypeOption,
-    EnforceEagerOption,
-    Int4ComputeOption,
-    KvCacheDtypeOption,
-    KvIntegrityOption,
-    KvMemoryOption,
-    LmHeadWeightsOption,
-    MaxModelLenOption,
-    PageSizeOption,
-    RequireKvScalesOption,
-    ThreadsOption,
-    TpOption,
-)
+from kvq.commands.config_options import ConfigOption, model_dir, read_config, refuse_paper_deployment
+from kvq.commands.engine_options import engine_options
+from kvq.commands.field_options import GivenOptions
 from kvq.commands.utf8_arguments import check_utf8
 from kvq.errors import KvqError
-from kvq.runtime.config import EngineConfig
+from kvq.runtime.config import ENGINE_OPTIONS, EngineConfig
 from kvq.runtime.sampling_params import SamplingParams
 
 
+@engine_options(*(name for name in ENGINE_OPTIONS if name != "max_num_seqs"))  # one request: max_num_seqs 1
 def generate_command(
-    ctx: typer.Context,
     model_or_prompt: Annotated[
         str, typer.Argument(metavar="[MODEL] PROMPT", help="Checkpoint directory (omit it with --config).")
     ],
@@ -54,18 +35,8 @@ def generate_command(
     ] = SamplingParams.top_k,
     seed: Annotated[int | None, typer.Option(help="Seed of this request's sampler.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable); not printed.")] = None,
-    kv_cache_dtype: KvCacheDtypeOption = EngineConfig.kv_cache_dtype,
-    page_size: PageSizeOption = EngineConfig.page_size,
-    kv_memory: KvMemoryOption = None,
-    require_kv_scales: RequireKvScalesOption = False,
-    dtype: DtypeOption = EngineConfig.dtype,
-    threads: ThreadsOption = None,
-    tp: TpOption = EngineConfig.tp,
-    lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
-    int4_compute: Int4ComputeOption = EngineConfig.int4_compute,
-    enforce_eager: EnforceEagerOption = EngineConfig.enforce_eager,
-    kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
-    max_model_len: MaxModelLenOption = None,
+    *,
+    engine: GivenOptions,
     chat: Annotated[bool, typer.Option(help="Use the tokenizer's chat template when it has one.")] = True,
 ) -> None:
     """Generate a completion for one prompt, streaming the text as it is produced."""
@@ -83,15 +54,15 @@ def generate_command(
     for text in stop or []:
         check_utf8(text, f"--stop {text!r}")
     path = model_dir(model, file)
-    engine_settings = settings(ctx, file.engine if file else {}, ENGINE_OPTION_NAMES)
-    engine_config = EngineConfig(model=str(path), **{**engine_settings, "max_num_seqs": 1})
+    settings = engine.over(file.engine if file else {})
+    engine_config = EngineConfig(model=str(path), **{**settings, "max_num_seqs": 1})
     validate_dir(path)  # a checkpoint that contradicts its config.json is refused by name, before loading
     from kvq.runtime.engine import Engine  # transformers and the model code: once every flag passed
 
-    engine = Engine(engine_config)
-    token_ids = engine.encode_chat(prompt) if chat else engine.encode(prompt)
+    runtime = Engine(engine_config)
+    token_ids = runtime.encode_chat(prompt) if chat else runtime.encode(prompt)
     error = None
-    for out in engine.stream(token_ids, params):
+    for out in runtime.stream(token_ids, params):
         sys.stdout.write(out.delta)
         sys.stdout.flush()
         error = out.error

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from kvq.commands.config_options import settings
+from kvq.commands.field_options import given
 from kvq.compress.serving_memory import KV_CACHE_DTYPES, ServingMemory
 from kvq.config_file import ConfigFile, Deployment, load_config
 from kvq.errors import KvqError
@@ -47,7 +47,7 @@ class DeploymentCheck:
         """(tp, gpu_mem, mem_fraction, recipe): the deployment's, with the flags given over them."""
         d = self.deployment
         file = {"tp": d.tp, "gpu_mem": d.gpu_mem, "mem_fraction": d.mem_fraction, "recipe": d.recipe}
-        merged = settings(ctx, file, file)  # the flags of the same names, where given
+        merged = {**file, **given(ctx, {name: ctx.params[name] for name in file})}
         return merged["tp"], merged["gpu_mem"], merged["mem_fraction"], merged["recipe"]
 
     def verdict(self, memory: ServingMemory) -> dict:

@@ -8,108 +8,32 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvq.commands.config_options import (
-    ConfigOption,
-    model_dir,
-    read_config,
-    refuse_paper_deployment,
-    settings,
-)
-from kvq.commands.engine_options import (
-    ENGINE_OPTION_NAMES,
-    DtypeOption,
-    EnforceEagerOption,
-    Int4ComputeOption,
-    KvCacheDtypeOption,
-    KvIntegrityOption,
-    KvMemoryOption,
-    LmHeadWeightsOption,
-    MaxModelLenOption,
-    MaxNumSeqsOption,
-    OptionalModelArgument,
-    PageSizeOption,
-    RequireKvScalesOption,
-    ThreadsOption,
-    TpOption,
-)
+from kvq.commands.config_options import ConfigOption, model_dir, read_config, refuse_paper_deployment
+from kvq.commands.engine_options import OptionalModelArgument, engine_options
+from kvq.commands.field_options import GivenOptions, field_options
 from kvq.errors import KvqError
-from kvq.runtime.config import EngineConfig
+from kvq.runtime.config import EngineConfig, option_names
 from kvq.serve.server_config import ServerConfig
 
 if TYPE_CHECKING:
-    from kvq.serve.app import Served
+    import subprocess
 
-SERVER_OPTION_NAMES = (
-    "host", "port", "served_model_name", "api_key", "metrics_need_key", "max_waiting", "max_tokens",
-    "max_prompt_tokens", "max_completion_tokens", "max_body_bytes", "shutdown_timeout", "log_level",
-)  # fmt: skip
+    from kvq.serve.app import Served
+    from kvq.serve.async_engine import AsyncEngine
+    from kvq.serve.metrics import ServeMetrics
+    from kvq.serve.shutdown import DrainingServer
+
 ROLES = ("single", "prefill", "decode", "pd")
 
 
+@field_options(ServerConfig, "server", option_names(ServerConfig))
+@engine_options()
 def serve_command(
-    ctx: typer.Context,
     model: OptionalModelArgument = None,
     config: ConfigOption = None,
-    host: Annotated[
-        str,
-        typer.Option(
-            help="Address to listen on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)."
-        ),
-    ] = ServerConfig.host,
-    port: Annotated[int, typer.Option(help="TCP port (0: any free one).")] = ServerConfig.port,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="The model name clients send (default: the directory name).")
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="KVQ_API_KEY",
-            help="Every /v1/* request must send 'Authorization: Bearer KEY' (else 401). /health stays open.",
-        ),
-    ] = None,
-    metrics_need_key: Annotated[
-        bool, typer.Option("--metrics-need-key", help="/metrics needs the API key too.")
-    ] = False,
-    max_waiting: Annotated[
-        int | None,
-        typer.Option(
-            help="Most requests accepted but not started; more get 429 with Retry-After (default: no bound)."
-        ),
-    ] = None,
-    max_tokens: Annotated[
-        int, typer.Option(help="max_tokens of a chat request that sets none (completions: 16, as OpenAI).")
-    ] = ServerConfig.max_tokens,
-    max_prompt_tokens: Annotated[
-        int | None, typer.Option(help="Most prompt tokens per request (default: the context); more get 400.")
-    ] = None,
-    max_completion_tokens: Annotated[
-        int | None, typer.Option(help="Most max_tokens per request (default: the context); more get 400.")
-    ] = None,
-    max_body_bytes: Annotated[
-        str, typer.Option(help="Largest request body, e.g. 4MiB; larger ones get 413.")
-    ] = str(ServerConfig.max_body_bytes),
-    shutdown_timeout: Annotated[
-        float,
-        typer.Option(
-            help="Seconds running requests get to finish after SIGTERM; the rest end with an error."
-        ),
-    ] = ServerConfig.shutdown_timeout,
-    log_level: Annotated[
-        str, typer.Option(help="critical, error, warning, info or debug.")
-    ] = ServerConfig.log_level,
-    max_num_seqs: MaxNumSeqsOption = EngineConfig.max_num_seqs,
-    max_model_len: MaxModelLenOption = None,
-    kv_cache_dtype: KvCacheDtypeOption = EngineConfig.kv_cache_dtype,
-    page_size: PageSizeOption = EngineConfig.page_size,
-    kv_memory: KvMemoryOption = None,
-    require_kv_scales: RequireKvScalesOption = False,
-    dtype: DtypeOption = EngineConfig.dtype,
-    threads: ThreadsOption = None,
-    tp: TpOption = EngineConfig.tp,
-    lm_head_weights: LmHeadWeightsOption = EngineConfig.lm_head_weights,
-    int4_compute: Int4ComputeOption = EngineConfig.int4_compute,
-    enforce_eager: EnforceEagerOption = EngineConfig.enforce_eager,
-    kv_integrity: KvIntegrityOption = EngineConfig.kv_integrity,
+    *,
+    server: GivenOptions,
+    engine: GivenOptions,
     role: Annotated[
         str,
         typer.Option(
@@ -151,36 +75,14 @@ def serve_command(
     itself stop, /health answers 503 and the process exits 1 (for a supervisor to restart it). Needs the
     serve extra (fastapi, uvicorn, prometheus-client).
     """
-    try:
-        import uvicorn
-    except ImportError as e:
-        raise KvqError(
-            f"kvq serve needs fastapi and uvicorn ({e}); install them: pip install 'kvq[serve]'"
-        ) from e
-    from kvq.runtime.engine import Engine
+    _require_serve_extra()
     from kvq.runtime.pd_engine import PDEngine
-    from kvq.serve.access import ServeState
-    from kvq.serve.app import Served, make_app
-    from kvq.serve.async_engine import AsyncEngine
-    from kvq.serve.encoder import PromptEncoder
-    from kvq.serve.metrics import ServeMetrics
-    from kvq.serve.pd_roles import (
-        PrefillFront,
-        check_transport,
-        engine_flags,
-        run_decode_worker,
-        run_torch_decode_worker,
-        start_decode_worker,
-        stop_child,
-    )
-    from kvq.serve.shutdown import DrainingServer
+    from kvq.serve.pd_roles import check_transport, run_decode_worker, run_torch_decode_worker
 
     file = read_config(config)
     refuse_paper_deployment(file, "serve")
     path = model_dir(model, file)
-    engine_config = EngineConfig(
-        model=str(path), **settings(ctx, file.engine if file else {}, ENGINE_OPTION_NAMES)
-    )
+    engine_config = EngineConfig(model=str(path), **engine.over(file.engine if file else {}))
     if role not in ROLES:
         raise KvqError(f"--role is {role!r}; pick one of {', '.join(ROLES)}")
     check_transport(role, pd_transport, pd_socket, pd_addr)
@@ -194,20 +96,47 @@ def serve_command(
     if role == "decode":
         run_decode_worker(PDEngine(engine_config), str(pd_socket))
         return
-    server = ServerConfig(**settings(ctx, file.server if file else {}, SERVER_OPTION_NAMES))
+    server_config = ServerConfig(**server.over(file.server if file else {}))
     child = None
     if role == "pd":
+        from kvq.serve.pd_roles import engine_flags, start_decode_worker
+
         child, pd_socket = start_decode_worker([str(decode_model or path), *engine_flags(engine_config)])
-    servers: list[DrainingServer] = []  # the one below, once made: the engine's death stops it
+    _serve_http(path, engine_config, server_config, role, (pd_socket, pd_addr), child)
 
-    def on_death() -> None:
-        for server_ in servers:
-            server_.drain_now()
 
+def _require_serve_extra() -> None:
     try:
-        front = Engine(engine_config) if role == "single" else PrefillFront(engine_config, pd_socket, pd_addr)
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise KvqError(
+            f"kvq serve needs fastapi and uvicorn ({e}); install them: pip install 'kvq[serve]'"
+        ) from e
+
+
+def _serve_http(
+    path: Path,
+    engine_config: EngineConfig,
+    server: ServerConfig,
+    role: str,
+    pd_link: tuple[str | None, str | None],
+    child: subprocess.Popen | None,
+) -> None:
+    """The HTTP server in front of an engine (role single) or of the prefill side of a P/D split, until
+    SIGTERM or the engine's death (then exit status 1); `child`, a decode worker, is stopped with it."""
+    import uvicorn
+
+    from kvq.serve.access import ServeState
+    from kvq.serve.app import Served, make_app
+    from kvq.serve.encoder import PromptEncoder
+    from kvq.serve.metrics import ServeMetrics
+    from kvq.serve.pd_roles import stop_child
+    from kvq.serve.shutdown import DrainingServer
+
+    servers: list[DrainingServer] = []  # the one below, once made: the engine's death stops it
+    try:
         metrics = ServeMetrics()
-        engine = AsyncEngine(front, metrics, on_death=on_death)
+        engine = _async_engine(engine_config, role, pd_link, metrics, servers)
     except BaseException:
         stop_child(child)
         raise
@@ -230,6 +159,26 @@ def serve_command(
     if engine.dead_reason is not None:
         print(f"kvq serve: exiting with status 1: the engine stopped ({engine.dead_reason})", file=sys.stderr)
         raise SystemExit(1)
+
+
+def _async_engine(
+    engine_config: EngineConfig,
+    role: str,
+    pd_link: tuple[str | None, str | None],
+    metrics: ServeMetrics,
+    servers: list[DrainingServer],
+) -> AsyncEngine:
+    """The engine thread HTTP requests go to: an `Engine`, or the prefill front of a P/D split."""
+    from kvq.runtime.engine import Engine
+    from kvq.serve.async_engine import AsyncEngine
+    from kvq.serve.pd_roles import PrefillFront
+
+    def on_death() -> None:
+        for server_ in servers:
+            server_.drain_now()
+
+    front = Engine(engine_config) if role == "single" else PrefillFront(engine_config, *pd_link)
+    return AsyncEngine(front, metrics, on_death=on_death)
 
 
 def _banner(served: Served) -> str:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvq import __version__
-from kvq.eval.config import EvalConfig
+from kvq.eval.eval_config import EvalConfig
 from kvq.eval.harness import TaskResult, run_tasks, task_manager
+from kvq.eval.in_process import settings_of, text_source, text_windows, versions_of
 from kvq.eval.lm import Progress, no_progress
-from kvq.eval.run import settings_of, text_source, text_windows, versions_of
 from kvq.eval.run_report import run_entry, task_items
 from kvq.eval.server_client import Server, check_server
 from kvq.eval.server_text import served_window_scores

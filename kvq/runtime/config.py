@@ -1,4 +1,5 @@
-"""The engine's settings: one flat dataclass, validated on creation, whose defaults the CLI reads.
+"""The engine's settings: one flat dataclass, validated on creation, that declares the engine options of
+every command (default and help text) and the keys of a --config file's `engine` section.
 
 Imports kvq.byte_sizes, kvq.kv_cache_dtypes and kvq.errors only; torch and psutil when a property asks,
 so a command line validates its flags before torch loads. A refusal names the flag (`--page-size`), the
@@ -8,24 +9,38 @@ value and the choices.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvq.byte_sizes import parse_bytes
+from kvq.byte_sizes import SIZE_HELP, parse_bytes
 from kvq.errors import KvqError
-from kvq.kv_cache_dtypes import AUTO, BF16, FP8_E4M3, check_dtype, check_kv_cache_dtype
+from kvq.kv_cache_dtypes import (
+    AUTO,
+    BF16,
+    FP8_E4M3,
+    KV_CACHE_DTYPE_HELP,
+    check_dtype,
+    check_kv_cache_dtype,
+)
 
 if TYPE_CHECKING:
     import torch
 
 KV_TORCH_DTYPES = {BF16: "bfloat16", FP8_E4M3: "float8_e4m3fn"}  # names: kvq.kv_cache_dtypes
 FP8_WEIGHT_MODES = ("per-use", "bf16")
-LM_HEAD_WEIGHT_MODES = ("stored", "int8", "int4")
+LM_HEAD_WEIGHT_MODES = ("auto", "stored", "int8", "int4")
 INT4_COMPUTE_MODES = ("w4a16", "w4a8")
 LM_HEAD_GROUP_SIZE = 32  # the int4 copy's group size: the finest the kernels run
 DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
+SPECULATIVE_METHODS = ("mtp",)  # --speculative: drafts from the checkpoint's MTP (NextN) layers
+
+
+def option(default: Any, help: str, **metadata: Any) -> Any:
+    """A settings field that is also a command-line option: its default, its --help text, and optionally
+    `check` (a callable that validates and normalizes the value as typed) and `envvar`."""
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass
@@ -47,11 +62,13 @@ class EngineConfig:
     lm_head_weights: "stored" runs the lm_head as the checkpoint stores it (a tied embedding: dense);
       "int8" makes a runtime W8A16 copy (a scale per row, round to nearest) of a dense lm_head at load,
       "int4" a W4A16 one (group 32), so the largest matmul of a small model's decode step reads a half or
-      a quarter of the bytes (opt-in: each costs some quality, `kvq eval --lm-head-weights int8`
-      measures how much). Not in reference mode.
+      a quarter of the bytes (`kvq eval --lm-head-weights int8` measures the cost: SmolLM2 perplexity
+      unchanged, KL +0.002; int4 costs more). "auto" (default, `lm_head_mode`): int8 for a lm_head tied
+      to the embedding on CPU (batches of 12+ rows still run on the embedding), else stored. Not in
+      reference mode.
     int4_compute: how INT4 Linears multiply on CPU. "w4a16" (default) multiplies the 16-bit activations;
       "w4a8" quantizes them to int8 per row and 64 inputs (symmetric, round to nearest) and sums in exact
-      integers on AVX-512 VNNI or AVX2 (`kernels.w4a8_cpu`): faster batches and GEMVs that keep up with
+      integers on AVX-512 VNNI or AVX2 (`kernels.cpu.w4a8`): faster batches and GEMVs that keep up with
       memory, for some quality (opt-in: `kvq eval --int4-compute w4a8` measures it). Every INT4 Linear,
       stacked MoE experts too; not in reference mode, nor off CPU. The lm_head's runtime
       copies follow it: "int4" runs as W4A8, "int8" as W8A8 (bf16 row scales; K a multiple of 32).
@@ -67,25 +84,73 @@ class EngineConfig:
     """
 
     model: str
-    dtype: str = "auto"
-    kv_cache_dtype: str = AUTO
-    page_size: int = 16
-    kv_memory: str | int | None = None
+    # a field made by `option` is also the command-line option --field-name of kvq generate, serve, eval and
+    # bench (`kvq.commands.field_options`); the others a --config file sets (`ENGINE_KEYS`: all of them)
+    dtype: str = option(
+        "auto",
+        "Activations: auto (bfloat16), bfloat16 (or bf16) or float32 (or fp32: the reference mode, weights "
+        "dequantized).",
+        check=check_dtype,
+    )
+    kv_cache_dtype: str = option(AUTO, KV_CACHE_DTYPE_HELP, check=check_kv_cache_dtype)
+    page_size: int = option(16, "Tokens per KV page.")
+    kv_memory: str | int | None = option(
+        None, f"KV pool size, e.g. 512MiB (default: a fraction of free memory). {SIZE_HELP}"
+    )
     kv_memory_fraction: float = 0.3
-    require_kv_scales: bool = False
-    max_num_seqs: int = 128
+    require_kv_scales: bool = option(False, "Fail instead of warning when FP8 KV has no calibrated scales.")
+    max_num_seqs: int = option(128, "Most requests decoded together; the rest wait for KV pages.")
     max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None
+    max_model_len: int | None = option(
+        None, "Context length in tokens (default: the model's max_position_embeddings)."
+    )
     decode_reserve_ratio: float = 1.0
     enable_prefix_caching: bool = True
     fp8_weights: str = "per-use"
     device: str = "auto"
-    threads: int | None = None
-    kv_integrity: str = "off"
-    lm_head_weights: str = "stored"
-    int4_compute: str = "w4a16"
-    tp: int = 1
-    enforce_eager: bool = False
+    threads: int | None = option(None, "torch CPU threads.")
+    kv_integrity: str = option(
+        "off",
+        "Checked KV pages: off (no checks, no cost); tags (before each step's attention, every page the "
+        "request reads or writes must carry the tag its own tokens and allocations expect: catches freed, "
+        "reused, misdirected and stale pages); full (tags, plus a hash of sampled bytes of every full page, "
+        "taken when it was written: catches bytes changed in place). A failed check stops the request with "
+        "an error naming the page.",
+    )
+    lm_head_weights: str = option(
+        "auto",
+        "auto (int8 for a lm_head tied to the embedding on CPU, else stored), stored (the lm_head as the "
+        "checkpoint has it; a tied embedding stays BF16), int8 (a W8A16 copy made at load, a scale per row) "
+        "or int4 (W4A16, group 32): faster decode on CPU for some quality cost (int4 more than int8): "
+        "measure it with kvq eval.",
+    )
+    int4_compute: str = option(
+        "w4a16",
+        "How INT4 Linears multiply on CPU: w4a16 (the 16-bit activations, exact) or w4a8 (activations "
+        "quantized to int8 per row and 64 inputs, exact integer sums on AVX-512 VNNI: faster batches and "
+        "decode for some quality; measure it with kvq eval). Stacked MoE experts too; an INT8 lm_head copy "
+        "runs as w8a8.",
+    )
+    tp: int = option(
+        1,
+        "Tensor-parallel ranks, one device each (gloo on CPU, NCCL on CUDA). kvq starts the other ranks "
+        "itself, or runs under torchrun (then WORLD_SIZE must equal --tp). Heads, MLP/expert intermediate "
+        "size and vocabulary must split evenly (INT4 on group, FP8 on block boundaries).",
+    )
+    enforce_eager: bool = option(
+        False,
+        "Run every decode step through the layers' Python (as vLLM's --enforce-eager keeps CUDA graphs "
+        "off). Default: CPU decode of Llama and GLM-4.5 models replays one list of C calls bound once per "
+        "batch size, the same values without the per-op Python.",
+    )
+
+    speculative: str | None = option(
+        None,
+        "Speculative decoding: mtp drafts tokens with the checkpoint's MTP (NextN) layer and verifies them "
+        "in one forward of the model (glm_moe_dsa, deepseek_v3 with num_nextn_predict_layers >= 1); the output "
+        "is the model's own (greedy: the same tokens; sampling: the same distribution).",
+    )
+    num_speculative_tokens: int = option(1, "Tokens the MTP layer drafts per step with --speculative mtp.")
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -96,7 +161,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("kv_integrity", self.kv_integrity, KV_INTEGRITY_MODES)
         _choice("lm_head_weights", self.lm_head_weights, LM_HEAD_WEIGHT_MODES)
-        if self.lm_head_weights != "stored" and self.is_reference:
+        if self.lm_head_weights not in ("auto", "stored") and self.is_reference:
             raise KvqError(
                 f"--lm-head-weights {self.lm_head_weights} quantizes the lm_head, but --dtype float32 is the "
                 "reference mode (every weight dense fp32); use --dtype auto, or --lm-head-weights stored"
@@ -117,6 +182,15 @@ class EngineConfig:
             raise KvqError(f"--threads must be >= 1, got {self.threads}")
         if self.kv_memory is not None:
             self.kv_memory = parse_bytes(self.kv_memory, "--kv-memory")
+        if self.speculative is not None:
+            _choice("speculative", self.speculative, SPECULATIVE_METHODS)
+        if self.num_speculative_tokens < 1:
+            raise KvqError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.speculative is not None and self.kv_integrity != "off":
+            raise KvqError(
+                f"--speculative {self.speculative} with --kv-integrity {self.kv_integrity}: the checked pool "
+                "does not follow rolled-back drafts yet; pass --kv-integrity off, or drop --speculative"
+            )
         if self.device == "cuda":
             import torch
 
@@ -124,7 +198,7 @@ class EngineConfig:
                 raise KvqError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
 
     def _check_w4a8(self) -> None:
-        from kvq.runtime.kernels.w4a8_cpu import w4a8_path
+        from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 
         if self.is_reference:
             raise KvqError(
@@ -181,6 +255,15 @@ class EngineConfig:
         return int(free * self.kv_memory_fraction)
 
 
+def option_names(settings: type) -> tuple[str, ...]:
+    """The fields of the settings dataclass `settings` made by `option`, in declaration order."""
+    return tuple(f.name for f in fields(settings) if "help" in f.metadata)
+
+
+ENGINE_KEYS = tuple(f.name for f in fields(EngineConfig) if f.name != "model")  # --config's engine keys
+ENGINE_OPTIONS = option_names(EngineConfig)  # the command-line options among them
+
+
 def _flag(name: str) -> str:
     """The command-line flag that sets field `name` (a --config file's engine key is the field name)."""
     return "--" + name.replace("_", "-")
@@ -189,3 +272,13 @@ def _flag(name: str) -> str:
 def _choice(name: str, value: str, choices: Collection[str]) -> None:
     if value not in choices:
         raise KvqError(f"{_flag(name)} {value!r}: pick one of {', '.join(choices)}")
+
+
+def lm_head_mode(config: EngineConfig, is_tied: bool) -> str:
+    """What `lm_head_weights` means for this model: "auto" is int8 where the lm_head is the tied embedding
+    (its BF16 weight stays resident for the embedding: the copy costs 1/2 of it and no quality within
+    `kvq eval`'s noise) on CPU outside reference mode, else stored."""
+    if config.lm_head_weights != "auto":
+        return config.lm_head_weights
+    is_cpu = config.torch_device.type == "cpu"
+    return "int8" if is_tied and is_cpu and not config.is_reference else "stored"

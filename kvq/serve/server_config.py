@@ -1,5 +1,6 @@
-"""The HTTP server's settings: one flat dataclass, validated on creation, whose defaults the CLI and the
-config files (`kvq.config_file`) read. Imports kvq.errors and kvq.runtime.config (the size parser).
+"""The HTTP server's settings: one flat dataclass, validated on creation, that declares `kvq serve`'s server
+options (default and help text) and the keys of a config file's `server` section (`kvq.config_file`).
+Imports kvq.errors, kvq.byte_sizes and kvq.runtime.config (`option`).
 """
 
 from __future__ import annotations
@@ -7,8 +8,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from kvq.byte_sizes import parse_bytes
 from kvq.errors import KvqError
-from kvq.runtime.config import parse_bytes  # TODO(lead): unify with the one byte-size parser
+from kvq.runtime.config import option
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -27,19 +29,34 @@ class ServerConfig:
       an error (event), and the process exits 0.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    metrics_need_key: bool = False
-    max_waiting: int | None = None
-    max_tokens: int = 256
-    max_prompt_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    max_body_bytes: str | int = "4MiB"
-    shutdown_timeout: float = 30.0
+    # a field made by `option` is also `kvq serve`'s option --field-name (`kvq.commands.field_options`)
+    host: str = option(
+        "127.0.0.1", "Address to listen on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)."
+    )
+    port: int = option(8000, "TCP port (0: any free one).")
+    served_model_name: str | None = option(None, "The model name clients send (default: the directory name).")
+    api_key: str | None = option(
+        None,
+        "Every /v1/* request must send 'Authorization: Bearer KEY' (else 401). /health stays open.",
+        envvar="KVQ_API_KEY",
+    )
+    metrics_need_key: bool = option(False, "/metrics needs the API key too.")
+    max_waiting: int | None = option(
+        None, "Most requests accepted but not started; more get 429 with Retry-After (default: no bound)."
+    )
+    max_tokens: int = option(256, "max_tokens of a chat request that sets none (completions: 16, as OpenAI).")
+    max_prompt_tokens: int | None = option(
+        None, "Most prompt tokens per request (default: the context); more get 400."
+    )
+    max_completion_tokens: int | None = option(
+        None, "Most max_tokens per request (default: the context); more get 400."
+    )
+    max_body_bytes: str | int = option("4MiB", "Largest request body, e.g. 4MiB; larger ones get 413.")
+    shutdown_timeout: float = option(
+        30.0, "Seconds running requests get to finish after SIGTERM; the rest end with an error."
+    )
     retry_after: int = 1  # seconds, the Retry-After of a 429
-    log_level: str = "info"
+    log_level: str = option("info", "critical, error, warning, info or debug.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvq.eval.config import EvalConfig
+from kvq.eval.eval_config import EvalConfig
 from kvq.eval.served import ClientSettings, evaluate_served
 from kvq.eval.server_client import Server
 from tests.serve.cli_server import kvq_serve
@@ -31,7 +31,7 @@ AGREEMENT_ATOL = 0.03
 
 @pytest.fixture(scope="module")
 def in_process(smollm2, smollm2_int4_calibrated) -> dict:
-    from kvq.eval.run import EngineSettings, evaluate
+    from kvq.eval.in_process import EngineSettings, evaluate
 
     settings = EngineSettings(kv_memory="128MiB", threads=2)
     return evaluate(smollm2_int4_calibrated, smollm2.bf16, CONFIG, settings)

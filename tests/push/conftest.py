@@ -16,8 +16,8 @@ def published(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> tupl
     from kvq.calibrate.run import calibrate
     from kvq.compress.recipe import load_recipe
     from kvq.compress.runner import prepare, run
-    from kvq.eval.config import EvalConfig
-    from kvq.eval.run import EngineSettings, evaluate
+    from kvq.eval.eval_config import EvalConfig
+    from kvq.eval.in_process import EngineSettings, evaluate
 
     source = tiny_checkpoint("llama", "bf16")
     out = tmp_path_factory.mktemp("push") / "tiny-w4a16"

@@ -21,7 +21,7 @@ from kvq.calibrate.samples import build_samples, token_fingerprint
 from kvq.checkpoint.reader import Checkpoint
 from kvq.compress.manifest import source_fingerprint
 from kvq.errors import KvqError
-from kvq.eval.config import EvalConfig
+from kvq.eval.eval_config import EvalConfig
 from kvq.eval.harness import TaskResult, run_tasks, task_manager
 from kvq.eval.lm import KvqLM, Progress, no_progress
 from kvq.eval.run_report import run_entry, task_items
@@ -45,7 +45,7 @@ class EngineSettings:
     kv_memory: str | int | None = None
     threads: int | None = None
     max_num_seqs: int = EngineConfig.max_num_seqs
-    lm_head_weights: str = EngineConfig.lm_head_weights  # MODEL's runs only: the baseline keeps its own
+    lm_head_weights: str = EngineConfig.lm_head_weights  # MODEL's runs only: the baseline's is stored
     tp: int = EngineConfig.tp  # MODEL's runs only: the baseline, alive beside them, runs at --tp 1
     int4_compute: str = EngineConfig.int4_compute  # MODEL's runs only
 
@@ -169,9 +169,8 @@ def _engine(
             kv_memory=settings.kv_memory,
             threads=settings.threads,
             max_num_seqs=settings.max_num_seqs,
-            lm_head_weights=settings.lm_head_weights
-            if checkpoint == "model"
-            else EngineConfig.lm_head_weights,
+            # the baseline is the source as stored: the runtime's INT8 lm_head copy is measured, not assumed
+            lm_head_weights=settings.lm_head_weights if checkpoint == "model" else "stored",
             tp=settings.tp if checkpoint == "model" else 1,
             int4_compute=settings.int4_compute if checkpoint == "model" else EngineConfig.int4_compute,
         )
@@ -198,7 +197,7 @@ def _describe(engine: Engine) -> dict:
         "format": engine.ckpt.format,
         "kv_cache": _kv_name(engine),
         "dtype": _dtype_name(engine),
-        "lm_head_weights": engine.config.lm_head_weights,
+        "lm_head_weights": engine.model.lm_head_mode,
         "int4_compute": engine.config.int4_compute,
     }
 
