@@ -24,12 +24,21 @@ class WriteGuard:
     write_tags: torch.Tensor  # [T] int64: each new token's page tag at the check
 
 
+# What a batch runs (`StepInputs.kind`): the model (logits of each sequence's last row), the model over a
+# request's last token and its drafts (logits of every row: `--speculative mtp` verifies them), or the MTP
+# layer over the rows the model just ran (`MTP_EXTEND`) or over its own previous drafts (`MTP_DRAFT`).
+TARGET, VERIFY, MTP_EXTEND, MTP_DRAFT = "target", "verify", "mtp_extend", "mtp_draft"
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """A step's batch as plain lists (what tensor-parallel rank 0 broadcasts; each rank makes its
     `ForwardBatch` from it): the new tokens' ids, positions and slots, per sequence its query length,
     context length, prompt length and page table (padded with -1); in a prefill, the top log-probabilities
-    each sequence wants of its prompt's tokens (-1: none; empty: none in the batch)."""
+    each sequence wants of its prompt's tokens (-1: none; empty: none in the batch). `kind`: what runs it
+    (TARGET, VERIFY, MTP_EXTEND, MTP_DRAFT); the MTP layer's previous hidden states are, for MTP_EXTEND, the
+    rows `hidden_rows` of the model's last forward (every rank kept its own), for MTP_DRAFT
+    `previous_hidden` `[B, H]`, one row per sequence (rank 0's, sent along)."""
 
     is_prefill: bool
     input_ids: list[int]
@@ -40,6 +49,9 @@ class StepInputs:
     prompt_lens: list[int]
     block_tables: list[list[int]]
     prompt_logprobs: tuple[int, ...] = ()
+    kind: str = TARGET
+    hidden_rows: tuple[int, ...] = ()
+    previous_hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ class BlockManager:
             seq.block_table.append(page.page_id)
             previous = page_hash if page_hash is not None else previous
         seq.num_cached_tokens, seq.last_page_hash = num_cached, previous
+        seq.num_sealed_pages = seq.num_tokens // self.page_size
 
     def deallocate(self, seq: Request) -> None:
         """Drop `seq`'s references; pages nobody uses go back to the free list (keeping their hash).
@@ -138,37 +139,51 @@ class BlockManager:
             self.release_page(page_id)
         seq.block_table.clear()
         seq.num_cached_tokens, seq.last_page_hash, seq.last_page_serial = 0, ROOT_HASH, 0
+        seq.num_sealed_pages = 0
 
     # -- decode ---------------------------------------------------------------------------------------
-    def can_append(self, seq: Request) -> bool:
-        """Room for the K/V of `seq`'s last token (a free page when it starts a new one)."""
-        return len(seq.block_table) >= self.pages_for(seq.num_tokens) or self.num_free_pages >= 1
+    def can_append(self, seq: Request, num_lookahead: int = 0) -> bool:
+        """Room for the K/V of `seq`'s last token and `num_lookahead` drafts after it (free pages for the
+        ones they start)."""
+        needed = self.pages_for(seq.num_tokens + num_lookahead) - len(seq.block_table)
+        return needed <= 0 or self.num_free_pages >= needed
 
-    def may_append(self, seq: Request) -> None:
-        """Make room for the last token's K/V; seal the last page when that token fills it.
+    def may_append(self, seq: Request, num_lookahead: int = 0) -> None:
+        """Make room for the K/V of the last token and of `num_lookahead` drafts after it (their pages are
+        not hashed: `truncate` gives back what verification rejects); seal every page `seq`'s own tokens
+        filled since the last call (the last token's K/V is written this step, before a later one reads).
 
         Without a tracker a block table that does not hold exactly the pages of `seq`'s tokens stops the
         engine here (an assert), before any forward reads it; with one, the step's check stops `seq`.
         """
-        num_pages = self.pages_for(seq.num_tokens)
-        if len(seq.block_table) == num_pages - 1:
+        num_pages = self.pages_for(seq.num_tokens + num_lookahead)
+        while self.pages_for(seq.num_tokens) - 1 <= len(seq.block_table) < num_pages:
             seq.block_table.append(self._take_free_page(seq).page_id)
         if len(seq.block_table) != num_pages:
             assert self.tracker is not None, (
                 f"sequence {seq.seq_id}: {len(seq.block_table)} pages for {seq.num_tokens} tokens"
             )
             return
-        if seq.num_tokens % self.page_size == 0:
-            token_ids = tuple(seq.token_ids[-self.page_size :])
+        for index in range(seq.num_sealed_pages, seq.num_tokens // self.page_size):
+            token_ids = tuple(seq.token_ids[index * self.page_size : (index + 1) * self.page_size])
             page_hash = self.hash_page(seq.last_page_hash, token_ids)
-            index = num_pages - 1
             page_id = seq.block_table[index]
+            seq.num_sealed_pages = index + 1
             if not 0 <= page_id < self.num_pages:
                 assert self.tracker is not None, f"sequence {seq.seq_id}: page {page_id} is not a page"
                 self.tracker.on_seal(seq, index, page_id, page_hash)  # refused: seq is stopped
                 return
             self._seal(seq, index, self.pages[page_id], page_hash, token_ids)
             seq.last_page_hash = page_hash
+
+    def truncate(self, seq: Request) -> None:
+        """After verification took back rejected drafts (`seq.token_ids` holds the accepted ones): the pages
+        past those `seq`'s tokens need go back (never hashed: only drafts were in them); positions rolled
+        back inside a kept page are rewritten before any step reads them."""
+        num_pages = self.pages_for(seq.num_tokens)
+        while len(seq.block_table) > num_pages:
+            assert self.tracker is None, "EngineConfig refuses --kv-integrity with --speculative"
+            self.release_page(seq.block_table.pop())
 
     # -- after a failed integrity check -----------------------------------------------------------------
     def unhash(self, page_id: int) -> None:
@@ -229,9 +244,7 @@ class BlockManager:
             else:
                 self.free_page_ids.append(page_id)
 
-    def _seal(
-        self, seq: Request, index: int, page: Page, page_hash: int, token_ids: tuple[int, ...]
-    ) -> None:
+    def _seal(self, seq: Request, index: int, page: Page, page_hash: int, token_ids: tuple[int, ...]) -> None:
         """`page`, `seq`'s logical page `index`, is full: it gets its chain hash (and a cache entry), and
         a serial that the page after it records; unless the tracker refuses (the request is stopped)."""
         if self.tracker is not None and not self.tracker.on_seal(seq, index, page.page_id, page_hash):

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from kvq.errors import KvqError
+from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.frozen_heap import frozen_heap
@@ -35,6 +36,8 @@ from kvq.runtime.prompt_encoding import encode_messages, encode_text, eos_token_
 from kvq.runtime.request import Request, Status
 from kvq.runtime.sampling import SamplingParams, make_generator, sample_requests
 from kvq.runtime.scheduler import Scheduler
+from kvq.runtime.spec_accept import Verdict, accept
+from kvq.runtime.spec_decode import MtpProposer
 
 Prompt = str | list[int]
 # Called after each step's sampling with (the step's sequences, their logits [B, V] (bf16 or fp32), the
@@ -74,6 +77,10 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.token_hooks: list[TokenHook] = [self.outputs.record_logprobs]
         self.stats = EngineStats()
+        # --speculative mtp: the MTP layer drafts, each decode step verifies (`spec_decode`)
+        self.proposer = (
+            None if config.speculative is None else MtpProposer(self.runner, config.num_speculative_tokens)
+        )
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
         """A fresh page allocator, prefix cache, scheduler and tracker (in `kv_integrity` mode if given)
@@ -101,6 +108,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.decode_reserve_ratio,
+            config.num_speculative_tokens if config.speculative is not None else 0,
         )
         self.runner.rank_checks = self.rank_checks
 
@@ -171,6 +179,8 @@ class Engine:
         if seq is not None:
             seq.finish_reason = "abort"
             self.outputs.forget(request_id)
+            if self.proposer is not None:
+                self.proposer.forget(request_id)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -186,6 +196,10 @@ class Engine:
         stats = self.stats
         stats.largest_batch = max(stats.largest_batch, len(seqs))
         stats.num_steps += 1
+        if self.proposer is not None and not is_prefill:
+            spec_outputs = self._speculative_step(seqs)
+            stats.step_seconds += time.perf_counter() - start
+            return spec_outputs
         outputs: list[RequestOutput] = []
         if self.tracker is None:
             result = self._timed_forward(lambda: self.runner.run(seqs, is_prefill))
@@ -196,6 +210,8 @@ class Engine:
                 return outputs
             result = checked
         self.outputs.keep_prompt_scores(seqs, result.prompt_scores)
+        starts = [s.num_cached_tokens for s in seqs]  # the rows of this prefill, before tokens are added
+        rows = [0, *itertools.accumulate(s.num_tokens - start for s, start in zip(seqs, starts, strict=True))]
         logits = result.logits
         token_ids, errors = sample_requests(seqs, logits, self.eos_token_ids)
         self._run_token_hooks(seqs, logits, token_ids, errors)
@@ -208,10 +224,97 @@ class Engine:
                 seq.finish_reason = "error"
                 seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+                self._finish(seq)
             outputs.append(self.outputs.output(seq))
+        if self.proposer is not None:  # the MTP layer over the prompts: each request's first draft
+            self._extend_drafts(seqs, starts, rows[:-1])
         stats.step_seconds += time.perf_counter() - start
         return outputs
+
+    def _finish(self, seq: Request) -> None:
+        self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
+
+    def _extend_drafts(self, seqs: list[Request], starts: list[int], rows: list[int]) -> None:
+        """The MTP layer over each running request's positions from `starts[b]` to its last but one, which
+        the model's last forward computed from its row `rows[b]` on (`MtpProposer.extend`)."""
+        assert self.proposer is not None
+        kept = [b for b, seq in enumerate(seqs) if seq.status is Status.RUNNING]
+        if kept:
+            self.proposer.extend(
+                [seqs[b] for b in kept],
+                [starts[b] for b in kept],
+                [rows[b] for b in kept],
+                self._timed_forward_of(self.runner.forward),
+            )
+
+    def _speculative_step(self, seqs: list[Request]) -> list[RequestOutput]:
+        """A decode step of `--speculative mtp`: draft, verify in one forward, accept, append, give back the
+        pages of rejected drafts, and run the MTP layer over what was accepted (the next drafts)."""
+        proposer = self.proposer
+        assert proposer is not None
+        forward = self._timed_forward_of(self.runner.forward)
+        drafts = proposer.draft(seqs, forward)
+        logits = forward(self.runner.batch_of(proposer.verify_inputs(seqs, drafts))).logits  # [T, V]
+        num_tokens = [seq.num_tokens for seq in seqs]
+        offsets, verdicts, row = [], [], 0
+        for seq, tokens, probs in zip(seqs, drafts.token_ids, drafts.probs, strict=True):
+            offsets.append(row)
+            rows = logits[row : row + len(tokens) + 1]
+            verdicts.append(self._accept(seq, rows, tokens, probs))
+            row += len(tokens) + 1
+        self._append_verdicts(seqs, logits, offsets, verdicts)
+        for seq, tokens, verdict, n in zip(seqs, drafts.token_ids, verdicts, num_tokens, strict=True):
+            proposer.stats.add(len(tokens), min(verdict.num_accepted, seq.num_tokens - n))
+            if seq.finish_reason is not None:
+                self._finish(seq)
+            else:
+                self.block_manager.truncate(seq)
+        self._extend_drafts(seqs, [n - 1 for n in num_tokens], offsets)
+        return [self.outputs.output(seq) for seq in seqs]
+
+    def _accept(self, seq: Request, rows: torch.Tensor, tokens: list[int], probs: list) -> Verdict:
+        try:
+            return accept(seq, rows, tokens, probs, self.eos_token_ids)
+        except Exception as e:  # one request's parameters: that request alone ends
+            logger.exception("request %d: its speculative acceptance failed; it is stopped", seq.seq_id)
+            return Verdict([], 0, f"output handling failed ({type(e).__name__}: {e})")
+
+    def _append_verdicts(
+        self, seqs: list[Request], logits: torch.Tensor, offsets: list[int], verdicts: list[Verdict]
+    ) -> None:
+        """Append each request's tokens, one column of the step at a time, through the token hooks (a hook
+        that replaces a token ends that request's tokens of the step there) until it finishes."""
+        for j in range(max(len(v.token_ids) for v in verdicts)):
+            active = [
+                b for b, v in enumerate(verdicts) if len(v.token_ids) > j and seqs[b].finish_reason is None
+            ]
+            active = [b for b in active if seqs[b].status is not Status.FINISHED]
+            if not active:
+                break
+            batch = [seqs[b] for b in active]
+            token_ids = [verdicts[b].token_ids[j] for b in active]
+            errors: list[str | None] = [None] * len(active)
+            self._run_token_hooks(batch, logits[[offsets[b] + j for b in active]], token_ids, errors)
+            for b, token_id, error in zip(active, token_ids, errors, strict=True):
+                seq, verdict = seqs[b], verdicts[b]
+                if token_id != verdict.token_ids[j]:  # replaced: the drafts after it no longer follow
+                    verdict.token_ids[j + 1 :] = []
+                if error is None:
+                    error = self._guarded(seq, partial(self.outputs.append, seq, token_id))
+                if error is not None:
+                    seq.finish_reason = "error"
+                    seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
+        for seq, verdict in zip(seqs, verdicts, strict=True):
+            if verdict.error is not None and seq.finish_reason is None:
+                seq.finish_reason = "error"
+                seq.error = f"{verdict.error} at position {seq.num_tokens}; the request was stopped"
+
+    def _timed_forward_of(
+        self, forward: Callable[[ForwardBatch], ForwardOutput]
+    ) -> Callable[[ForwardBatch], ForwardOutput]:
+        return lambda batch: self._timed_forward(partial(forward, batch))
 
     def _run_token_hooks(
         self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]

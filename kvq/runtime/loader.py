@@ -292,8 +292,8 @@ class WeightLoader:
         mtp, foreign, unexpected = self.not_loaded()
         if mtp:
             logger.warning(
-                "note: %s: the %d tensors of its MTP layers (from model.layers.%d) are not loaded: kvq does "
-                "not run multi-token prediction",
+                "note: %s: the %d tensors of its MTP layers (from model.layers.%d) are not loaded: pass "
+                "--speculative mtp to draft tokens with them",
                 self.ckpt.root,
                 len(mtp),
                 self.num_layers,

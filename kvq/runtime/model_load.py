@@ -26,6 +26,7 @@ from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool, page_bytes
 from kvq.runtime.loader import WeightLoader
 from kvq.runtime.models.llama import LlamaForCausalLM
+from kvq.runtime.models.mtp import MultiTokenPredictor, check_mtp
 from kvq.runtime.models.registry import model_class
 
 logger = logging.getLogger("kvq")
@@ -43,6 +44,7 @@ class LoadedModel:
     max_model_len: int
     rank_read_bytes: list[int]  # per rank: stored bytes read (what `kvq plan --tp N` counts per GPU)
     rank_weight_bytes: list[int]  # per rank: bytes held resident
+    mtp: MultiTokenPredictor | None = None  # the draft layer of --speculative mtp (loaded only then)
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -52,8 +54,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     text_model = read_text_model(ckpt.root)
     hf_config = pretrained_config(text_model)
     tp = TpGroup.of(config.tp)
+    mtp_layer = check_mtp(text_model, str(ckpt.root)) if config.speculative == "mtp" else None
     with WeightLoader(ckpt, config, text_model, tp) as loader:
         model = model_class(text_model)(hf_config, loader)
+        mtp = None if mtp_layer is None else MultiTokenPredictor(model, loader, mtp_layer)
         loader.finish()
     tp.connect(config.torch_device, json.dumps(asdict(config)))
     if config.torch_device.type == "cpu":
@@ -67,19 +71,21 @@ def load_model(config: EngineConfig) -> LoadedModel:
         tp,
         _max_model_len(config.max_model_len, hf_config.max_position_embeddings),
         tp.gather_ints(loader.read_bytes),
-        tp.gather_ints(weight_bytes(model)),
+        tp.gather_ints(weight_bytes(model, mtp)),
+        mtp,
     )
 
 
-def weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes of every weight tensor the model keeps resident."""
-    return sum(t.numel() * t.element_size() for t in model.tensors())
+def weight_bytes(model: LlamaForCausalLM, mtp: MultiTokenPredictor | None = None) -> int:
+    """Bytes of every weight tensor the model (and its MTP layer) keeps resident."""
+    tensors = [*model.tensors(), *(mtp.tensors() if mtp is not None else [])]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def make_kv_pool(config: EngineConfig, loaded: LoadedModel) -> KVPool:
     """Pages for the budget (no more than max_num_seqs full contexts); each attention layer gets its cache
-    object over them."""
-    layers = loaded.model.attention_layers()
+    object over them. An MTP layer's latent pages are one more layer of the same pages (same slots)."""
+    layers = loaded.model.attention_layers() + (loaded.mtp.attention_layers() if loaded.mtp else [])
     has_scales = loaded.ckpt.quantization_config.get("kv_cache_scheme") is not None
     layout = layout_for(loaded.kv_spec, config.kv_torch_dtype(has_scales), loaded.tp.size)
     max_pages = config.max_num_seqs * -(-loaded.max_model_len // config.page_size)

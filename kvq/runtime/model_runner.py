@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kvq.checkpoint.kv_cache_spec import heads_per_rank
-from kvq.runtime.batch import ForwardBatch, StepInputs, WriteGuard
+from kvq.runtime.batch import MTP_DRAFT, MTP_EXTEND, TARGET, VERIFY, ForwardBatch, StepInputs, WriteGuard
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.decode_plan import DecodePlans
 from kvq.runtime.distributed.group import STOP
@@ -41,6 +41,7 @@ class ForwardOutput:
 
     logits: torch.Tensor
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None  # an MTP forward: its last rows' hidden states `[B, H]`
 
 
 class StepBatches:
@@ -56,29 +57,48 @@ class StepBatches:
         return self.batch_of(self.inputs_of(seqs, is_prefill))
 
     def inputs_of(self, seqs: list[Request], is_prefill: bool) -> StepInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        for seq in seqs:
-            start = seq.num_cached_tokens if is_prefill else seq.num_tokens - 1
-            input_ids += seq.token_ids[start:]
-            positions += range(start, seq.num_tokens)
-            slots += [
-                seq.block_table[p // self.page_size] * self.page_size + p % self.page_size
-                for p in range(start, seq.num_tokens)
-            ]
-            query_lens.append(seq.num_tokens - start)
-        max_pages = max(len(seq.block_table) for seq in seqs)
-        block_tables = [seq.block_table + [-1] * (max_pages - len(seq.block_table)) for seq in seqs]
-        context_lens = [seq.num_tokens for seq in seqs]
-        prompt_lens = [seq.num_prompt_tokens for seq in seqs]
+        starts = [seq.num_cached_tokens if is_prefill else seq.num_tokens - 1 for seq in seqs]
         wanted = [
             n
             if is_prefill and s.needs_prompt_logprobs and (n := s.params.prompt_logprobs) is not None
             else -1
             for s in seqs
         ]
+        return self.span_inputs(
+            seqs,
+            starts,
+            [seq.token_ids[start:] for seq, start in zip(seqs, starts, strict=True)],
+            is_prefill,
+            prompt_logprobs=tuple(wanted) if any(n >= 0 for n in wanted) else (),
+        )
+
+    def span_inputs(
+        self,
+        seqs: list[Request],
+        starts: list[int],
+        token_ids: list[list[int]],
+        is_prefill: bool,
+        **more: object,
+    ) -> StepInputs:
+        """Each sequence's `token_ids[b]` at positions `starts[b]` on, over the context before them (its
+        pages hold the slots: drafts past its tokens included); `more`: `StepInputs`' optional fields."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        for seq, start, ids in zip(seqs, starts, token_ids, strict=True):
+            stop = start + len(ids)
+            input_ids += ids
+            positions += range(start, stop)
+            slots += [
+                seq.block_table[p // self.page_size] * self.page_size + p % self.page_size
+                for p in range(start, stop)
+            ]
+            query_lens.append(len(ids))
+        max_pages = max(len(seq.block_table) for seq in seqs)
+        block_tables = [seq.block_table + [-1] * (max_pages - len(seq.block_table)) for seq in seqs]
+        context_lens = [start + len(ids) for start, ids in zip(starts, token_ids, strict=True)]
+        prompt_lens = [seq.num_prompt_tokens for seq in seqs]
         return StepInputs(
             is_prefill,
             input_ids,
@@ -88,7 +108,7 @@ class StepBatches:
             context_lens,
             prompt_lens,
             block_tables,
-            tuple(wanted) if any(n >= 0 for n in wanted) else (),
+            **more,  # type: ignore[arg-type]
         )
 
     def batch_of(self, inputs: StepInputs) -> ForwardBatch:
@@ -116,7 +136,11 @@ class StepBatches:
             context_lens_list=context_lens,
             max_context_len=max_context_len,
             query_lens=query_lens,
-            logits_indices=(torch.tensor(query_lens).cumsum(0) - 1).to(self.device),
+            logits_indices=(
+                torch.arange(sum(query_lens))
+                if inputs.kind == VERIFY
+                else torch.tensor(query_lens).cumsum(0) - 1
+            ).to(self.device),
             prompt_lens=inputs.prompt_lens,
             decode_plan_of=decode_plan_of,
             inputs=inputs,
@@ -148,6 +172,8 @@ class ModelRunner(StepBatches):
         self.rank_checks: RankLeader | None = None  # rank 0 at --tp N with --kv-integrity on (`Engine`)
         # CPU decode steps replay C calls bound once per batch size (kvq's CUDA graphs); None: eager
         self.decode_plans = DecodePlans.of(self.model, config.enforce_eager)
+        self.mtp = self.loaded.mtp  # --speculative mtp: the draft layer
+        self.target_hidden: torch.Tensor | None = None  # with it: the model's last hidden states `[T, H]`
 
     def loop(self) -> None:
         """Ranks past 0: run rank 0's steps on this rank's shard until rank 0 sends the stop: a bare batch
@@ -177,7 +203,9 @@ class ModelRunner(StepBatches):
             self.tp.gather(tracker.check_pages(batch, step.expected, step.sealed).on_host())
             return
         write_tags = torch.tensor(message.write_tags, dtype=torch.int64).to(tracker.device)
-        self.forward(replace(batch, write_guard=WriteGuard(tracker.page_tags, write_tags)))
+        stamps = message.slot_stamps
+        slot_stamps = None if stamps is None else torch.tensor(stamps, dtype=torch.int64).to(tracker.device)
+        self.forward(replace(batch, write_guard=WriteGuard(tracker.page_tags, write_tags), slot_stamps=slot_stamps))
         tracker.hash_pages(message.sealed)
 
     def run(self, seqs: list[Request], is_prefill: bool) -> ForwardOutput:
@@ -203,14 +231,34 @@ class ModelRunner(StepBatches):
     @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> ForwardOutput:
         """This rank's part of the forward (the model's collectives join the other ranks')."""
+        kind = TARGET if batch.inputs is None else batch.inputs.kind
+        if kind in (MTP_EXTEND, MTP_DRAFT):
+            return self._forward_mtp(batch)
         hidden = None
         if not batch.is_prefill and self.decode_plans is not None:
             hidden = self.decode_plans.run(batch.input_ids, batch.positions, batch)
         if hidden is None:
             hidden = self.model.forward(batch.input_ids, batch.positions, batch)
+        if self.mtp is not None:
+            self.target_hidden = hidden  # what the MTP layer reads next (`MTP_EXTEND`)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         wanted = batch.inputs.prompt_logprobs if batch.inputs is not None else ()
         return ForwardOutput(logits, self._score_prompts(hidden, batch, wanted) if wanted else {})
+
+    def _forward_mtp(self, batch: ForwardBatch) -> ForwardOutput:
+        """The MTP layer over a batch: draft logits `[B, V]` of each sequence's last row, and that row's
+        hidden state `[B, H]` (`ForwardOutput.hidden`: the next draft's input)."""
+        inputs = batch.inputs
+        assert self.mtp is not None and inputs is not None, "--speculative mtp loads the MTP layer"
+        if inputs.kind == MTP_EXTEND:
+            assert self.target_hidden is not None, "MTP_EXTEND follows a forward of the model"
+            rows = torch.tensor(inputs.hidden_rows, dtype=torch.int64, device=self.target_hidden.device)
+            previous = self.target_hidden[rows]
+        else:
+            assert inputs.previous_hidden is not None, "MTP_DRAFT carries its previous hidden states"
+            previous = inputs.previous_hidden.to(self.device)
+        hidden = self.mtp.forward(batch.input_ids, batch.positions, previous, batch)[batch.logits_indices]
+        return ForwardOutput(self.mtp.compute_logits(hidden), hidden=hidden)
 
     def _score_prompts(
         self, hidden: torch.Tensor, batch: ForwardBatch, wanted: tuple[int, ...]

@@ -40,6 +40,7 @@ class Request:
     last_page_hash: int = 0  # block_manager.ROOT_HASH
     last_page_serial: int = 0
     num_preemptions: int = 0
+    num_sealed_pages: int = 0  # of `block_table`, the first ones: full of its tokens, hashed
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
     needs_prompt_logprobs: bool = False  # asked for them and not scored yet: prefilled whole, no cache hits
@@ -51,3 +52,8 @@ class Request:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def num_drafts(self, num_speculative_tokens: int) -> int:
+        """Tokens to draft this step (`--speculative`): a verified step emits up to one more than it drafts,
+        and never past `max_len`."""
+        return max(0, min(num_speculative_tokens, self.max_len - self.num_tokens - 1))

@@ -20,8 +20,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         decode_reserve_ratio: float,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
+        self.num_speculative_tokens = num_speculative_tokens  # drafts a decode step makes room for
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.decode_reserve_ratio = decode_reserve_ratio
         self.waiting: deque[Request] = deque()
@@ -56,14 +58,15 @@ class Scheduler:
             return scheduled, True
         while self.running:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
+            num_drafts = seq.num_drafts(self.num_speculative_tokens)
+            while not self.block_manager.can_append(seq, num_drafts):
                 if self.running:
                     self.preempt(self.running.pop())
                 else:
                     self.preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
+                self.block_manager.may_append(seq, num_drafts)
                 scheduled.append(seq)
         self.running.extend(scheduled)
         return scheduled, False

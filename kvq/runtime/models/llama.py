@@ -238,21 +238,24 @@ class LlamaForCausalLM:
             x, residual = layer(x, residual, cos_sin, batch)
         return self.norm(x) if residual is None else self.norm.add_norm(x, residual)[0]
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """`[T]` -> `[T, H]`; under tensor parallelism each rank looks up its own vocabulary rows (zeros for
-        the others') and the ranks sum."""
+    def embed(self, input_ids: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """`[T]` -> `[T, H]` from `table` (default: the model's `embed_tokens`; an MTP layer may have its
+        own); under tensor parallelism each rank looks up its own vocabulary rows (zeros for the others')
+        and the ranks sum."""
+        table = self.embed_tokens if table is None else table
         if self.tp.size == 1:
-            return self.embed_tokens[input_ids]
+            return table[input_ids]
         local = input_ids - self.vocab_start
-        is_here = (local >= 0) & (local < self.embed_tokens.shape[0])
-        x = self.embed_tokens[local.clamp(0, self.embed_tokens.shape[0] - 1)] * is_here[:, None]
+        is_here = (local >= 0) & (local < table.shape[0])
+        x = table[local.clamp(0, table.shape[0] - 1)] * is_here[:, None]
         return self.tp.all_reduce(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, lm_head: Linear | None = None) -> torch.Tensor:
         """`[B, H]` -> logits `[B, V]` in the lm_head's dtype (every rank's vocabulary share, gathered): bf16
         in the fast paths, whose fp32 copy alone took 0.4-2.5 ms of a 30 ms SmolLM2 step at 32 rows on a
-        CPU (the sampler reads bf16 as it is; bf16 -> fp32 is exact), fp32 in reference mode."""
-        logits = self.lm_head(hidden)
+        CPU (the sampler reads bf16 as it is; bf16 -> fp32 is exact), fp32 in reference mode. `lm_head`:
+        another head over the same vocabulary (an MTP layer's own)."""
+        logits = (self.lm_head if lm_head is None else lm_head)(hidden)
         return logits if self.tp.size == 1 else self.tp.all_gather_last(logits)
 
     def attention_layers(self) -> list[SelfAttention]:
