@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from kvq.errors import KvqError
 
-AUTO, BF16, FP8_E4M3 = "auto", "bf16", "fp8_e4m3"
+AUTO, BF16, FP8_E4M3, FP32 = "auto", "bf16", "fp8_e4m3", "fp32"
 KV_CACHE_DTYPES = (AUTO, BF16, FP8_E4M3)
-KV_CACHE_DTYPE_BYTES = {BF16: 2, FP8_E4M3: 1}  # bytes per cached value
+# bytes per cached value of each concrete KV dtype; fp32: the pages of the runtime's reference mode
+KV_CACHE_DTYPE_BYTES = {BF16: 2, FP8_E4M3: 1, FP32: 4}
 KV_CACHE_DTYPE_HELP = (
     "KV-cache dtype, as vLLM names them: auto (fp8_e4m3 when the checkpoint has calibrated kv scales, "
     "else the activation dtype, bf16), bf16 (or bfloat16) or fp8_e4m3 (or fp8)."

@@ -16,13 +16,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from kvq.calibrate.kv_layout import KvLayout
+from kvq.calibrate.kv_layout import KVLayout
 
 
 class KvRecorder:
     """Per layer, per observed tensor (`k`/`v` or `kv_c`/`k_pe`): a running amax per KV head, fp32."""
 
-    def __init__(self, layout: KvLayout) -> None:
+    def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.amax: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [num_kv_heads] fp32
         self.num_tokens: dict[int, int] = {}

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvq import __version__
 from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.kv_layout import KvLayout, kv_layout, layer_tensor_names
+from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.layer_stream import embed, meta_model, run_layers
 from kvq.calibrate.mtp_stream import run_mtp_layers
 from kvq.calibrate.observers import KvRecorder
@@ -43,7 +43,7 @@ LayerDone = Callable[[int], None]
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    layout: KvLayout
+    layout: KVLayout
     samples: CalibrationSamples
     recorder: KvRecorder
     scales: dict[str, torch.Tensor]  # tensor name (as stored, with the weight prefix) -> bf16 scale
@@ -90,7 +90,7 @@ def prepare_to_write(root: Path) -> None:
         recover(root, UNIT_FILES)
 
 
-def check_run(layout: KvLayout, config: CalibrationConfig, where: str) -> None:
+def check_run(layout: KVLayout, config: CalibrationConfig, where: str) -> None:
     """Reject settings the model cannot take: too long samples, per-head scales for a one-latent cache."""
     if layout.max_positions and config.seq_len > layout.max_positions:
         raise KvqError(
@@ -137,7 +137,7 @@ def stored_mtp_layers(ckpt: Checkpoint, fields: dict) -> range:
 def measure_kv(
     ckpt: Checkpoint,
     model: TextModel,
-    layout: KvLayout,
+    layout: KVLayout,
     layer_names: list[list[str]],
     input_ids: torch.Tensor,
     dtype: torch.dtype,
@@ -156,7 +156,7 @@ def measure_kv(
 
 
 def run_record(
-    layout: KvLayout,
+    layout: KVLayout,
     config: CalibrationConfig,
     samples: CalibrationSamples,
     recorder: KvRecorder,

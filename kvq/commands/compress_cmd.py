@@ -31,6 +31,7 @@ from kvq.commands.gptq_options import (
 )
 from kvq.commands.recipe_options import GroupSizeOption, RecipeOption, TargetOption, warn_if_unmatched
 from kvq.commands.render import console
+from kvq.commands.resumable import resumable
 from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import load_recipe
 from kvq.compress.runner import CompressReport, PreparedJob, peak_rss_bound, prepare, run
@@ -131,14 +132,8 @@ def compress_command(
         f"(group {job.recipe.group_size}), target {target}, {workers} workers, peak memory <= ~"
         f"{format_bytes(peak_rss_bound(job.plan, workers))}"
     )
-    try:
+    with resumable("shards", job.out / MANIFEST_NAME):
         report = _run(job, workers, quiet)
-    except KeyboardInterrupt:
-        console.print(
-            f"interrupted: finished shards are recorded in {job.out / MANIFEST_NAME}; "
-            "re-run the same command to resume"
-        )
-        raise typer.Exit(130) from None
     _print_report(report, job.input_bytes)
     _print_check(job.out, target)
 

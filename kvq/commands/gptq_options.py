@@ -18,6 +18,8 @@ from kvq.byte_sizes import format_bytes
 from kvq.calibrate.config import STRATEGIES, CalibrationConfig
 from kvq.commands.layer_progress import LayerProgress
 from kvq.commands.render import console
+from kvq.commands.resumable import resumable
+from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import Recipe
 from kvq.compress.runner import CompressReport
 from kvq.errors import KvqError
@@ -207,14 +209,8 @@ def gptq_compress(
     forward = resolve_forward_dtype(options.gptq_forward_dtype or DEFAULT_FORWARD_DTYPE)
     job = prepare_gptq(src, out, recipe, options.config(forward.dtype), target)
     console.print(_start_line(job, recipe, target, workers) + f"; forward {forward.dtype} ({forward.reason})")
-    try:
+    with resumable("layers and shards", job.compress.out / MANIFEST_NAME):
         report = _run(job, workers, quiet)
-    except KeyboardInterrupt:
-        console.print(
-            f"interrupted: finished layers and shards are recorded in {job.compress.out}/kvq_manifest.json; "
-            "re-run the same command to resume"
-        )
-        raise typer.Exit(130) from None
     _print_report(report, job.compress.input_bytes)
     return report.compress
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import yaml
 
+from kvq.compress.gptq_settings import RECIPE_KEYS, GptqSettings
 from kvq.errors import KvqError
 from kvq.formats.shapes import GROUP_SIZES
-from kvq.gptq.settings import RECIPE_KEYS, GptqSettings
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: installed with kvq
 _MODIFIER = "QuantizationModifier"

@@ -1,7 +1,7 @@
 """Decide from tensor names, dtypes and shapes alone what every stored tensor becomes; validate it up front.
 
 Per stored tensor: `int4` (a targeted Linear weight -> `weight_packed` + `weight_scale` + `weight_shape`),
-`fp8_block` (an FP8-block weight kept as FP8 -> compressed-tensors `weight` + block `weight_scale`),
+`fp8-block` (an FP8-block weight kept as FP8 -> compressed-tensors `weight` + block `weight_scale`),
 `dequantize` (an FP8-block weight written as BF16, exactly as compressed-tensors' FP8BlockDequantizer
 computes it), or `copy` (bytes unchanged). Which FP8 weights are dequantized depends on the serving
 target (`TARGETS`): `sglang` dequantizes every FP8 weight it does not quantize (SGLang main loads no FP8
@@ -27,7 +27,7 @@ from kvq.compress.recipe import Recipe
 from kvq.errors import KvqError
 from kvq.formats.shapes import PACK_FACTOR, scale_inv_shape
 
-INT4, FP8_BLOCK, DEQUANTIZE, COPY = "int4", "fp8_block", "dequantize", "copy"
+INT4, FP8_BLOCK, DEQUANTIZE, COPY = "int4", "fp8-block", "dequantize", "copy"
 VLLM, SGLANG = "vllm", "sglang"
 TARGETS = (VLLM, SGLANG)  # the layouts `kvq compress --target` writes; vllm first: the default
 _EMBEDDING_MODULES = ("embed_tokens", "wte", "word_embeddings")

@@ -61,28 +61,26 @@ def perplexity(nll: Sequence[float], baseline_nll: Sequence[float] | None, num_p
 
 def kl_divergence(kl: Sequence[float], num_predicted: int) -> dict:
     """Mean KL(baseline ‖ model) of the next-token distributions, nats per token."""
-    mean, low, high = mean_interval([v / num_predicted for v in kl])
-    return {
-        "key": "kl",
-        "name": "KL(baseline ‖ model)",
-        "unit": "nats",
-        "num_items": len(kl),
-        "model": mean,
-        "model_ci95": [low, high],
-        "ci95": [low, high],
-    }
+    return _mean_metric("kl", "KL(baseline ‖ model)", "nats", [v / num_predicted for v in kl])
 
 
 def top1_agreement(num_agree: Sequence[int], num_predicted: int) -> dict:
     """Fraction of positions where both models' most likely next token is the same (interval clipped
     to [0, 1])."""
-    mean, low, high = mean_interval([a / num_predicted for a in num_agree])
-    low, high = max(0.0, low), min(1.0, high)
+    per_position = [a / num_predicted for a in num_agree]
+    return _mean_metric("top1_agreement", "top-1 agreement", "fraction", per_position)
+
+
+def _mean_metric(key: str, name: str, unit: str, per_item: list[float]) -> dict:
+    """The mean of `per_item` with its interval (a fraction's clipped to [0, 1]), as the model's value."""
+    mean, low, high = mean_interval(per_item)
+    if unit == "fraction":
+        low, high = max(0.0, low), min(1.0, high)
     return {
-        "key": "top1_agreement",
-        "name": "top-1 agreement",
-        "unit": "fraction",
-        "num_items": len(num_agree),
+        "key": key,
+        "name": name,
+        "unit": unit,
+        "num_items": len(per_item),
         "model": mean,
         "model_ci95": [low, high],
         "ci95": [low, high],

@@ -12,20 +12,14 @@ from rich.table import Table
 COLUMNS = ("metric", "baseline", "model", "delta", "95% CI")
 
 
-def _value(unit: str, value: float | None) -> str:
+def _value(unit: str, value: float | None, signed: bool = False) -> str:
+    """A metric's value (a fraction in percent), or with `signed` a change (a fraction in points)."""
     if value is None:
         return ""
+    sign = "+" if signed else ""
     if unit == "fraction":
-        return f"{100 * value:.1f}%"
-    return f"{value:.4f}"
-
-
-def _delta(unit: str, value: float | None) -> str:
-    if value is None:
-        return ""
-    if unit == "fraction":
-        return f"{100 * value:+.1f} pt"
-    return f"{value:+.4f}"
+        return f"{100 * value:{sign}.1f}" + (" pt" if signed else "%")
+    return f"{value:{sign}.4f}"
 
 
 def _interval(unit: str, interval: list[float] | None) -> str:
@@ -54,7 +48,7 @@ def metric_rows(run: dict) -> list[tuple[str, ...]]:
                 m["name"],
                 _value(unit, m.get("baseline")),
                 _value(unit, m["model"]),
-                _delta(unit, m.get("delta")),
+                _value(unit, m.get("delta"), signed=True),
                 interval,
             )
         )

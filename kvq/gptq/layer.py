@@ -36,12 +36,12 @@ from kvq.calibrate.observers import KvRecorder
 from kvq.checkpoint.dense import read_dense
 from kvq.checkpoint.reader import Checkpoint
 from kvq.checkpoint.torch_dtypes import SAFETENSORS_DTYPES
+from kvq.compress.gptq_settings import GptqSettings
 from kvq.errors import KvqError
 from kvq.formats.pack_quantized import dequantize_pack_quantized, pack_int4, quantize_int4_group
 from kvq.gptq.algorithm import GptqResult, HessianNotPositiveDefinite, gptq_quantize
 from kvq.gptq.experts import DOWN, GATE_UP, ExpertInputs, expert_hessians
 from kvq.gptq.hessian import HessianSum, LinearHessians
-from kvq.gptq.settings import GptqSettings
 from kvq.gptq.targets import ExpertTarget, LayerTargets, LinearTarget
 
 CALIBRATED = ("gptq", "gptaq")  # a module's "method" in the manifest when it is not round-to-nearest

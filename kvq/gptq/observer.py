@@ -8,15 +8,15 @@ The group's range is first widened by `expand`; then for each shrink `p = 1 - i 
 (`calculate_qparams`), the group is fake-quantized with it in the weight's dtype D and its error is
 `sum |q - w| ** norm`, in D; a group keeps the first candidate with the smallest error; the search stops
 once `patience` candidates in a row improve no group. Every op runs in D as compressed-tensors runs it,
-so the scales are bit-identical. Imports torch, kvq.formats and kvq.gptq.settings.
+so the scales are bit-identical. Imports torch, kvq.formats and kvq.compress.gptq_settings.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvq.compress.gptq_settings import MSE_KWARGS
 from kvq.formats.pack_quantized import INT4_MAX, INT4_MIN, quantize_int4_group
-from kvq.gptq.settings import MSE_KWARGS
 
 
 def observe_weight_scale(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from kvq.calibrate.kv_layout import KvLayout, kv_layout, layer_tensor_names
+from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.layer_stream import StreamState, embed, layer_inputs, meta_model
 from kvq.calibrate.layer_weights import load_layer_weights
 from kvq.calibrate.memory import limit_primitive_cache, release_freed
@@ -29,6 +29,7 @@ from kvq.calibrate.samples import CalibrationSamples
 from kvq.checkpoint.header import ShardHeader, read_header
 from kvq.checkpoint.model_config import TextModel, pretrained_config, text_model
 from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint
+from kvq.compress.gptq_settings import GptqSettings
 from kvq.compress.manifest import read_manifest, write_manifest
 from kvq.compress.recipe import Recipe
 from kvq.compress.runner import CompressReport, PreparedJob, manifest_header, prepare, run
@@ -38,7 +39,6 @@ from kvq.gptq import staging
 from kvq.gptq.config import GptqConfig
 from kvq.gptq.kv_scales import layer_record, restore_amax, write_kv_scales
 from kvq.gptq.layer import CALIBRATED, LayerOptions, quantize_layer
-from kvq.gptq.settings import GptqSettings
 from kvq.gptq.targets import NOT_REACHED, LayerTargets, dense_in_features, find_targets
 
 MANIFEST_KEY = "gptq"
@@ -55,7 +55,7 @@ class GptqJob:
     settings: GptqSettings
     config: GptqConfig
     samples: CalibrationSamples
-    layout: KvLayout
+    layout: KVLayout
     text: TextModel  # config.json's language model (its fields, the prefix of its tensor names)
     lm: Checkpoint  # the source's language-model tensors, in transformers' names
     model: PreTrainedModel  # on the meta device

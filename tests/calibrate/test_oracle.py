@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvq.calibrate.kv_layout import KvLayout, kv_layout, layer_tensor_names
+from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.run import load_tokenizer, measure_kv
 from kvq.calibrate.samples import build_samples
@@ -43,7 +43,7 @@ def sample_ids(model_dir: Path, num_samples: int = 4, seq_len: int = 64) -> torc
 
 def streamed(
     model_dir: Path, input_ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> tuple[KvLayout, KvRecorder]:
+) -> tuple[KVLayout, KvRecorder]:
     ckpt = Checkpoint.open(model_dir)
     model = text_model(ckpt.config, "config.json")
     layout = kv_layout(model.fields, model.at)
@@ -53,7 +53,7 @@ def streamed(
 
 
 def all_scales(
-    layout: KvLayout, strategy: str, amax: dict[int, dict[str, torch.Tensor]]
+    layout: KVLayout, strategy: str, amax: dict[int, dict[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for i in range(layout.num_layers):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvq.calibrate.kv_layout import KvLayout, kv_layout
+from kvq.calibrate.kv_layout import KVLayout, kv_layout
 from kvq.calibrate.scales import amax_to_scale, layer_scales
 
-GQA = KvLayout("gqa", num_layers=2, num_kv_heads=3, head_dim=64, max_positions=128)
-MLA = KvLayout(
+GQA = KVLayout("gqa", num_layers=2, num_kv_heads=3, head_dim=64, max_positions=128)
+MLA = KVLayout(
     "mla",
     num_layers=2,
     num_kv_heads=1,

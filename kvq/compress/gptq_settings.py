@@ -1,4 +1,5 @@
-"""GPTQ's own settings, as llm-compressor's `GPTQModifier` takes them in a recipe (its defaults too).
+"""GPTQ's own settings, as llm-compressor's `GPTQModifier` takes them in a recipe (its defaults too): parsed
+with the recipe (`kvq.compress.recipe`), run by `kvq.gptq`.
 
 `block_size` (columns updated together), `dampening_frac` (fraction of the mean Hessian diagonal added
 to it), `actorder` (`static`, llm-compressor's alias of `weight`: columns in descending Hessian-diagonal
