@@ -147,8 +147,8 @@ class EngineConfig:
     speculative: str | None = option(
         None,
         "Speculative decoding: mtp drafts tokens with the checkpoint's MTP (NextN) layer and verifies them "
-        "in one forward of the model (glm_moe_dsa, deepseek_v3 with num_nextn_predict_layers >= 1); the output "
-        "is the model's own (greedy: the same tokens; sampling: the same distribution).",
+        "in one forward of the model (glm_moe_dsa, deepseek_v3 with num_nextn_predict_layers >= 1); the "
+        "output is the model's own (greedy: the same tokens; sampling: the same distribution).",
     )
     num_speculative_tokens: int = option(1, "Tokens the MTP layer drafts per step with --speculative mtp.")
 
