@@ -1,5 +1,5 @@
-"""The opt-in INT4 and INT8 runtime copies of a dense lm_head (`lm_head_weights="int4"` / `"int8"`): what
-each holds, what it computes, and that the rest of the model is untouched."""
+"""The INT4 and INT8 runtime copies of a dense lm_head (`lm_head_weights="int4"` / `"int8"`, and "auto": int8
+for a tied lm_head on CPU): what each holds, what it computes, and that the rest of the model is untouched."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from kvq.runtime.kernels import w4a16_reference
 from kvq.runtime.kernels.cpu.w4a8 import NativeW8A8, w4a8_path, w4a8_reference, w8a8_reference
 from kvq.runtime.kernels.cpu.w8a16 import W8A16Weight, quantize_int8_rows, w8a16_reference
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
-from kvq.runtime.layers.linear import DenseLinear, Int4Linear, Int8Linear, int8_copy, onednn_prepack_available
+from kvq.runtime.layers.linear import (
+    INT8_DENSE_FROM_ROWS,
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    int8_copy,
+    onednn_prepack_available,
+)
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
 
 
@@ -112,3 +119,24 @@ def test_int8_copy_is_w8a8_only_where_the_kernel_takes_k() -> None:
         x = torch.randn(3, hidden, generator=gen).bfloat16()
         assert copy.matmul(x).shape == (3, 50) and copy.matmul(x[None]).shape == (1, 3, 50)
     assert isinstance(int8_copy(dense).weight, W8A16Weight)  # W4A16 mode: always W8A16
+
+
+def test_auto_is_int8_for_a_tied_lm_head_on_cpu(smollm2, tiny_checkpoint) -> None:
+    tied = Engine(EngineConfig(model=str(smollm2.bf16), kv_memory="4MiB"))  # SmolLM2 ties its lm_head
+    head = tied.model.lm_head
+    assert tied.config.lm_head_weights == "auto" and tied.model.lm_head_mode == "int8"
+    assert isinstance(head, Int8Linear) and head.dense is not None
+    assert head.dense.weight is tied.model.embed_tokens  # no second BF16 copy: the embedding's own
+    hidden = head.dense.weight.shape[1]
+    few = torch.randn(INT8_DENSE_FROM_ROWS - 1, hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+    expected = w8a16_reference(few, head.weight.weight, head.weight.weight_scale)
+    assert_close_rel(head(few), expected, REL_TOL[torch.bfloat16])  # the W8A16 copy's answer
+    many = torch.randn(INT8_DENSE_FROM_ROWS, hidden, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(head(many), head.dense(many))  # a batch this large runs on the embedding
+    # untied (the tiny llama), reference mode and an explicit choice keep the lm_head as stored
+    untied = Engine(EngineConfig(model=str(tiny_checkpoint("llama", "bf16")), kv_memory="4MiB"))
+    assert untied.model.lm_head_mode == "stored" and isinstance(untied.model.lm_head, DenseLinear)
+    reference = Engine(EngineConfig(model=str(smollm2.bf16), kv_memory="4MiB", dtype="float32"))
+    assert reference.model.lm_head_mode == "stored" and isinstance(reference.model.lm_head, DenseLinear)
+    stored = Engine(EngineConfig(model=str(smollm2.bf16), kv_memory="4MiB", lm_head_weights="stored"))
+    assert stored.model.lm_head_mode == "stored" and isinstance(stored.model.lm_head, DenseLinear)

@@ -17,7 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.config import LM_HEAD_GROUP_SIZE
+from kvq.runtime.config import LM_HEAD_GROUP_SIZE, lm_head_mode
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
@@ -214,11 +214,13 @@ class LlamaForCausalLM:
             self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
         else:
             self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)], split=ROWS)
+        self.lm_head_mode = lm_head_mode(loader.config, config.tie_word_embeddings)
         int8_activations = loader.config.int4_compute == "w4a8"
-        if isinstance(self.lm_head, DenseLinear) and loader.config.lm_head_weights == "int4":
+        if isinstance(self.lm_head, DenseLinear) and self.lm_head_mode == "int4":
             self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE, int8_activations)
-        elif isinstance(self.lm_head, DenseLinear) and loader.config.lm_head_weights == "int8":
-            self.lm_head = int8_copy(self.lm_head.weight, int8_activations)
+        elif isinstance(self.lm_head, DenseLinear) and self.lm_head_mode == "int8":
+            dense = self.lm_head if config.tie_word_embeddings else None  # resident anyway: the embedding
+            self.lm_head = int8_copy(self.lm_head.weight, int8_activations, dense)
 
     def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
         return RotaryEmbedding(self.config, self.head_dim, self.max_positions, loader.dtype, loader.device)
