@@ -20,7 +20,7 @@ from kvq.runtime.config import EngineConfig
         ({"kv_memory": "many"}, "--kv-memory: 'many' is not a size"),
         ({"decode_reserve_ratio": 2.0}, "decode_reserve_ratio"),
         ({"fp8_weights": "fp4"}, "--fp8-weights 'fp4'"),
-        ({"lm_head_weights": "int2"}, "--lm-head-weights 'int2': pick one of stored, int8, int4"),
+        ({"lm_head_weights": "int2"}, "--lm-head-weights 'int2': pick one of auto, stored, int8, int4"),
         ({"lm_head_weights": "int4", "dtype": "float32"}, "reference mode"),
         ({"max_model_len": 1}, "--max-model-len must be >= 2 tokens, got 1"),
         ({"int4_compute": "w8a8"}, "--int4-compute 'w8a8': pick one of w4a16, w4a8"),
