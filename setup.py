@@ -39,7 +39,11 @@ setup(
         Extension(
             "kvq.runtime.kernels.cpu._ops",
             ["kvq/runtime/kernels/cpu/_ops.c"],
-            depends=["kvq/runtime/kernels/cpu/_ops_attention.h", "kvq/runtime/kernels/cpu/_ops_lanes.h"],
+            depends=[
+                "kvq/runtime/kernels/cpu/_ops_attention.h",
+                "kvq/runtime/kernels/cpu/_ops_lanes.h",
+                "kvq/runtime/kernels/cpu/_ops_stamps.h",
+            ],
             # torch's bf16 rounding steps exactly: no FMA contraction, no fast-math reassociation
             extra_compile_args=[
                 "-O3",

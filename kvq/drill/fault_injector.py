@@ -21,6 +21,7 @@ import torch
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.block_manager import ROOT_HASH, chain_hash
+from kvq.runtime.kernels.integrity.step_check import guard_slot_mapping
 from kvq.runtime.model_runner import ForwardOutput
 from kvq.runtime.request import Request
 
@@ -34,6 +35,7 @@ class FaultInjector:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.block_manager = engine.block_manager
+        self.on_landed: Callable[[], None] | None = None  # told when a fault injected for later lands
 
     def running(self, request_id: int) -> Request:
         """The running sequence of `request_id` (its block table is what the faults change)."""
@@ -158,6 +160,65 @@ class FaultInjector:
             return forward(batch)
 
         runner.prepare, runner.forward = record, late  # type: ignore[method-assign]
+
+    def late_store(self, request_id: int, then: str = "abort", nth: int = 1) -> None:
+        """A write of the request that lands after its page went to another request, past every guard (a
+        stream that finishes late, a copy engine behind schedule): the request's `nth` decode step from
+        now is recorded with its slot mapping as the write guard left it then; right after that step the
+        request is aborted (`then="abort"`) or preempted (`"preempt"`) and its pages go first in the free
+        list. After the first later forward when another request fills that page and has written the stale
+        slot's offset (but not the whole page), the recorded store runs again for that request's token
+        alone (its K/V and slot stamp, into the slot it was checked for) before the next step: the page's
+        new owner would read it."""
+        runner, engine, size = self.engine.runner, self.engine, self.block_manager.page_size
+        prepare, forward = runner.prepare, runner.forward
+        state: dict = {"seen": 0, "late": None, "slot": -1, "rows": []}
+
+        def record(seqs: list[Request], is_prefill: bool) -> ForwardBatch:
+            state["rows"] = [] if is_prefill else [s.seq_id for s in seqs]
+            return prepare(seqs, is_prefill)
+
+        def late(batch: ForwardBatch) -> ForwardOutput:
+            out = forward(batch)
+            if state["late"] is None:
+                if request_id in state["rows"] and batch.write_guard is not None:
+                    state["seen"] += 1
+                    if state["seen"] == nth:
+                        self._record_late(batch, state, request_id, then)
+                return out
+            slot = state["slot"]
+            # the page's owner now (the request itself, recomputed after a preemption, is a new owner)
+            owner = next((s for s in engine.scheduler.running if slot // size in s.block_table), None)
+            if owner is not None:
+                written = owner.num_tokens - 1 - owner.block_table.index(slot // size) * size  # last offset
+                if slot % size <= written < size - 1:  # it wrote the stale slot, and fills the page still
+                    runner.prepare, runner.forward = prepare, forward  # type: ignore[method-assign]
+                    runner.forward_local(state["late"])  # its logits go nowhere; its store is the fault
+                    if self.on_landed is not None:
+                        self.on_landed()
+            return out
+
+        runner.prepare, runner.forward = record, late  # type: ignore[method-assign]
+
+    def _record_late(self, batch: ForwardBatch, state: dict, request_id: int, then: str) -> None:
+        """Keep `batch` with the request's own write only, as guarded now; abort or preempt the request."""
+        assert batch.write_guard is not None
+        guard = batch.write_guard
+        size = self.block_manager.page_size
+        slots = guard_slot_mapping(guard.page_tags, batch.slot_mapping, guard.write_tags, size)
+        seq = self.running(request_id)
+        token = state["rows"].index(request_id)  # a decode batch: one token per row
+        only = torch.full_like(slots, -1)
+        only[token] = slots[token]
+        state["slot"] = int(slots[token])
+        state["late"] = replace(batch, slot_mapping=only, write_guard=None)
+        pages = list(seq.block_table)
+        if then == "abort":
+            self.engine.abort(request_id)
+        else:
+            self.engine.scheduler.requeue(seq)
+        for page_id in reversed(pages):
+            self._to_front(page_id)
 
     # -- wrong batches (one prepare call) ----------------------------------------------------------------
     def change_next_batch(self, request_id: int, change: BatchChange) -> None:

@@ -154,6 +154,14 @@ def _late_write(injector: FaultInjector, ids: Ids) -> None:
     injector.late_forward(ids["e"], delay=6)  # e aborted after step 6; its freed page goes to wave 2
 
 
+def _late_store_after_abort(injector: FaultInjector, ids: Ids) -> None:
+    injector.late_store(ids["e"], "abort", nth=3)  # e's page goes to a request that fills it: hit there
+
+
+def _late_store_after_preemption(injector: FaultInjector, ids: Ids) -> None:
+    injector.late_store(ids["e"], "preempt", nth=3)
+
+
 # -- byte faults -----------------------------------------------------------------------------------------
 def _stray_write(injector: FaultInjector, ids: Ids) -> int:
     page = _table(injector, ids, "e")[0]
@@ -193,6 +201,8 @@ FAULTS = (
     Fault("recompute_skips_token", "tags", ("e",), _recompute_skips_token),
     Fault("abort_mid_step", "off", (), _abort_mid_step, aborted=("e",)),
     Fault("late_write", "tags", (), _late_write, aborted=("e",)),
+    Fault("late_store_after_abort", "tags", ("j",), _late_store_after_abort, aborted=("e",)),
+    Fault("late_store_after_preemption", "tags", ("e",), _late_store_after_preemption),
     Fault("stray_write", "full", ("e",), _stray_write),
     Fault("bit_flip", "full", ("e",), _bit_flip),
     Fault("bit_flip_shared", "full", ("c", "d", "h", "i"), _bit_flip_shared),

@@ -101,6 +101,9 @@ class Departures:
     stopped: dict[int, list[str]] = field(default_factory=dict)  # step -> stopped before its forward
     requeued: dict[int, list[str]] = field(default_factory=dict)  # step -> requeued before its forward
     aborted: dict[int, list[str]] = field(default_factory=dict)  # step -> aborted during it
+    preempted_in_step: dict[int, list[str]] = field(
+        default_factory=dict
+    )  # step -> preempted after its forward
 
 
 @dataclass
@@ -172,6 +175,7 @@ class _Drill:
         self.logits: dict[str, list[str]] = {}
         self.aborts_before = engine.stats.integrity_aborts
         self.mid_step_aborts: list[str] = []
+        self.mid_step_preemptions: list[str] = []
 
     def record(self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int]) -> None:
         self.forwards.append({s.seq_id for s in seqs})  # the requests this step's forward computed
@@ -179,7 +183,9 @@ class _Drill:
             self.logits.setdefault(self.names[seq.seq_id], []).append(logits_digest(row))
         for name in self.mid_step_aborts:  # a fault-free run repeating a client's abort mid-step
             self.engine.abort(self.seqs[name].seq_id)
-        self.mid_step_aborts = []
+        for name in self.mid_step_preemptions:  # ... and a preemption right after a forward
+            self.engine.scheduler.requeue(self.seqs[name])
+        self.mid_step_aborts, self.mid_step_preemptions = [], []
 
     def queue(self, run: DrillRun, step: int) -> None:
         if step not in WAVE_STEPS:
@@ -193,7 +199,10 @@ class _Drill:
 
         before = self._preemptions()
         if fault is not None:
-            run.fault_page = fault.inject(FaultInjector(self.engine), run.ids)
+            injector = FaultInjector(self.engine)
+            # a late fault lands inside some later forward: the forwards after that one read it
+            injector.on_landed = lambda: setattr(run, "num_forwards_before_fault", len(self.forwards) + 1)
+            run.fault_page = fault.inject(injector, run.ids)
         for name in self.replay.preempted if self.replay else ():
             FaultInjector(self.engine).preempt(self.seqs[name].seq_id)
         run.departures.preempted = [n for n, count in self._preemptions().items() if count > before[n]]
@@ -208,7 +217,9 @@ class _Drill:
             for seq in held_back:
                 engine.scheduler.waiting.remove(seq)
             self.mid_step_aborts = list(replay.aborted.get(step, []))
+            self.mid_step_preemptions = list(replay.preempted_in_step.get(step, []))
         before, running = self._preemptions(), {n for n, s in self.seqs.items() if s.finish_reason is None}
+        num_forwards = len(self.forwards)
         for out in engine.step():
             name = self.names[out.request_id]
             run.tokens[name] = out.token_ids
@@ -217,9 +228,13 @@ class _Drill:
         for seq in reversed(held_back):
             engine.scheduler.waiting.appendleft(seq)
         departures = run.departures
+        in_forward = set().union(*self.forwards[num_forwards:])  # this step's forward, if it ran
         for name, count in self._preemptions().items():
             if count > before[name]:
-                departures.requeued.setdefault(step, []).append(name)
+                after_forward = self.seqs[name].seq_id in in_forward
+                (departures.preempted_in_step if after_forward else departures.requeued).setdefault(
+                    step, []
+                ).append(name)
         for name in running:
             reason = self.seqs[name].finish_reason
             if reason == "error":

@@ -79,6 +79,7 @@ class ForwardBatch:
     prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
     decode_plan_of: Callable[[], PagedDecodePlan] | None = None  # decode only: makes `decode_plan`
     write_guard: WriteGuard | None = None  # --kv-integrity tags/full only: applied once per forward
+    slot_stamps: torch.Tensor | None = None  # [T] int64, tags/full only: each new token's slot stamp
     inputs: StepInputs | None = None  # what it was made from
     _made: dict[str, PagedDecodePlan] = field(init=False, default_factory=dict, repr=False, compare=False)
 

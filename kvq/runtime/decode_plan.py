@@ -121,6 +121,7 @@ class DecodeBuffers:
         self.cos = torch.empty(rows, attn.rotary.cos.shape[1], dtype=bf16)
         self.sin_signed = torch.empty_like(self.cos)
         self.slots = torch.empty(rows, dtype=torch.int64)
+        self.slot_stamps = torch.empty(rows, dtype=torch.int64)  # the checked pool's, when it is on
         self.block_tables = torch.empty(rows, pages, dtype=torch.int32)
         self.seq_lens = torch.empty(rows, dtype=torch.int32)
         self.x = torch.empty(rows, hidden, dtype=bf16)  # the embeddings, then each MLP's output
@@ -138,12 +139,15 @@ class DecodeBuffers:
 class DecodePlan:
     """Every call of a decode step of `num_rows` sequences over `buffers`, in the eager forward's order."""
 
-    def __init__(self, model: LlamaForCausalLM, buffers: DecodeBuffers, num_rows: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, buffers: DecodeBuffers, num_rows: int, is_stamped: bool
+    ) -> None:
         from kvq.runtime.models.llama import MLP
 
-        self.model, self.buffers, self.num_rows = model, buffers, num_rows
+        self.model, self.buffers, self.num_rows, self.is_stamped = model, buffers, num_rows, is_stamped
         b, m = buffers, num_rows
         tables, lens, slots = b.block_tables[:m], b.seq_lens[:m], b.slots[:m]
+        slot_stamps = b.slot_stamps[:m] if is_stamped else None  # --kv-integrity on: stamps with the K/V
         cos, sin_signed = b.cos[:m, None], b.sin_signed[:m, None]
         x, h, o, out = b.x[:m], b.h[:m], b.o[:m], b.out[:m]
         res = [r[:m] for r in b.residuals]
@@ -171,7 +175,10 @@ class DecodePlan:
             calls.append(rotary_call(unrotated, cos, sin_signed, attn.rotary.rotary_dim, qk))
             v = qkv[:, attn.q_size + attn.kv_size :].view(m, kv_heads, dim)
             scales = kv.stacked_scales
-            calls.append(store_kv_call(qk[:, heads:], v, kv.k_cache, kv.v_cache, scales, slots))
+            stamps = kv.stamps if is_stamped else None
+            calls.append(
+                store_kv_call(qk[:, heads:], v, kv.k_cache, kv.v_cache, scales, slots, stamps, slot_stamps)
+            )
             q = qk[:, :heads]
             sm_scale = attn.attn.sm_scale
             calls.append(
@@ -196,6 +203,8 @@ class DecodePlan:
         torch.index_select(rotary.cos, 0, positions, out=b.cos[:m])
         torch.index_select(rotary.sin_signed, 0, positions, out=b.sin_signed[:m])
         b.slots[:m].copy_(batch.slot_mapping)
+        if batch.slot_stamps is not None:
+            b.slot_stamps[:m].copy_(batch.slot_stamps)
         b.block_tables[:m, : batch.block_tables.shape[1]].copy_(batch.block_tables)
         b.seq_lens[:m].copy_(batch.context_lens)
         for fn, args in self.calls:
@@ -238,8 +247,11 @@ class DecodePlans:
             rows = max(num_rows, b.rows if b else 1)
             self.buffers = DecodeBuffers(model, rows, max(pages, 2 * b.pages if b else 16))
             self.plans = {}
+        is_stamped = (
+            batch.slot_stamps is not None
+        )  # --kv-integrity on: the stores stamp (reset_kv may switch)
         plan = self.plans.get(num_rows)
-        if plan is None:
+        if plan is None or plan.is_stamped != is_stamped:
             assert self.buffers is not None
-            plan = self.plans[num_rows] = DecodePlan(model, self.buffers, num_rows)
+            plan = self.plans[num_rows] = DecodePlan(model, self.buffers, num_rows, is_stamped)
         return plan.run(input_ids, positions, batch)

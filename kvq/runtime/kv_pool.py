@@ -1,25 +1,31 @@
 """The KV pool: the paged memory of every layer for one cache layout (`kv_layout`: GQA K/V pages, ...),
 sized from a byte budget, and the per-layer cache objects over it that the engine hands to the layers.
 Which request owns which page is the block manager's business; this file only holds the memory and the
-scales (FP8 pages need the checkpoint's: missing ones are an error or a loud warning and 1.0).
+scales (FP8 pages need the checkpoint's: missing ones are an error or a loud warning and 1.0), and each
+slot's integrity stamps (8 bytes per slot and layer, counted in `page_bytes` and in `kvq plan`).
 Imports torch, kvq.errors and kvq.runtime.kv_layout.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
+from kvq.checkpoint.kv_cache_spec import SLOT_STAMP_BYTES
 from kvq.errors import KvqError
 from kvq.runtime.kv_layout import KVLayout, Scales, slot_bytes
 
 logger = logging.getLogger("kvq")
 
 
+STAMP_BYTES = SLOT_STAMP_BYTES  # per slot and layer: the int64 slot stamp (`kernels.integrity.stamp_check`)
+
+
 def page_bytes(layout: KVLayout, num_layers: int, page_size: int) -> int:
-    """Bytes one page takes over all layers, every part of every slot."""
-    return num_layers * page_size * slot_bytes(layout)
+    """Bytes one page takes over all layers, every part of every slot, and the slots' stamps."""
+    return num_layers * page_size * (slot_bytes(layout) + STAMP_BYTES)
 
 
 class KVPool:
@@ -40,6 +46,9 @@ class KVPool:
         self.zero_page = num_pages
         self.storage = layout.allocate(num_layers, num_pages + 1, page_size, device)  # [L, C, P + 1, ...]
         self.storage[:, :, self.zero_page].zero_()
+        # Each slot's stamp in every layer, side by side (`kernels.integrity.stamp_check`): written with the
+        # K/V by the stores when --kv-integrity is on, untouched when off. Zeros: no writer's stamp.
+        self.stamps = torch.zeros(num_pages + 1, page_size, num_layers, dtype=torch.int64, device=device)
         self.caches: list = []  # per layer, made by `layer_caches`
 
     @property
@@ -82,5 +91,9 @@ class KVPool:
             )
         if len(scales) != self.num_layers:
             raise ValueError(f"{len(scales)} layers' scales for a pool of {self.num_layers} layers")
-        self.caches = [self.layout.layer_cache(self.storage[i], s) for i, s in enumerate(scales)]
+        stamps = self.stamps.view(-1, self.num_layers)  # [num_slots, L]
+        self.caches = [
+            replace(self.layout.layer_cache(self.storage[i], s), stamps=stamps[:, i])  # type: ignore[type-var]
+            for i, s in enumerate(scales)
+        ]
         return self.caches

@@ -7,7 +7,10 @@ are not used). Pages travel whole: every layer, every part (`KVPool.page_bytes_v
 and the MLA latent rows, DSA index keys included, travel alike, each with its integrity tag and a digest
 of its bytes. The tag is the sealed tag of the page's prefix chain hash (`block_manager.chain_hash` over
 the page's tokens, a partial last page over the tokens it holds), so the receiver derives the tag it
-expects from the request's own prompt, as the checked pool does. `verify_handoff` recomputes both on
+expects from the request's own prompt, as the checked pool does. With the sender's pool checked, each page
+also carries its slot stamps and the sender's writer tag: every slot that holds a prompt token must carry
+that writer's stamp at its position (a late write into the page before export is refused); the receiver
+stamps the pages it copies in with its own writer tags, in the same copy. `verify_handoff` recomputes both on
 arrival and raises `KvTransferError` naming the request and the page; the caller ends only that request.
 `kv_identity` is what two workers must agree on for their pages to mean the same thing: the KV cache
 spec (`kvq.checkpoint.kv_cache_spec`), the pool layout and page size, the FP8 KV scales and the
@@ -43,6 +46,8 @@ class PageRecord:
     tag: int  # signed int64, `sealed_tag` of the page's prefix chain hash
     digest: bytes  # blake2b of `data`'s bytes
     data: torch.Tensor  # [L, C, page_size * row_bytes] uint8, on the host
+    stamps: torch.Tensor | None = None  # [page_size, L] int64: the sender's slot stamps (checked pool)
+    writer: int = 0  # the writer tag the sender's stamps carry (0: the sender did not stamp)
 
 
 @dataclass
@@ -123,20 +128,44 @@ def check_same_kv(
 
 
 def export_handoff(
-    pool: KVPool, prompt: list[int], block_table: list[int], identity: dict[str, str]
+    pool: KVPool,
+    prompt: list[int],
+    block_table: list[int],
+    identity: dict[str, str],
+    writers: list[int] | None = None,
 ) -> KVHandoff:
-    """The pages holding the K/V of `prompt[:-1]` (written by the prefill forward), copied to the host."""
+    """The pages holding the K/V of `prompt[:-1]` (written by the prefill forward), copied to the host,
+    with their slot stamps and `writers` (the sender's writer tag per page, when its pool is checked)."""
     handoff = KVHandoff(list(prompt), identity)
     num_pages = -(-handoff.num_computed_tokens // pool.page_size)
     if not num_pages:
         return handoff
     page_ids = torch.tensor(block_table[:num_pages], dtype=torch.int64, device=pool.device)
     data = pool.page_bytes_view().index_select(2, page_ids).cpu()  # [L, C, n, page_size * row_bytes]
+    stamps = pool.stamps.index_select(0, page_ids).cpu()  # [n, page_size, L]
     tags = transfer_tags(prompt[:-1], pool.page_size)
     for i in range(num_pages):
         page = data[:, :, i].contiguous()
-        handoff.pages.append(PageRecord(i, tags[i], page_digest(page), page))
+        writer = writers[i] if writers is not None else 0
+        handoff.pages.append(PageRecord(i, tags[i], page_digest(page), page, stamps[i], writer))
     return handoff
+
+
+def check_page_stamps(page: PageRecord, num_tokens: int, page_size: int, where: str) -> None:
+    """A page's stamps (when the sender stamped) are its writer's at every position it holds."""
+    if page.stamps is None or not page.writer:
+        return
+    start = page.logical_index * page_size
+    positions = torch.arange(start, min(start + page_size, num_tokens))
+    expected = (page.writer ^ positions)[:, None]  # [n, 1]
+    wrong = (page.stamps[: positions.numel()] != expected).any(dim=1).nonzero().flatten().tolist()
+    if wrong:
+        position = start + wrong[0]
+        found, own = format_tag(int(page.stamps[wrong[0]].max())), format_tag(page.writer ^ position)
+        raise KvTransferError(
+            f"{where}: the slot of position {position} carries stamp {found}, not its writer's {own}: a "
+            "write landed in the page after its request's; the request was stopped"
+        )
 
 
 def verify_handoff(handoff: KVHandoff, identity: dict[str, str], request: str, pool: KVPool) -> None:
@@ -163,6 +192,7 @@ def verify_handoff(handoff: KVHandoff, identity: dict[str, str], request: str, p
                 f"{where} is {page.data.dtype} {tuple(page.data.shape)}, expected uint8 {shape}; "
                 "the request was stopped"
             )
+        check_page_stamps(page, handoff.num_computed_tokens, pool.page_size, where)
         found = page_digest(page.data)
         if found != page.digest:
             raise KvTransferError(
@@ -171,9 +201,16 @@ def verify_handoff(handoff: KVHandoff, identity: dict[str, str], request: str, p
             )
 
 
-def write_pages(pool: KVPool, block_table: list[int], pages: list[PageRecord], first: int) -> None:
+def write_pages(
+    pool: KVPool,
+    block_table: list[int],
+    pages: list[PageRecord],
+    first: int,
+    writers: list[int] | None = None,
+) -> None:
     """Copy transferred pages `first..` into the pool pages `block_table` gives them (earlier pages were
-    prefix hits, already here)."""
+    prefix hits, already here); with `writers` (the receiver's writer tag per logical page, its checked
+    pool), each slot's stamp in the same copy: this pool's writer at the slot's position."""
     todo = pages[first:]
     if not todo:
         return
@@ -182,3 +219,8 @@ def write_pages(pool: KVPool, block_table: list[int], pages: list[PageRecord], f
     )
     data = torch.stack([p.data for p in todo], dim=2).to(pool.device)  # [L, C, n, page_size * row_bytes]
     pool.page_bytes_view().index_copy_(2, page_ids, data)
+    if writers is not None:
+        size = pool.page_size
+        positions = torch.tensor([[p.logical_index * size + s for s in range(size)] for p in todo])  # [n, S]
+        own = torch.tensor([writers[p.logical_index] for p in todo])[:, None] ^ positions
+        pool.stamps.index_copy_(0, page_ids, own[:, :, None].expand(-1, -1, pool.num_layers).to(pool.device))

@@ -205,7 +205,8 @@ class ModelRunner(StepBatches):
         write_tags = torch.tensor(message.write_tags, dtype=torch.int64).to(tracker.device)
         stamps = message.slot_stamps
         slot_stamps = None if stamps is None else torch.tensor(stamps, dtype=torch.int64).to(tracker.device)
-        self.forward(replace(batch, write_guard=WriteGuard(tracker.page_tags, write_tags), slot_stamps=slot_stamps))
+        guard = WriteGuard(tracker.page_tags, write_tags)
+        self.forward(replace(batch, write_guard=guard, slot_stamps=slot_stamps))
         tracker.hash_pages(message.sealed)
 
     def run(self, seqs: list[Request], is_prefill: bool) -> ForwardOutput:

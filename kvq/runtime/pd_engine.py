@@ -76,7 +76,10 @@ class PDEngine(Engine):
         """A token hook: right after the prefill forward, export the pages of requests to hand off."""
         for seq in seqs:
             if seq.seq_id in self._to_hand_off and seq.num_tokens == seq.num_prompt_tokens:
-                pages = export_handoff(self.kv_pool, seq.token_ids, seq.block_table, self.kv_identity)
+                writers = self._writers(seq)
+                pages = export_handoff(
+                    self.kv_pool, seq.token_ids, seq.block_table, self.kv_identity, writers
+                )
                 self._handoffs[seq.seq_id] = pages
 
     def _release_handed_off(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -113,9 +116,13 @@ class PDEngine(Engine):
                 return
             self._arrived.popleft()
             first = seq.num_cached_tokens // self.config.page_size  # earlier pages: prefix hits here
-            write_pages(self.kv_pool, seq.block_table, handoff.pages, first)
+            write_pages(self.kv_pool, seq.block_table, handoff.pages, first, self._writers(seq))
             if self.tracker is not None:
                 self.tracker.after_import()
+
+    def _writers(self, seq: Request) -> list[int] | None:
+        """The writer tag of each of the request's pages (its slots' stamps), with the checked pool on."""
+        return None if self.tracker is None else list(self.tracker.expected_writers(seq))
 
     def abort(self, request_id: int) -> bool:
         for item in self._arrived:

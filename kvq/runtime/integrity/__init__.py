@@ -2,12 +2,15 @@
 (the fault injector and drill that test it live in `kvq.drill`).
 
 `off` builds nothing (`make_tracker` returns None and the engine and block manager skip every hook);
-`tags` checks every page a step reads or writes against tags derived from each request's own state;
+`tags` checks every page a step reads or writes against tags derived from each request's own state, and
+every slot it reads against the stamp its writer's store left there (`kernels.integrity.stamp_check`);
 `full` also re-hashes sampled bytes of every sealed page a step reads. Files: `tags.py` (pure tag
 functions), `page_sample.py` (which bytes `full` hashes), `tracker.py` (state and check), `mismatch.py`,
 `abort.py` (ending only the hit request).
-Limits, by design: `tags` binds pages to owners and content identity, not to bytes (a byte changed in
-place passes; `full` catches it in a sampled byte of a full page, not in the page being filled); a page a
+Limits, by design: `tags` binds pages and slots to owners, positions and content identity, not to bytes
+(a byte changed in place by no store passes; `full` catches it in a sampled byte of a full page, not in
+the page being filled); a late store into any slot a step reads, the page being filled included, leaves
+its writer's stamp and is caught; a page a
 failed check names keeps the hit request's reference (it may be another's now), so such a slip can
 leak that page; the check runs once per step, before the forward: bytes that go astray inside a forward
 (not through its checked slot mapping) can be read by that same forward before the next check.
@@ -26,11 +29,13 @@ def make_tracker(mode: str, kv_pool: KVPool) -> TagTracker | None:
     if mode == "off":
         return None
     if mode == "tags":
-        return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device)
+        return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, stamps=kv_pool.stamps)
     assert mode == "full", mode
     pool_bytes = kv_pool.page_bytes_view()
     num_layers, num_parts = pool_bytes.shape[:2]
     sample = make_page_sample(
         num_layers, kv_pool.page_size, kv_pool.row_bytes, kv_pool.device, num_parts=num_parts
     )
-    return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, pool_bytes, sample)
+    return TagTracker(
+        kv_pool.num_pages, kv_pool.page_size, kv_pool.device, pool_bytes, sample, stamps=kv_pool.stamps
+    )

@@ -2,9 +2,11 @@
 (take, attach, seal, free), never from the block tables it is there to check.
 
 Per request, a `Holding`: the page each logical index was given (taken from the free list or attached
-from the prefix cache), that page's allocation generation then, and the tag the page must carry. Per
-page: its tag (a host mirror of the device tag table), the generation it was last taken at, and how many
-holdings name it. With these the block manager's slips are checked where they happen:
+from the prefix cache), that page's allocation generation then, the tag the page must carry and the
+writer tag its slots' stamps carry (the fill tag the page was taken with, by this request or, for an
+attached page, by the one that filled it). Per page: its tag (a host mirror of the device tag table), the
+generation and fill tag it was last taken with, and how many holdings name it. With these the block
+manager's slips are checked where they happen:
 - a seal: only the page the request was given for that index, still carrying its fill tag, is sealed;
   anything else is refused (the page keeps its tag, its rightful owner is untouched) and the request is
   stopped at its next check;
@@ -37,6 +39,7 @@ class Holding:
     tags: list[int] = field(default_factory=list)  # the tag each logical page must carry
     pages: list[int] = field(default_factory=list)  # the page it was given (take or attach)
     generations: list[int] = field(default_factory=list)  # that page's generation when given
+    writers: list[int] = field(default_factory=list)  # the writer tag its slots' stamps carry
     num_attached: int = 0  # prefix pages attached at admission: its prefill starts after them
 
 
@@ -51,6 +54,7 @@ class PageLedger:
         self.generation = 0  # pages taken from the free list so far
         self._generation_of = np.zeros(num_pages, dtype=np.int64)  # [P]: when each page was last taken
         self._num_holders = np.zeros(num_pages, dtype=np.int64)  # [P]: holdings that name the page
+        self._writer_of = np.zeros(num_pages, dtype=np.int64)  # [P]: the fill tag it was last taken with
         self.holdings: dict[int, Holding] = {}  # request id -> its pages
         self.faults: dict[int, str] = {}  # request id -> the first slip a hook saw (stopped at its check)
         self.sealed_now: dict[int, int] = {}  # page -> request id: sealed this step, written by its forward
@@ -63,15 +67,17 @@ class PageLedger:
         self.generation += 1
         holding = self.holdings.setdefault(seq.seq_id, Holding())
         tag = fill_tag(seq.seq_id, len(holding.tags), self.generation)
-        self._give(holding, page_id, tag, self.generation)
+        self._give(holding, page_id, tag, self.generation, tag)
         self._generation_of[page_id] = self.generation
+        self._writer_of[page_id] = tag
         self._host[page_id] = tag
         self._is_dirty = True
 
     def on_attach(self, seq: Request, page_id: int, page_hash: int) -> None:
         """`seq` shares sealed page `page_id`; `page_hash` is computed from `seq`'s own tokens."""
         holding = self.holdings.setdefault(seq.seq_id, Holding())
-        self._give(holding, page_id, sealed_tag(page_hash), int(self._generation_of[page_id]))
+        generation, writer = int(self._generation_of[page_id]), int(self._writer_of[page_id])
+        self._give(holding, page_id, sealed_tag(page_hash), generation, writer)
         holding.num_attached += 1
 
     def on_seal(self, seq: Request, index: int, page_id: int, page_hash: int) -> bool:
@@ -151,6 +157,11 @@ class PageLedger:
         holding = self.holdings.get(seq.seq_id)
         return [] if holding is None else holding.tags
 
+    def expected_writers(self, seq: Request) -> list[int]:
+        """The writer tag each of `seq`'s logical pages' slot stamps must carry."""
+        holding = self.holdings.get(seq.seq_id)
+        return [] if holding is None else holding.writers
+
     def sealed_this_step(self, seq: Request) -> set[int]:
         """Pages `seq` sealed this step: their K/V is written by this step's forward, not before."""
         return {page for page, seq_id in self.sealed_now.items() if seq_id == seq.seq_id}
@@ -161,10 +172,11 @@ class PageLedger:
         return holding is not None and not page_ids.isdisjoint(holding.pages)
 
     # -- internals ------------------------------------------------------------------------------------
-    def _give(self, holding: Holding, page_id: int, tag: int, generation: int) -> None:
+    def _give(self, holding: Holding, page_id: int, tag: int, generation: int, writer: int) -> None:
         holding.tags.append(tag)
         holding.pages.append(page_id)
         holding.generations.append(generation)
+        holding.writers.append(writer)
         self._num_holders[page_id] += 1
 
     def _fault(self, seq: Request, what: str) -> bool:

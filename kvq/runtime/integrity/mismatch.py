@@ -3,7 +3,8 @@
 Kinds: "read" (a block-table entry whose page does not carry the request's tag, or names a page past
 what it holds), "slot" (a new token's position or slot is not its own), "length" (the context length or
 new-token count attention would use is not the request's), "bookkeeping" (a slip a block-manager hook
-saw, or holdings and token counts that disagree), "bytes" (a sealed page's sampled bytes changed).
+saw, or holdings and token counts that disagree), "bytes" (a sealed page's sampled bytes changed),
+"stamp" (a slot the step reads carries another writer's stamp, or another position's).
 Imports torch and kvq.runtime.
 """
 
@@ -19,7 +20,7 @@ from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.integrity.tags import FREE_TAG, format_tag
 from kvq.runtime.request import Request
 
-MismatchKind = Literal["read", "slot", "length", "bookkeeping", "bytes"]
+MismatchKind = Literal["read", "slot", "length", "bookkeeping", "bytes", "stamp"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,40 @@ class StepMismatches:
                     if page == sealed[n]:
                         self.found.append(PageMismatch(seq, "bytes", index, page, recorded[n], found[n]))
 
+    def from_stamp_check(self, bad_reads: list[tuple[int, int, int, int]], expected: list[int]) -> None:
+        """One "stamp" mismatch per row whose read slot carries another writer's stamp (a row the step
+        check already failed is not named twice)."""
+        num_rows, width = self.batch.block_tables.shape
+        num_tokens, size = self.batch.positions.shape[0], self.page_size
+        writers_at = num_rows * width + num_rows + 2 * num_tokens
+        hit = {m.seq.seq_id for m in self.found}
+        pages = self.batch.block_tables
+        for row, position, layer, found in bad_reads:
+            seq = self.seqs[row]
+            if seq.seq_id in hit:
+                continue
+            index = position // size
+            if index >= width:
+                self._length([seq], f"attention was to read position {position}, past its block table")
+                continue
+            page = int(pages[row, index])
+            writer = expected[writers_at + row * width + index]
+            self.found.append(
+                PageMismatch(
+                    seq,
+                    "stamp",
+                    index,
+                    page,
+                    writer ^ position,
+                    found,
+                    position,
+                    f"KV integrity: the slot of position {position} (page {page}, offset {position % size}) "
+                    f"carries stamp {format_tag(found)} in layer {layer}, expected "
+                    f"{format_tag(writer ^ position)}: written by {writer_name(found)}, not as this "
+                    f"request's position {position}",
+                )  # fmt: skip
+            )
+
     def _length(self, seqs: list[Request], what: str) -> None:
         for seq in seqs:
             self.found.append(PageMismatch(seq, "length", detail=f"KV integrity: {what}"))
@@ -168,6 +203,10 @@ class PageFindings:
     found: torch.Tensor | None = None  # [len(sealed)] int64
     recorded: torch.Tensor | None = None
     is_changed: torch.Tensor | None = None
+    bad_reads: torch.Tensor | None = None  # [B] int64: each row's first slot with a wrong stamp, or -1
+    slot_stamps: torch.Tensor | None = None  # [T] int64: what the batch's writes stamp
+    stamps: torch.Tensor | None = None  # [P + 1, page_size, L]: the pool's (read on failure only)
+    block_tables: torch.Tensor | None = None
 
     def on_host(self) -> HostFindings:
         """The failures as plain lists (read back only on failure; what a rank past 0 sends rank 0)."""
@@ -176,7 +215,41 @@ class PageFindings:
         changed = [] if self.is_changed is None else self.is_changed.nonzero().flatten().tolist()
         found = self.found.tolist() if changed and self.found is not None else []
         recorded = self.recorded.tolist() if changed and self.recorded is not None else []
-        return HostFindings(self.is_bad.nonzero().flatten().tolist(), changed, found, recorded)
+        bad = self.is_bad.nonzero().flatten().tolist()
+        return HostFindings(bad, changed, found, recorded, self._bad_reads())
+
+    def _bad_reads(self) -> list[tuple[int, int, int, int]]:
+        """(row, position, layer, stamp found) of each row's first slot whose stamp is not its own."""
+        if self.bad_reads is None or self.stamps is None or self.block_tables is None:
+            return []
+        out = []
+        stamps, tables = self.stamps, self.block_tables.cpu()
+        page_size, width = stamps.shape[1], tables.shape[1]
+        for row, position in enumerate(self.bad_reads.tolist()):
+            if position < 0:
+                continue
+            index = position // page_size
+            page = int(tables[row, index]) if index < width else -1
+            if not 0 <= page < stamps.shape[0]:
+                out.append((row, position, -1, 0))
+                continue
+            found = stamps[page, position % page_size].tolist()  # [L]
+            out.append((row, position, *_odd_one(found)))
+        return out
+
+
+def writer_name(stamp: int) -> str:
+    """Who a stamp says wrote it: its writer tag's high half (positions stay in the low one)."""
+    return "no writer (never written)" if stamp == 0 else f"writer 0x{(stamp >> 32) & 0xFFFFFFFF:08x}..."
+
+
+def _odd_one(found: list[int]) -> tuple[int, int]:
+    """(layer, stamp) of the first layer whose stamp differs from the most common (all equal: layer 0)."""
+    common = max(set(found), key=found.count)
+    for layer, stamp in enumerate(found):
+        if stamp != common:
+            return layer, stamp
+    return 0, common
 
 
 @dataclass(frozen=True)
@@ -188,12 +261,15 @@ class HostFindings:
     changed: list[int] = field(default_factory=list)
     found: list[int] = field(default_factory=list)
     recorded: list[int] = field(default_factory=list)
+    bad_reads: list[tuple[int, int, int, int]] = field(default_factory=list)  # `PageFindings._bad_reads`
 
     def __bool__(self) -> bool:
-        return bool(self.bad or self.changed)
+        return bool(self.bad or self.changed or self.bad_reads)
 
     def report(self, mismatches: StepMismatches, step: CheckedStep, tag_of: Callable[[int], int]) -> None:
         """Add the failures to `mismatches` (the batch they were found in)."""
         mismatches.from_step_check(self.bad, step.expected, tag_of)
         if self.changed:
             mismatches.from_rehash(step.sealed, self.changed, self.found, self.recorded)
+        if self.bad_reads:
+            mismatches.from_stamp_check(self.bad_reads, step.expected)

@@ -11,8 +11,9 @@ its own pages' sampled bytes. Per checked step, after rank 0's own check passed:
   gathered to rank 0, which ends exactly the requests they hit (`remove_hit`, the message naming the
   rank) and checks again, as for its own;
 - `RankStep`, the forward: each rank applies the write guard over its mirror with rank 0's write tags
-  (a late batch's writes land on no rank), and in full mode hashes the pages the forward sealed, right
-  after it.
+  (a late batch's writes land on no rank), stamps its slots with rank 0's slot stamps (every rank's pool
+  carries the same stamps, and `RankCheck` verifies each rank's own), and in full mode hashes the pages
+  the forward sealed, right after it.
 `RankReset` follows `Engine.reset_kv` (each rank's `ModelRunner.loop` makes a new tracker). A step with
 integrity `off` sends the bare `StepInputs` (no check).
 Cost at --tp N: one more broadcast and one gather per checked step. Imports numpy, torch and kvq.runtime.
@@ -51,12 +52,14 @@ class RankCheck:
 
 @dataclass(frozen=True)
 class RankStep:
-    """Run this checked batch: writes guarded by `write_tags`, then hash the pages it `sealed` (full)."""
+    """Run this checked batch: writes guarded by `write_tags` and stamped `slot_stamps`, then hash the
+    pages it `sealed` (full)."""
 
     inputs: StepInputs
     write_tags: list[int]
     sealed: list[int]
     tags: TagChanges
+    slot_stamps: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ class RankLeader:
         if guard is None or batch.inputs is None:
             return batch.inputs
         sealed = [p for p in tracker.sealed_now if tracker.tag_of(p) != FREE_TAG] if tracker.is_full else []
-        return RankStep(batch.inputs, guard.write_tags.tolist(), sealed, self._changes())
+        stamps = None if batch.slot_stamps is None else batch.slot_stamps.tolist()
+        return RankStep(batch.inputs, guard.write_tags.tolist(), sealed, self._changes(), stamps)
 
     def _changes(self) -> TagChanges:
         host = self.tracker.host_tags.numpy()

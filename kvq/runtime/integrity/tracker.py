@@ -26,6 +26,7 @@ from kvq.runtime.integrity.mismatch import CheckedStep, PageFindings, PageMismat
 from kvq.runtime.integrity.page_sample import PageSample
 from kvq.runtime.integrity.tags import FREE_TAG
 from kvq.runtime.kernels.integrity.page_check import sampled_page_hash
+from kvq.runtime.kernels.integrity.stamp_check import check_stamps, stamp_of
 from kvq.runtime.kernels.integrity.step_check import check_step
 from kvq.runtime.request import Request
 
@@ -42,9 +43,12 @@ class TagTracker(PageLedger):
         device: torch.device,
         pool_bytes: torch.Tensor | None = None,
         sample: PageSample | None = None,
+        stamps: torch.Tensor | None = None,
     ) -> None:
         super().__init__(num_pages, page_size)
         self.device = device
+        self.stamps = stamps  # [P + 1, page_size, L] int64: the pool's slot stamps (None: not checked)
+        self._slot_stamps: torch.Tensor | None = None  # [T]: what the last checked batch's writes stamp
         is_cpu = device.type == "cpu"
         self.page_tags = (
             self.host_tags if is_cpu else torch.zeros(num_pages, dtype=torch.int64, device=device)
@@ -85,7 +89,7 @@ class TagTracker(PageLedger):
         self.last_check = None
         if mismatches.check_lists(self._query_lens(seqs, batch.is_prefill)):
             return mismatches.found  # the batch's host lists disagree: its tokens cannot be lined up
-        expected = self._expected(seqs, batch.query_lens, batch.block_tables.shape[1])
+        expected = self._expected(seqs, batch.query_lens, batch.block_tables.shape[1], batch.is_prefill)
         size = self.page_size
         sealed = (
             list(dict.fromkeys(p for s in seqs for p in s.block_table[: s.num_tokens // size]))
@@ -96,10 +100,29 @@ class TagTracker(PageLedger):
         self.last_check = step = CheckedStep(expected, sealed)
         failed = findings.on_host()
         if not failed:
-            self._write_tags = findings.write_tags
+            self._write_tags, self._slot_stamps = findings.write_tags, findings.slot_stamps
             return []
         failed.report(mismatches, step, self.tag_of)
+        self._stop_writers(seqs, mismatches)
         return mismatches.found
+
+    def _stop_writers(self, seqs: list[Request], mismatches: StepMismatches) -> None:
+        """The request that wrote a slot another reads (a stamp's writer half names the page it took),
+        when it still holds pages: stopped too, now if it is in this step, else at its next check."""
+        wrong = {(m.found >> 32) & 0xFFFFFFFF: m for m in mismatches.found if m.kind == "stamp" and m.found}
+        if not wrong:
+            return
+        in_step = {s.seq_id: s for s in seqs}
+        for seq_id, holding in self.holdings.items():
+            taken = holding.writers[holding.num_attached :]
+            m = next((wrong[h] for w in taken if (h := (w >> 32) & 0xFFFFFFFF) in wrong), None)
+            if m is None or seq_id == m.seq.seq_id:
+                continue
+            what = f"KV integrity: it wrote into page {m.page_id}, another request's (position {m.position})"
+            if seq_id in in_step:
+                mismatches.found.append(PageMismatch(in_step[seq_id], "stamp", detail=what))
+            else:
+                self.faults.setdefault(seq_id, what)
 
     def check_pages(self, batch: ForwardBatch, expected: list[int], sealed: list[int]) -> PageFindings:
         """This pool's half of `check`, against expectations made on rank 0 (`_expected`): the step
@@ -108,12 +131,24 @@ class TagTracker(PageLedger):
         num_rows, width = batch.block_tables.shape
         expected_t = torch.tensor(expected, dtype=torch.int64).to(self.device, non_blocking=True)
         num_tokens = batch.positions.shape[0]
-        tags, lens, rows, positions = expected_t.split([num_rows * width, num_rows, num_tokens, num_tokens])
+        tags, lens, rows, positions, writers, read_lens = expected_t.split(
+            [num_rows * width, num_rows, num_tokens, num_tokens, num_rows * width, num_rows]
+        )
         is_bad, write_tags = check_step(
             self.page_tags, batch.block_tables, batch.context_lens, batch.positions, batch.slot_mapping,
             tags.view(num_rows, width), lens, rows, positions, self.page_size,
         )  # fmt: skip
         findings = PageFindings(is_bad, write_tags, is_bad.any())
+        if self.stamps is not None:
+            writers = writers.view(num_rows, width)
+            findings.bad_reads = check_stamps(self.stamps, batch.block_tables, writers, read_lens)
+            findings.any_bad = findings.any_bad | (findings.bad_reads >= 0).any()
+            index = positions.div(self.page_size, rounding_mode="floor").clamp(0, max(width - 1, 0))
+            token_writers = (
+                writers[rows.clamp(0, max(num_rows - 1, 0)), index] if writers.numel() else index * 0
+            )
+            findings.slot_stamps = stamp_of(token_writers, positions)
+            findings.stamps, findings.block_tables = self.stamps, batch.block_tables
         if self.is_full and sealed:
             findings.found, findings.recorded = self.rehash(sealed)
             findings.is_changed = (findings.recorded != NO_BYTE_HASH) & (findings.found != findings.recorded)
@@ -124,14 +159,15 @@ class TagTracker(PageLedger):
         """`batch` (which passed `check`) with its write guard: each write lands only if its page still
         carries the tag it was checked against when the write happens."""
         assert self._write_tags is not None and self._write_tags.shape == batch.slot_mapping.shape
-        return replace(batch, write_guard=WriteGuard(self.page_tags, self._write_tags))
+        guard = WriteGuard(self.page_tags, self._write_tags)
+        return replace(batch, write_guard=guard, slot_stamps=self._slot_stamps)
 
     def after_step(self, is_forward_run: bool) -> None:
         """End of a step: hash the pages sealed in it now that the forward wrote them (full mode); pages
         of requests stopped before it were unhashed already."""
         pages = [p for p in self.sealed_now if self._host[p] != FREE_TAG] if is_forward_run else []
         self.sealed_now.clear()
-        self._write_tags = None
+        self._write_tags = self._slot_stamps = None
         self.hash_pages(pages)
 
     def hash_pages(self, pages: list[int]) -> None:
@@ -177,15 +213,18 @@ class TagTracker(PageLedger):
             self.page_tags.copy_(self.host_tags)
         self._is_dirty = False
 
-    def _expected(self, seqs: list[Request], query_lens: list[int], width: int) -> list[int]:
-        """Flat `[B * width + B + T + T]`: each row's tags (0-padded), each row's token count, then each
-        new token's row and position."""
+    def _expected(
+        self, seqs: list[Request], query_lens: list[int], width: int, is_prefill: bool
+    ) -> list[int]:
+        """Flat `[B * width + B + T + T + B * width + B]`: each row's tags (0-padded), each row's token
+        count, each new token's row and position, then each row's writer tags (what its pages' stamps
+        carry; 0-padded, and 0 for a page another request writes in this very step) and how many of its
+        positions the step reads before writing (`check_stamps`)."""
         expected: list[int] = []
         holdings, none = self.holdings, Holding()
-        for seq in seqs:
-            tags = holdings.get(seq.seq_id, none).tags
-            if len(tags) > width:  # a row shorter than the holding (`screen` stops those first)
-                tags = tags[:width]
+        held = [holdings.get(seq.seq_id, none) for seq in seqs]
+        for holding in held:
+            tags = holding.tags[:width]  # a row shorter than the holding: `screen` stops those first
             expected += tags
             expected += [FREE_TAG] * (width - len(tags))
         lens = [seq.num_tokens for seq in seqs]
@@ -193,11 +232,23 @@ class TagTracker(PageLedger):
         if len(query_lens) == sum(query_lens):  # decode, the hot path: one token each, the last
             expected += range(len(seqs))
             expected += [n - 1 for n in lens]
-            return expected
-        for b, query_len in enumerate(query_lens):
-            expected += [b] * query_len
-        for n, query_len in zip(lens, query_lens, strict=True):
-            expected += range(n - query_len, n)
+        else:
+            for b, query_len in enumerate(query_lens):
+                expected += [b] * query_len
+            for n, query_len in zip(lens, query_lens, strict=True):
+                expected += range(n - query_len, n)
+        sealed_now = self.sealed_now if is_prefill else {}  # a decode step attaches nothing
+        for seq, holding in zip(seqs, held, strict=True):
+            writers = holding.writers[:width]
+            attached = holding.pages[: holding.num_attached]
+            if sealed_now and any(sealed_now.get(p, seq.seq_id) != seq.seq_id for p in attached):
+                writers = [  # attached pages another request of this prefill writes: read after its store
+                    0 if sealed_now.get(p, seq.seq_id) != seq.seq_id else w
+                    for p, w in zip(holding.pages, writers, strict=False)
+                ]
+            expected += writers
+            expected += [FREE_TAG] * (width - len(writers))
+        expected += [n - q for n, q in zip(lens, query_lens, strict=True)]
         return expected
 
     def _hash(self, pages: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> `[T, Hq, D]` in q.dtype."""
         kv = self.kv
-        kv.store(k, v, batch.slot_mapping)
+        kv.store(k, v, batch.slot_mapping, batch.slot_stamps)
         if batch.is_prefill:
             return kv.prefill_attention(
                 q, batch.block_tables, batch.query_lens, batch.context_lens_list, self.sm_scale

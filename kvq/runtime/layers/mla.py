@@ -111,7 +111,7 @@ class MLAttention:
         q_pe = self.rotary(q_pe, cos_sin)  # [T, H, rope]
         k_pe = self.rotary(k_pe[:, None], cos_sin)[:, 0]  # [T, rope]
         index_k = None if self.indexer is None else self.indexer.keys(x, cos_sin)
-        kv.store(kv_c, k_pe, batch.slot_mapping, index_k)
+        kv.store(kv_c, k_pe, batch.slot_mapping, index_k, batch.slot_stamps)
         selection = (
             Selection() if self.indexer is None else self.indexer.select(x, q_resid, cos_sin, batch, kv)
         )

@@ -13,9 +13,11 @@
      out [T, H, D] = bf16(bf16(x * cos) + rotate_half(x) * sin_signed), the rest copied (torch's addcmul
      of `kvq.runtime.layers.rotary` on bf16: the products of bf16 values are exact in fp32).
    store_kv(k, k_row_stride, v, v_row_stride, T, Hkv, D, k_cache, k_strides, v_cache, v_strides, kv_fp8,
-            scales, slots, slots_int64, page_size, level): the step's bf16 K/V rows (heads packed) into their
-     page slots (negative slots skipped); FP8 pages get clamp(x / scale, +-448) rounded to nearest even
-     e4m3fn, as `kv_cache_layout.quantize_kv` does in torch.
+            scales, slots, slots_int64, page_size, level, stamps, stamp_stride, stamp_values): the step's bf16
+     K/V rows (heads packed) into their page slots (negative slots skipped); FP8 pages get clamp(x / scale,
+     +-448) rounded to nearest even e4m3fn, as `kv_cache_layout.quantize_kv` does in torch. With stamps
+     (not 0: the layer's int64 slot stamps, slot s at stamps[s * stamp_stride]) each written slot also
+     gets stamp_values[t] (the checked pool's stamp, `_ops_stamps.h`).
    decode_attention(q, q_row_stride, k, v, kv_fp8, k_strides, v_strides, scales, block_tables, bt_stride,
                     bt_int64, seq_lens, sl_int64, out, B, Hq, Hkv, D, page_size, sm_scale, threads, level):
      paged decode attention (kvq/runtime/kernels/paged/attention.py's contract) straight from the pages:
@@ -516,12 +518,12 @@ KVQ_LEVELS(quantize_e4m3_row, (const uint16_t *restrict src, uint8_t *restrict d
 
 static PyObject *store_kv(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long k, v, kc, vc, scales, slots;
-    long long k_row, v_row, T, Hkv, D, ks0, ks1, ks2, vs0, vs1, vs2, page_size;
+    unsigned long long k, v, kc, vc, scales, slots, stamps, stamp_values;
+    long long k_row, v_row, T, Hkv, D, ks0, ks1, ks2, vs0, vs1, vs2, page_size, stamp_stride;
     int kv_fp8, slots_int64, level;
-    if (!PyArg_ParseTuple(args, "KLKLLLLK(LLL)K(LLL)iKKiLi", &k, &k_row, &v, &v_row, &T, &Hkv, &D, &kc, &ks0,
-                          &ks1, &ks2, &vc, &vs0, &vs1, &vs2, &kv_fp8, &scales, &slots, &slots_int64,
-                          &page_size, &level))
+    if (!PyArg_ParseTuple(args, "KLKLLLLK(LLL)K(LLL)iKKiLiKLK", &k, &k_row, &v, &v_row, &T, &Hkv, &D, &kc,
+                          &ks0, &ks1, &ks2, &vc, &vs0, &vs1, &vs2, &kv_fp8, &scales, &slots, &slots_int64,
+                          &page_size, &level, &stamps, &stamp_stride, &stamp_values))
         return NULL;
     void (*const quantize_row)(const uint16_t *restrict, uint8_t *restrict, int64_t, float) =
         quantize_e4m3_row_at[cpu_level(level)];
@@ -533,6 +535,8 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
         if (slot < 0)
             continue;
         int64_t page = slot / page_size, offset = slot % page_size;
+        if (stamps)
+            ((int64_t *)(uintptr_t)stamps)[slot * stamp_stride] = ((const int64_t *)(uintptr_t)stamp_values)[t];
         for (int half = 0; half < 2; half++) {
             const uint16_t *src = (const uint16_t *)(uintptr_t)(half ? v : k) + t * (half ? v_row : k_row);
             int64_t base = half ? page * vs0 + offset * vs1 : page * ks0 + offset * ks1, hs = half ? vs2 : ks2;
@@ -550,6 +554,7 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
 }
 
 #include "_ops_attention.h"
+#include "_ops_stamps.h"
 
 static PyObject *has_thread_pool(PyObject *self, PyObject *args) {
     (void)self, (void)args;
@@ -568,7 +573,8 @@ static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS, "bf16 RMSNorm rows, optionally after a residual add (see source)."},
     {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
-    {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows into their bf16 or FP8 page slots."},
+    {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows (and slot stamps) into their page slots."},
+    {"check_stamps", check_stamps, METH_VARARGS, "The first slot of each row whose stamp is not its own."},
     {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 or bf16 rows, and their finiteness."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {"vector_level", vector_level, METH_VARARGS, "The vector level (0-2) that runs for a wanted one."},

@@ -218,10 +218,14 @@ def store_kv_native(
     v_cache: torch.Tensor,
     scales: torch.Tensor,
     slot_mapping: torch.Tensor,
+    stamps: torch.Tensor | None = None,
+    slot_stamps: torch.Tensor | None = None,
 ) -> None:
     """In place: k, v `[T, Hkv, D]` (`store_applies`) into their slots (negative: skipped); FP8 pages get
-    `quantize_kv`'s bytes (x / scale, clamped, nearest even). scales fp32 contiguous `[2, Hkv]`."""
-    fn, args = store_kv_call(k, v, k_cache, v_cache, scales, slot_mapping)
+    `quantize_kv`'s bytes (x / scale, clamped, nearest even). scales fp32 contiguous `[2, Hkv]`. With
+    `stamps` (the layer's int64 `[num_slots]`, any stride) and `slot_stamps` int64 contiguous `[T]`: each
+    written slot's stamp too (`kernels.integrity.stamp_check.write_stamps`), in the same pass."""
+    fn, args = store_kv_call(k, v, k_cache, v_cache, scales, slot_mapping, stamps, slot_stamps)
     fn(*args)
 
 
@@ -232,10 +236,17 @@ def store_kv_call(
     v_cache: torch.Tensor,
     scales: torch.Tensor,
     slot_mapping: torch.Tensor,
+    stamps: torch.Tensor | None = None,
+    slot_stamps: torch.Tensor | None = None,
 ) -> Call:
     """`store_kv_native`'s C call."""
     assert _ext is not None
     num_tokens, num_kv_heads, head_dim = k.shape
+    is_stamped = stamps is not None and slot_stamps is not None
+    if is_stamped:
+        assert stamps is not None and slot_stamps is not None  # for mypy
+        assert stamps.dtype == slot_stamps.dtype == torch.int64 and slot_stamps.is_contiguous()
+        assert slot_stamps.shape == slot_mapping.shape
     return _ext.store_kv, (
         k.data_ptr(),
         k.stride(0),
@@ -254,7 +265,56 @@ def store_kv_call(
         int(slot_mapping.dtype == torch.int64),
         k_cache.shape[1],
         vector_level(),
+        stamps.data_ptr() if is_stamped else 0,  # type: ignore[union-attr]
+        stamps.stride(0) if is_stamped else 0,  # type: ignore[union-attr]
+        slot_stamps.data_ptr() if is_stamped else 0,  # type: ignore[union-attr]
     )
+
+
+def stamps_check_applies(
+    stamps: torch.Tensor, block_tables: torch.Tensor, expected_writers: torch.Tensor, read_lens: torch.Tensor
+) -> bool:
+    """True when `check_stamps_native` runs: CPU, contiguous int64 stamps, writers and lengths of the
+    shapes `kernels.integrity.stamp_check` takes, block tables int32/int64 with unit inner stride."""
+    return (
+        stamps.device.type == "cpu"
+        and stamps.dim() == 3
+        and block_tables.dim() == 2
+        and stamps.dtype == expected_writers.dtype == read_lens.dtype == torch.int64
+        and block_tables.dtype in _INDEX_DTYPES
+        and stamps.is_contiguous()
+        and expected_writers.is_contiguous()
+        and read_lens.is_contiguous()
+        and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1)
+        and tuple(expected_writers.shape) == tuple(block_tables.shape)
+        and tuple(read_lens.shape) == (block_tables.shape[0],)
+        and block_tables.device.type == expected_writers.device.type == read_lens.device.type == "cpu"
+        and _enabled(cpu_isa_env())
+    )
+
+
+def check_stamps_native(
+    stamps: torch.Tensor, block_tables: torch.Tensor, expected_writers: torch.Tensor, read_lens: torch.Tensor
+) -> torch.Tensor:
+    """`kernels.integrity.stamp_check.check_stamps_reference` as one C call (`stamps_check_applies`)."""
+    assert _ext is not None
+    num_rows, width = block_tables.shape
+    out = torch.empty(num_rows, dtype=torch.int64)
+    _ext.check_stamps(
+        stamps.data_ptr(),
+        stamps.shape[0],
+        stamps.shape[1],
+        stamps.shape[2],
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        int(block_tables.dtype == torch.int64),
+        expected_writers.data_ptr(),
+        read_lens.data_ptr(),
+        num_rows,
+        width,
+        out.data_ptr(),
+    )
+    return out
 
 
 def native_attention_applies(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvq.runtime.kernels.integrity.stamp_check import write_stamps
 from kvq.runtime.kernels.paged.attention import PagedDecodePlan, paged_decode_attention_torch
 from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
 from kvq.runtime.kernels.paged.kv_store import store_kv_torch
@@ -24,14 +25,23 @@ from kvq.runtime.kernels.paged.prefill import paged_prefill_attention
 class PagedKVCache(PagedKVPages):
     """`PagedKVPages` with the calls bound to its backend: store, decode and prefill attention."""
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write k, v `[T, Hkv, D]` into slots `slot_mapping` `[T]` (negative: skip); FP8 pages quantize."""
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        slot_stamps: torch.Tensor | None = None,
+    ) -> None:
+        """Write k, v `[T, Hkv, D]` into slots `slot_mapping` `[T]` (negative: skip); FP8 pages quantize.
+        With `slot_stamps` `[T]` int64 and stamped pages, each written slot's stamp too."""
         if self.backend == "torch":
-            store_kv_torch(k, v, self, slot_mapping)
+            store_kv_torch(k, v, self, slot_mapping, slot_stamps)
             return
         from kvq.runtime.kernels.triton.kv_store import store_kv_triton
 
         store_kv_triton(k, v, self, slot_mapping)
+        if self.stamps is not None and slot_stamps is not None:  # in stream order, before any read
+            write_stamps(self.stamps, slot_mapping, slot_stamps)
 
     def decode_attention(
         self,

@@ -27,6 +27,7 @@ class PagedKVPages:
     k_scale: torch.Tensor  # fp32 [Hkv] (an expanded view, stride 0, for a per-tensor scale)
     v_scale: torch.Tensor
     backend: Backend
+    stamps: torch.Tensor | None = None  # int64 [num_slots] (stride L): the checked pool's slot stamps
 
     @classmethod
     def of(

@@ -2,8 +2,9 @@
 
 Reference (the spec) and the torch path (over a `PagedKVCache`: K and V with one row copy when they are
 the halves of one tensor, as in the engine's pool; bf16 K/V on CPU: kvq's C op, `cpu.ops.store_kv_native`,
-the same bytes); the Triton kernel is in `triton/kv_store.py`. Layout and scale conventions:
-`kv_cache_layout`. Imports torch and kvq.runtime.kernels.cpu.ops.
+the same bytes, and the checked pool's slot stamps in the same pass); the Triton kernel is in
+`triton/kv_store.py`. Layout and scale conventions:
+`kv_cache_layout`. Imports torch, kvq.runtime.kernels.cpu.ops and kvq.runtime.kernels.integrity.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvq.runtime.kernels.cpu.ops import store_applies, store_kv_native
+from kvq.runtime.kernels.integrity.stamp_check import write_stamps
 from kvq.runtime.kernels.kv_cache_layout import (
     check_kv_cache,
     is_fp8,
@@ -72,13 +74,23 @@ def store_kv_reference(
         cache[pages, offsets] = quantize_kv(values[is_valid], cache.dtype, scale[:, None])
 
 
-def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv: PagedKVPages, slot_mapping: torch.Tensor) -> None:
+def store_kv_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKVPages,
+    slot_mapping: torch.Tensor,
+    slot_stamps: torch.Tensor | None = None,
+) -> None:
     """The torch path: the reference's writes, as one `index_copy_` of K and V slot rows when the caches
-    allow it (`kv.kv_rows`), else one indexed write per cache."""
+    allow it (`kv.kv_rows`), else one indexed write per cache; with `slot_stamps` `[T]` and stamped
+    pages (`kv.stamps`), each written slot's stamp (`write_stamps`; in the C call, the same pass)."""
     check_new_kv(k, v, slot_mapping, kv.k_cache)
+    stamps = kv.stamps if slot_stamps is not None else None
     if store_applies(k, v, kv.k_cache, slot_mapping):  # CPU bf16: one C call, the same bytes
-        store_kv_native(k, v, kv.k_cache, kv.v_cache, kv.stacked_scales, slot_mapping)
+        store_kv_native(k, v, kv.k_cache, kv.v_cache, kv.stacked_scales, slot_mapping, stamps, slot_stamps)
         return
+    if stamps is not None and slot_stamps is not None:
+        write_stamps(stamps, slot_mapping, slot_stamps)
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # rare: drop the skipped tokens
         kept = (slot_mapping >= 0).nonzero().squeeze(1)
         k, v, slot_mapping = k[kept], v[kept], slot_mapping[kept]

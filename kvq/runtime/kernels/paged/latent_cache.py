@@ -7,7 +7,7 @@ clamp(row / k_scale, +-448) and reads fp8 * k_scale, as vLLM's MLA FP8 cache), a
 indexer one key row of `index_head_dim` (16/32-bit, never FP8) in the same slot: pages may be strided
 (`[num_pages, page_size, W]`, slot stride >= W, innermost stride 1). `slot_mapping` int64 `[T]` =
 page * page_size + offset, negative = skip, as for GQA. Decode attention: `paged.latent_attention`.
-Imports torch only; the Triton launcher is imported at call time.
+Imports torch and kvq.runtime.kernels.integrity (slot stamps); the Triton launcher is imported at call time.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvq.runtime.kernels.integrity.stamp_check import write_stamps
 from kvq.runtime.kernels.kv_cache_layout import is_fp8, quantize_kv
 from kvq.runtime.kernels.paged.attention import PagedDecodePlan
 from kvq.runtime.kernels.paged.latent_pages import PagedLatentPages, latent_scale
@@ -31,10 +32,12 @@ class PagedLatentCache(PagedLatentPages):
         k_pe: torch.Tensor,
         slot_mapping: torch.Tensor,
         index_k: torch.Tensor | None = None,
+        slot_stamps: torch.Tensor | None = None,
     ) -> None:
         """Write rows `kv_c ++ k_pe` (`[T, R]`, `[T, rope]`) and the indexer's keys `[T, Di]` (with index
-        pages) into slots `slot_mapping` `[T]`; FP8 pages quantize with k_scale."""
-        store_latent(self, kv_c, k_pe, slot_mapping, index_k)
+        pages) into slots `slot_mapping` `[T]`; FP8 pages quantize with k_scale. With `slot_stamps` `[T]`
+        int64 and stamped pages, each written slot's stamp too."""
+        store_latent(self, kv_c, k_pe, slot_mapping, index_k, slot_stamps)
 
     def decode_attention(
         self,
@@ -119,10 +122,13 @@ def store_latent(
     k_pe: torch.Tensor,
     slot_mapping: torch.Tensor,
     index_k: torch.Tensor | None = None,
+    slot_stamps: torch.Tensor | None = None,
 ) -> None:
     """The torch path of `PagedLatentCache.store`: the reference's writes as one row copy (bytes for FP8,
-    which index_copy_ has no kernel for on CPU), and the index keys likewise."""
+    which index_copy_ has no kernel for on CPU), the index keys likewise, and the slot stamps."""
     check_new_rows(cache, kv_c, k_pe, slot_mapping, index_k)
+    if cache.stamps is not None and slot_stamps is not None:
+        write_stamps(cache.stamps, slot_mapping, slot_stamps)
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # rare: drop the skipped tokens
         kept = (slot_mapping >= 0).nonzero().squeeze(1)
         kv_c, k_pe, slot_mapping = kv_c[kept], k_pe[kept], slot_mapping[kept]

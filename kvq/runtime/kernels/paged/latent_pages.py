@@ -65,6 +65,7 @@ class PagedLatentPages:
     k_scale: torch.Tensor  # fp32 [1]
     index_keys: torch.Tensor | None  # [num_pages, page_size, index_head_dim], or None
     backend: Backend
+    stamps: torch.Tensor | None = None  # int64 [num_slots] (stride L): the checked pool's slot stamps
 
     @classmethod
     def of(

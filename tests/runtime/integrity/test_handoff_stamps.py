@@ -1,0 +1,69 @@
+"""Slot stamps across the prefill/decode handoff: a page carries its stamps and the sender's writer tag; a
+page whose stamps are not its writer's is refused on arrival; a late import copy (the decode side's copy of
+an aborted request's pages, landing after one of them went to another request that is filling it) is
+caught before that request reads it, only it is stopped, a bystander's tokens are unchanged and no page
+leaks. GQA (llama) and MLA (glm_moe_dsa) pools, fp32, pages of 4."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvq.runtime.pd_engine as pd_engine
+from kvq.runtime.kv_transfer import KvTransferError, write_pages
+from kvq.runtime.pd_engine import PDEngine
+from kvq.runtime.sampling import SamplingParams
+from tests.runtime.test_kv_transfer import engine, handoff_of
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPT = [100 + i for i in range(11)]  # K/V of 10 tokens: two full pages and one holding two
+
+
+def test_a_page_whose_stamps_are_not_its_writers_is_refused(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("llama", "bf16")
+    handoff = handoff_of(engine(path, kv_integrity="tags"), PROMPT)
+    assert all(p.writer and p.stamps is not None for p in handoff.pages)
+    stamps = handoff.pages[1].stamps
+    assert stamps is not None
+    stamps[2, 0] ^= 1 << 40  # a late write into the sender's page before it was exported
+    with pytest.raises(KvTransferError, match="position 6 carries stamp"):
+        engine(path, kv_integrity="tags").add_prefilled(handoff, GREEDY)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm_moe_dsa"])
+def test_a_late_import_copy_stops_only_the_pages_new_owner(tiny_checkpoint, monkeypatch, arch: str) -> None:
+    path = tiny_checkpoint(arch, "bf16")
+    handoff = handoff_of(engine(path, kv_integrity="tags"), PROMPT)
+    decode = engine(path, kv_integrity="tags")
+    assert isinstance(decode, PDEngine)
+    copies: list[tuple] = []
+
+    def recorded(pool, block_table, pages, first, writers=None) -> None:  # noqa: ANN001
+        copies.append((pool, list(block_table), pages, first, writers))
+        write_pages(pool, block_table, pages, first, writers)
+
+    monkeypatch.setattr(pd_engine, "write_pages", recorded)
+    request_id = decode.add_prefilled(handoff, GREEDY)
+    decode.step()  # admitted: its pages copied in
+    (copy,) = copies
+    partial = copy[1][2]  # the page holding positions 8, 9: freed by the abort, not cached
+    decode.abort(request_id)
+    manager = decode.block_manager
+    manager.free_page_ids.remove(partial)
+    manager.free_page_ids.appendleft(partial)  # the next page taken
+    victim = decode.add_request([500, 501], GREEDY)  # takes it as its page being filled
+    bystander = decode.add_request([700 + i for i in range(6)], GREEDY)
+    decode.step()  # their prefill: the victim wrote offsets 0 and 1 of that page
+    assert decode.scheduler.running[0].block_table == [partial]
+    write_pages(*copy)  # the import copy, behind schedule
+    outputs = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert outputs[victim].finish_reason == "error"
+    assert "carries stamp" in (outputs[victim].error or "")
+    assert outputs[bystander].finish_reason == "length"
+    clean = engine(path, kv_integrity="tags")
+    (expected,) = clean.generate([[700 + i for i in range(6)]], GREEDY)
+    assert outputs[bystander].token_ids == expected.token_ids
+    assert manager.num_free_pages == manager.num_pages
