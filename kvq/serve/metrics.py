@@ -2,8 +2,9 @@
 
 Gauges are read when scraped (request counts, KV pages); counters and histograms are fed by the engine
 thread after each step (`on_output`, `on_step`, `on_finished`) from what the step returned and the
-engine's own counters (preemptions, prefix-cache hits, integrity aborts), so the engine itself does no
-metrics work. Per-request times (`RequestTimes`) are taken on the engine thread as outputs leave it.
+engine's own counters (preemptions, prefix-cache hits, integrity aborts; with `--speculative`, the
+proposer's `SpecStats` as vLLM's `spec_decode_*` counters), so the engine itself does no metrics work.
+Per-request times (`RequestTimes`) are taken on the engine thread as outputs leave it.
 Imports prometheus_client and kvq.runtime (for types).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -26,6 +28,11 @@ _ITL = "0.01 0.025 0.05 0.075 0.1 0.15 0.2 0.3 0.4 0.5 0.75 1 2.5 5 7.5 10 20 40
 _LATENCY = "0.3 0.5 0.8 1 1.5 2 2.5 5 10 15 20 30 40 50 60 120 240 480 960 1920 7680"
 TTFT_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS = (tuple(map(float, b.split())) for b in (_TTFT, _ITL, _LATENCY))
 FINISH_REASONS = ("stop", "length", "abort", "error")
+_SPEC_COUNTERS = {  # SpecStats field (vLLM's name after spec_decode_): help, as vLLM's SpecDecodingProm
+    "num_drafts": "Number of spec decoding drafts.",
+    "num_draft_tokens": "Number of draft tokens.",
+    "num_accepted_tokens": "Number of accepted tokens.",
+}
 
 
 @dataclass
@@ -123,6 +130,7 @@ class ServeMetrics:
             lambda: (self._engine.block_manager, self._engine.block_manager.num_prefix_hits)
         )
         self._aborts = _Delta(lambda: (self._engine.stats, self._engine.stats.integrity_aborts))
+        self._spec_counters: list[tuple[Counter, _Delta]] = []
 
     def bind(self, engine: Engine, num_waiting: Callable[[], int], num_running: Callable[[], int]) -> None:
         """Read the gauges from `engine` and the request counts when scraped."""
@@ -132,8 +140,37 @@ class ServeMetrics:
         self.kv_pages_total.set_function(lambda: engine.block_manager.num_pages)
         self.kv_pages_used.set_function(self._pages_used)
         self.kv_usage.set_function(lambda: self._pages_used() / engine.block_manager.num_pages)
-        for delta in (self._preemptions, self._prefix_pages, self._aborts):
+        if engine.proposer is not None:
+            self._bind_spec_decode(engine.config.num_speculative_tokens)
+        for delta in (self._preemptions, self._prefix_pages, self._aborts, *self._spec_deltas()):
             delta()  # counts before the server started are not the server's
+
+    def _bind_spec_decode(self, num_speculative_tokens: int) -> None:
+        """vLLM's spec_decode counters (v1/spec_decode/metrics.py `SpecDecodingProm`), only when the engine
+        drafts: acceptance rate = accepted / draft tokens, mean accepted length = 1 + accepted / drafts."""
+        r = self.registry
+        per_pos = Counter(
+            "kvq:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["position"],
+            registry=r,
+        )
+        for field_name, documentation in _SPEC_COUNTERS.items():
+            counter = Counter(f"kvq:spec_decode_{field_name}", documentation, registry=r)
+            self._spec_counters.append((counter, _Delta(partial(self._spec_count, field_name))))
+        for pos in range(num_speculative_tokens):  # every position shows from the start, at 0
+            self._spec_counters.append((per_pos.labels(str(pos)), _Delta(partial(self._spec_at, pos))))
+
+    def _spec_count(self, field_name: str) -> tuple[object, int]:
+        stats = self._engine.proposer.stats  # type: ignore[union-attr]
+        return stats, getattr(stats, field_name)
+
+    def _spec_at(self, pos: int) -> tuple[object, int]:
+        stats = self._engine.proposer.stats  # type: ignore[union-attr]
+        return stats, stats.accepted_per_pos[pos] if pos < len(stats.accepted_per_pos) else 0
+
+    def _spec_deltas(self) -> list[_Delta]:
+        return [delta for _counter, delta in self._spec_counters]
 
     def _pages_used(self) -> int:
         manager = self._engine.block_manager
@@ -159,6 +196,8 @@ class ServeMetrics:
         self.preemptions.inc(self._preemptions())
         self.prefix_hits.inc(self._prefix_pages() * engine.config.page_size)
         self.integrity_aborts.inc(self._aborts())
+        for counter, delta in self._spec_counters:
+            counter.inc(delta())
 
     def on_finished(self, times: RequestTimes, finish_reason: str, now: float) -> None:
         self.request_success.labels(finish_reason).inc()
