@@ -300,6 +300,7 @@ def _render_memory(columns: list[tuple[str, ServingMemory]]) -> Table:
             f"KV bytes per token, {fit.kv_cache_dtype}",
             *(f"{m.kv[i].bytes_per_token}{indexer}" for _, m in columns),
         )
+        table.add_row("  kvq's pool (+ stamps)", *(str(m.kv[i].kvq_bytes_per_token) for _, m in columns))
     for i, fit in enumerate(first.kv):
         label = f"[bold]KV tokens that fit, {fit.kv_cache_dtype}[/bold]"
         table.add_row(label, *(_tokens(m.kv[i].tokens) for _, m in columns))

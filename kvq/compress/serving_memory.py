@@ -8,7 +8,8 @@ keeps whole). Split 1/tp: routed and shared experts (each expert's
 intermediate dimension), the other attention projections (heads), the dense MLP, embeddings and lm_head
 (vocabulary). MTP / NextN layers (index >= num_hidden_layers) are counted apart: servers load them only
 for speculative decoding. The KV cache per token comes from `kvq.checkpoint.kv_cache_spec` (the MLA latent
-is replicated per rank, GQA heads are split).
+is replicated per rank, GQA heads are split); `kvq_bytes_per_token` adds what kvq's own pool holds beside
+(the checked pool's slot stamps, 8 bytes per layer: `KvCacheBytes.kvq_total`).
 Memory: `mem_fraction` is SGLang's `--mem-fraction-static`: weights + KV pool <= mem_fraction x GPU
 memory, so the pool gets `mem_fraction x gpu_mem - weights`. SGLang measures free memory after loading
 the weights, so whatever else is allocated by then (CUDA context, NCCL and all-reduce buffers, the torch
@@ -61,6 +62,7 @@ class KvFit:
     kv_bytes_per_token: int  # K+V or the MLA latent
     indexer_bytes_per_token: int  # DSA indexer keys (bf16)
     tokens: int
+    kvq_bytes_per_token: int  # kvq's own pool: bytes_per_token + the slot stamps (8 bytes per layer)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,16 @@ def serving_memory(
     fits = []
     for dtype in KV_CACHE_DTYPES:
         per_token = kv_cache_bytes(spec, dtype, tp)
-        fits.append(KvFit(dtype, per_token.total, per_token.kv, per_token.indexer, budget // per_token.total))
+        fits.append(
+            KvFit(
+                dtype,
+                per_token.total,
+                per_token.kv,
+                per_token.indexer,
+                budget // per_token.total,
+                kvq_bytes_per_token=per_token.kvq_total,
+            )
+        )
     return ServingMemory(
         tp, gpu_mem_bytes, mem_fraction, weights, per_gpu, budget, spec.describe(tp), tuple(fits)
     )

@@ -21,6 +21,7 @@ import torch
 
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.block_manager import ROOT_HASH, chain_hash
+from kvq.runtime.integrity.page_sample import PageSample, make_page_sample
 from kvq.runtime.kernels.integrity.step_check import guard_slot_mapping
 from kvq.runtime.model_runner import ForwardOutput
 from kvq.runtime.request import Request
@@ -181,7 +182,7 @@ class FaultInjector:
         def late(batch: ForwardBatch) -> ForwardOutput:
             out = forward(batch)
             if state["late"] is None:
-                if request_id in state["rows"] and batch.write_guard is not None:
+                if request_id in state["rows"]:
                     state["seen"] += 1
                     if state["seen"] == nth:
                         self._record_late(batch, state, request_id, then)
@@ -201,11 +202,13 @@ class FaultInjector:
         runner.prepare, runner.forward = record, late  # type: ignore[method-assign]
 
     def _record_late(self, batch: ForwardBatch, state: dict, request_id: int, then: str) -> None:
-        """Keep `batch` with the request's own write only, as guarded now; abort or preempt the request."""
-        assert batch.write_guard is not None
+        """Keep `batch` with the request's own write only, as guarded now (in `off`, as prepared: there is no
+        guard); abort or preempt the request."""
         guard = batch.write_guard
         size = self.block_manager.page_size
-        slots = guard_slot_mapping(guard.page_tags, batch.slot_mapping, guard.write_tags, size)
+        slots = batch.slot_mapping
+        if guard is not None:
+            slots = guard_slot_mapping(guard.page_tags, batch.slot_mapping, guard.write_tags, size)
         seq = self.running(request_id)
         token = state["rows"].index(request_id)  # a decode batch: one token per row
         only = torch.full_like(slots, -1)
@@ -297,17 +300,23 @@ class FaultInjector:
     ) -> int:
         """Flip one bit of a page's bytes of `part` (GQA: 0 K, 1 V; MLA: 0 the latent) in `layer`; returns
         the byte offset. `byte_offset` None: the first byte `full` mode samples (a flip elsewhere is
-        caught only with probability samples / row bytes, see `page_sample`)."""
-        if byte_offset is None:
-            tracker = self.engine.tracker
-            if tracker is None or tracker.sample is None:
-                raise ValueError("byte_offset=None picks a sampled byte: it needs an engine in full mode")
-            byte_offset = int(tracker.sample.offsets[0])
+        caught only with probability samples / row bytes, see `page_sample`); in another mode, the byte
+        `full` would sample."""
         pool_bytes = self.engine.kv_pool.page_bytes_view()  # [L, C, P + 1, page_size * row_bytes]
+        if byte_offset is None:
+            byte_offset = int(self._page_sample(pool_bytes).offsets[0])
         pool_bytes[layer, part, page_id, byte_offset] ^= torch.tensor(1 << bit, dtype=torch.uint8)
         return byte_offset
 
     # -- internals ------------------------------------------------------------------------------------
+    def _page_sample(self, pool_bytes: torch.Tensor) -> PageSample:
+        """The `full` tracker's byte sample (made alike when the engine runs in another mode)."""
+        tracker, pool = self.engine.tracker, self.engine.kv_pool
+        if tracker is not None and tracker.sample is not None:
+            return tracker.sample
+        num_layers, num_parts = pool_bytes.shape[:2]
+        return make_page_sample(num_layers, pool.page_size, pool.row_bytes, pool.device, num_parts=num_parts)
+
     def _release_to_front(self, page_id: int) -> None:
         self.block_manager.release_page(page_id)
         self._to_front(page_id)

@@ -241,3 +241,30 @@ def test_configs_kvq_cannot_handle_are_refused_by_name(tmp_path, edit, match):
         CliRunner().invoke(
             app, ["plan", str(tmp_path), "--tp", "8", "--gpu-mem", "141GB"], catch_exceptions=False
         )
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm_moe_dsa"])
+def test_plan_prints_kvq_pool_bytes_per_token_equal_to_the_runtime_pool(tiny_checkpoint, arch: str) -> None:
+    """Beside each server figure, `kvq plan` prints (and writes in --json) what kvq's own pool holds per
+    token, stamps included: `KvCacheBytes.kvq_total`, and the bytes an engine's pool measures."""
+    from kvq.checkpoint.kv_cache_spec import kv_cache_bytes
+    from kvq.runtime.config import EngineConfig
+    from kvq.runtime.engine import Engine
+
+    src = tiny_checkpoint(arch, "bf16")
+    args = ["plan", str(src), "--recipe", "w4a16-linear", "--tp", "1", "--gpu-mem", "80GB"]
+    printed = CliRunner().invoke(app, args, catch_exceptions=False, terminal_width=200).output
+    out = plan_json(*args[1:])
+    for fit in out["serving"]["kv"]:
+        dtype = fit["kv_cache_dtype"]
+        engine = Engine(
+            EngineConfig(model=str(src), dtype="bfloat16", kv_cache_dtype=dtype, kv_memory="1MiB", threads=1)
+        )
+        pool = engine.kv_pool
+        pool_bytes = pool.storage.numel() * pool.storage.element_size() + pool.stamps.numel() * 8
+        num_slots = pool.page_size * (pool.num_pages + 1)  # the zero page included
+        assert fit["kvq_bytes_per_token"] == kv_cache_bytes(engine.kv_spec, dtype).kvq_total, dtype
+        assert pool_bytes == fit["kvq_bytes_per_token"] * num_slots, dtype
+        assert fit["kvq_bytes_per_token"] == fit["bytes_per_token"] + 8 * pool.num_layers
+    rows = re.findall(r"kvq's pool \(\+ stamps\)\s*│\s*(\d+)\s*│\s*(\d+)", printed)
+    assert [int(source) for source, _ in rows] == [fit["kvq_bytes_per_token"] for fit in out["serving"]["kv"]]
