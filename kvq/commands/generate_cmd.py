@@ -57,8 +57,10 @@ def generate_command(
     settings = engine.over(file.engine if file else {})
     engine_config = EngineConfig(model=str(path), **{**settings, "max_num_seqs": 1})
     validate_dir(path)  # a checkpoint that contradicts its config.json is refused by name, before loading
+    from kvq.runtime.distributed.worker import follow_under_launcher
     from kvq.runtime.engine import Engine  # transformers and the model code: once every flag passed
 
+    follow_under_launcher(engine_config)  # under torchrun, ranks past 0 end here
     runtime = Engine(engine_config)
     token_ids = runtime.encode_chat(prompt) if chat else runtime.encode(prompt)
     error = None

@@ -169,6 +169,7 @@ def _async_engine(
     servers: list[DrainingServer],
 ) -> AsyncEngine:
     """The engine thread HTTP requests go to: an `Engine`, or the prefill front of a P/D split."""
+    from kvq.runtime.distributed.worker import follow_under_launcher
     from kvq.runtime.engine import Engine
     from kvq.serve.async_engine import AsyncEngine
     from kvq.serve.pd_roles import PrefillFront
@@ -177,6 +178,8 @@ def _async_engine(
         for server_ in servers:
             server_.drain_now()
 
+    if role == "single":
+        follow_under_launcher(engine_config)  # under torchrun, ranks past 0 end here
     front = Engine(engine_config) if role == "single" else PrefillFront(engine_config, *pd_link)
     return AsyncEngine(front, metrics, on_death=on_death)
 

@@ -27,6 +27,7 @@ from kvq.eval.lm import KvqLM, Progress, no_progress
 from kvq.eval.run_report import run_entry, task_items
 from kvq.eval.text import score_windows
 from kvq.runtime.config import EngineConfig
+from kvq.runtime.distributed.worker import follow_under_launcher
 from kvq.runtime.engine import Engine
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class EngineSettings:
     lm_head_weights: str = EngineConfig.lm_head_weights  # MODEL's runs only: the baseline's is stored
     tp: int = EngineConfig.tp  # MODEL's runs only: the baseline, alive beside them, runs at --tp 1
     int4_compute: str = EngineConfig.int4_compute  # MODEL's runs only
+    speculative: str | None = EngineConfig.speculative  # MODEL's runs only: the baseline decodes plainly
+    num_speculative_tokens: int = EngineConfig.num_speculative_tokens
 
 
 @dataclass(frozen=True)
@@ -160,21 +163,24 @@ def text_source(config: EvalConfig) -> str:
 def _engine(
     path: Path, kv_cache_dtype: str, dtype: str, settings: EngineSettings, checkpoint: str = "baseline"
 ) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(path),
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            require_kv_scales=kv_cache_dtype == "fp8_e4m3",  # never FP8 with scale 1.0 in an eval
-            kv_memory=settings.kv_memory,
-            threads=settings.threads,
-            max_num_seqs=settings.max_num_seqs,
-            # the baseline is the source as stored: the runtime's INT8 lm_head copy is measured, not assumed
-            lm_head_weights=settings.lm_head_weights if checkpoint == "model" else "stored",
-            tp=settings.tp if checkpoint == "model" else 1,
-            int4_compute=settings.int4_compute if checkpoint == "model" else EngineConfig.int4_compute,
-        )
+    config = EngineConfig(
+        model=str(path),
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        require_kv_scales=kv_cache_dtype == "fp8_e4m3",  # never FP8 with scale 1.0 in an eval
+        kv_memory=settings.kv_memory,
+        threads=settings.threads,
+        max_num_seqs=settings.max_num_seqs,
+        # the baseline is the source as stored: the runtime's INT8 lm_head copy is measured, not assumed
+        lm_head_weights=settings.lm_head_weights if checkpoint == "model" else "stored",
+        tp=settings.tp if checkpoint == "model" else 1,
+        int4_compute=settings.int4_compute if checkpoint == "model" else EngineConfig.int4_compute,
+        speculative=settings.speculative if checkpoint == "model" else None,
+        num_speculative_tokens=settings.num_speculative_tokens,
     )
+    if checkpoint == "model":
+        follow_under_launcher(config)  # under torchrun, ranks past 0 run MODEL's steps and end here
+    return Engine(config)
 
 
 def _dtype(run: Run, settings: EngineSettings) -> str:

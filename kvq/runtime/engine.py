@@ -62,9 +62,11 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)  # this rank's model and KV pool (tensor parallelism: its shard)
-        if not self.runner.tp.is_leader:  # under torchrun every rank runs the command: the others follow
-            self.runner.loop()  # rank 0's steps, until it stops
-            raise SystemExit(0)
+        if not self.runner.tp.is_leader:
+            raise KvqError(
+                f"an Engine runs on rank 0 only, this is rank {self.runner.tp.rank}: ranks past 0 run "
+                "ModelRunner.loop() (kvq.runtime.distributed.worker.follow_under_launcher)"
+            )
         loaded = self.runner.loaded
         self.ckpt, self.text_model, self.kv_spec = loaded.ckpt, loaded.text_model, loaded.kv_spec
         self.model, self.tp, self.kv_pool = loaded.model, loaded.tp, self.runner.kv_pool
