@@ -7,7 +7,8 @@ MLA (deepseek_v3, kimi_k2, glm_moe_dsa): one latent row per token, `kv_lora_rank
 (`kv_c` normalized ++ RoPE'd `k_pe`) in the KV dtype, no heads, the same row on every rank; FP8 rows use one
 `k_scale` per layer (a scalar: no bytes per token). GLM-5's DSA indexer adds its own key cache,
 `index_head_dim` per token and layer, kept in bf16 (fp32 in the runtime's fp32 reference mode).
-Pure functions of the config fields and the KV dtype; imports kvq.errors and kvq.checkpoint.model_config.
+Pure functions of the config fields and the KV dtype; imports kvq.errors, kvq.kv_cache_dtypes (the bytes
+of each KV dtype) and kvq.checkpoint.model_config.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from dataclasses import dataclass
 
 from kvq.checkpoint.model_config import positive_int
 from kvq.errors import KvqError
+from kvq.kv_cache_dtypes import BF16, KV_CACHE_DTYPE_BYTES
 
-# Element bytes per KV cache dtype: vLLM's names, plus fp32 for the runtime's reference mode.
-KV_CACHE_DTYPE_BYTES = {"bf16": 2, "fp8_e4m3": 1, "fp32": 4}
-INDEXER_KEY_DTYPE = "bf16"
+INDEXER_KEY_DTYPE = BF16
 SLOT_STAMP_BYTES = 8  # per token and layer in kvq's pool: the checked pool's stamp (`kv_pool.STAMP_BYTES`)
 
 
