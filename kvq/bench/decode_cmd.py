@@ -1,5 +1,6 @@
 """The `kvq bench decode` command: its options, and the dispatch to the SmolLM2 bench (`kvq.bench.decode`),
-the MLA bench (`decode_mla`) or the tensor-parallel one (`decode_tp`)."""
+the MLA bench (`decode_mla`), its speculative-decoding comparison (`decode_spec`) or the tensor-parallel
+one (`decode_tp`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,16 @@ from kvq.errors import KvqError
 from kvq.smollm2_int4 import ensure_smollm2_int4
 
 
-@engine_options("enforce_eager")
+@engine_options(
+    "enforce_eager",
+    "speculative",
+    "num_speculative_tokens",
+    help={
+        "speculative": "mtp (with --model glm_moe_dsa): the bench fixture with an MTP layer decoded with and "
+        "without speculation (random and fitted MTP head), tok/s, their ratio, acceptance rate, mean "
+        "accepted length and target forwards per token (kvq.bench.decode_spec).",
+    },
+)
 def bench_decode_command(
     threads: Annotated[
         int, typer.Option(help="torch threads (pinned for every contender).")
@@ -93,11 +103,22 @@ def bench_decode_command(
     """Decode speed (INT4 vs BF16 weights vs transformers, at concurrency 1 and --batch-seqs), resident
     weight memory, FP8 vs BF16 KV capacity and admission throughput on the embedded SmolLM2-135M-Instruct;
     all ratios from one run. KVQ_CPU_ISA picks the CPU W4A16 path (printed with the results). With
-    `--model glm_moe_dsa`: MLA decode on a GLM-5-shaped bench fixture."""
+    `--model glm_moe_dsa`: MLA decode on a GLM-5-shaped bench fixture (with `--speculative mtp`: with and
+    without MTP speculative decoding)."""
     from kvq.data.embedded_model import ensure_smollm2
 
+    speculative = engine.values["speculative"]
+    if speculative is not None and (model != "glm_moe_dsa" or tp > 1):
+        raise KvqError(
+            f"--speculative {speculative} is for --model glm_moe_dsa at --tp 1 (SmolLM2 has no MTP layer); "
+            "pass --model glm_moe_dsa, or drop --speculative"
+        )
     if model == "glm_moe_dsa" and tp > 1:
         raise KvqError("--tp is for --model smollm2 (or --bf16/--int4); run the MLA bench at --tp 1")
+    if speculative is not None:
+        num_speculative_tokens = engine.values["num_speculative_tokens"]
+        _bench_speculative(speculative, num_speculative_tokens, threads, repeats, new_tokens, json_out)
+        return
     if model == "glm_moe_dsa":
         from kvq.bench.decode_mla import MlaBenchConfig, render_mla, run_mla_bench
 
@@ -131,6 +152,30 @@ def bench_decode_command(
         _report(run_tp_bench(config, bf16, int4, tp), render_tp, json_out)
         return
     _report(run_bench(config, bf16, int4), render, json_out)
+
+
+def _bench_speculative(
+    speculative: str,
+    num_speculative_tokens: int,
+    threads: int,
+    repeats: int,
+    new_tokens: int | None,
+    json_out: Path | None,
+) -> None:
+    from kvq.bench.decode_spec import SpecBenchConfig, render_spec, run_spec_bench, spec_models
+    from kvq.runtime.config import SPECULATIVE_METHODS
+
+    if speculative not in SPECULATIVE_METHODS:
+        raise KvqError(f"--speculative is {speculative!r}; pick one of {', '.join(SPECULATIVE_METHODS)}")
+    if num_speculative_tokens < 1:
+        raise KvqError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    config = SpecBenchConfig(
+        threads=threads,
+        repeats=repeats,
+        new_tokens=new_tokens or SpecBenchConfig.new_tokens,
+        num_speculative_tokens=num_speculative_tokens,
+    )
+    _report(run_spec_bench(config, spec_models(config)), render_spec, json_out)
 
 
 def _report(result: Any, render_result: Callable[[Any], Table], json_out: Path | None) -> None:

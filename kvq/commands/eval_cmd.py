@@ -58,6 +58,8 @@ def _check_before_work(model: Path, json_out: Path | None, baseline_dtype: str, 
     "tp",
     "lm_head_weights",
     "int4_compute",
+    "speculative",
+    "num_speculative_tokens",
     help={
         "max_num_seqs": "Requests each engine batches at most.",
         "tp": "Tensor-parallel ranks for MODEL's runs (gloo on CPU, NCCL on CUDA); the baseline runs at "
