@@ -39,7 +39,7 @@ from kvq.bench.integrity_lockstep import TrackerTimer, lockstep_round, summarize
 from kvq.bench.json_output import JsonOption, write_json
 from kvq.byte_sizes import SIZE_HELP
 from kvq.commands.render import console
-from kvq.drill.workload import DRILL_PAGE_SIZE
+from kvq.drill.workload import drill_engine
 
 if TYPE_CHECKING:
     from kvq.runtime.engine import Engine
@@ -136,9 +136,8 @@ def run_bench(config: IntegrityBenchConfig, model: Path) -> IntegrityBenchResult
         for group, rs in runs.items()
     }
     if config.drill:
-        # the drill's faults are timed for its own page size
-        drill_config = IntegrityBenchConfig(threads=config.threads, page_size=DRILL_PAGE_SIZE, concurrency=8)
-        fp32_engine = lambda mode: make_engine(model, drill_config, mode, dtype="float32")  # noqa: E731
+        # the drill's faults are timed for its own engine (page size, pool, batch): the tests' drill engine
+        fp32_engine = lambda mode: drill_engine(model, mode)  # noqa: E731
         result.drill = drill_rows(fp32_engine)
         result.random_faults = random_fault_rows(fp32_engine, config.random_faults)
     return result
