@@ -179,11 +179,17 @@ class BlockManager:
     def truncate(self, seq: Request) -> None:
         """After verification took back rejected drafts (`seq.token_ids` holds the accepted ones): the pages
         past those `seq`'s tokens need go back (never hashed: only drafts were in them); positions rolled
-        back inside a kept page are rewritten before any step reads them."""
+        back inside a kept page are rewritten before any step reads them. With a tracker the pages released
+        are the ones `seq` was given there, as it recorded them (`on_truncate`)."""
         num_pages = self.pages_for(seq.num_tokens)
-        while len(seq.block_table) > num_pages:
-            assert self.tracker is None, "EngineConfig refuses --kv-integrity with --speculative"
-            self.release_page(seq.block_table.pop())
+        if len(seq.block_table) <= num_pages:
+            return
+        released = seq.block_table[num_pages:]
+        if self.tracker is not None:
+            released = self.tracker.on_truncate(seq, num_pages)
+        del seq.block_table[num_pages:]
+        for page_id in reversed(released):
+            self.release_page(page_id)
 
     # -- after a failed integrity check -----------------------------------------------------------------
     def unhash(self, page_id: int) -> None:

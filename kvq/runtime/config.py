@@ -186,10 +186,11 @@ class EngineConfig:
             _choice("speculative", self.speculative, SPECULATIVE_METHODS)
         if self.num_speculative_tokens < 1:
             raise KvqError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.speculative is not None and self.kv_integrity != "off":
+        if self.speculative is not None and self.kv_integrity != "off" and self.tp > 1:
             raise KvqError(
-                f"--speculative {self.speculative} with --kv-integrity {self.kv_integrity}: the checked pool "
-                "does not follow rolled-back drafts yet; pass --kv-integrity off, or drop --speculative"
+                f"--speculative {self.speculative} with --kv-integrity {self.kv_integrity} at --tp "
+                f"{self.tp}: the ranks past 0 do not follow rolled-back drafts yet; pass --kv-integrity off "
+                "or --tp 1"
             )
         if self.device == "cuda":
             import torch

@@ -37,7 +37,7 @@ from kvq.runtime.request import Request, Status
 from kvq.runtime.sampling import SamplingParams, make_generator, sample_requests
 from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.spec_accept import Verdict, accept
-from kvq.runtime.spec_decode import MtpProposer
+from kvq.runtime.spec_decode import Drafts, MtpProposer
 
 Prompt = str | list[int]
 # Called after each step's sampling with (the step's sequences, their logits [B, V] (bf16 or fp32), the
@@ -97,7 +97,9 @@ class Engine:
 
     def _new_kv_bookkeeping(self) -> None:
         config = self.config
-        self.tracker = make_tracker(config.kv_integrity, self.kv_pool)  # None when "off"
+        # None when "off"; the MTP layer's rows, after the model's, are not checked (they only shape drafts)
+        num_layers = len(self.model.attention_layers())
+        self.tracker = make_tracker(config.kv_integrity, self.kv_pool, num_layers)
         # at --tp N rank 0 has the other ranks check their own pools too (`integrity.ranks`)
         self.rank_checks: RankLeader | None = None
         if self.tracker is not None and self.tp.size > 1 and self.tp.is_leader:
@@ -257,8 +259,21 @@ class Engine:
         proposer = self.proposer
         assert proposer is not None
         forward = self._timed_forward_of(self.runner.forward)
+        stopped: list[RequestOutput] = []
+        if self.tracker is not None:  # requests already marked draft nothing
+            seqs, stopped = self._screen(seqs)
         drafts = proposer.draft(seqs, forward)
-        logits = forward(self.runner.batch_of(proposer.verify_inputs(seqs, drafts))).logits  # [T, V]
+        if self.tracker is None:
+            logits = forward(self.runner.batch_of(proposer.verify_inputs(seqs, drafts))).logits  # [T, V]
+        else:
+            row_of = {seq.seq_id: b for b, seq in enumerate(seqs)}
+            seqs, checked, outputs = self._run_checked(seqs, False, drafts)
+            for out in outputs:
+                proposer.forget(out.request_id)
+            stopped += outputs
+            if checked is None:
+                return stopped
+            drafts, logits = drafts.of([row_of[seq.seq_id] for seq in seqs]), checked.logits
         num_tokens = [seq.num_tokens for seq in seqs]
         offsets, verdicts, row = [], [], 0
         for seq, tokens, probs in zip(seqs, drafts.token_ids, drafts.probs, strict=True):
@@ -271,10 +286,25 @@ class Engine:
             proposer.stats.add(len(tokens), min(verdict.num_accepted, seq.num_tokens - n))
             if seq.finish_reason is not None:
                 self._finish(seq)
-            else:
-                self.block_manager.truncate(seq)
+                continue
+            self.block_manager.truncate(seq)
+            if self.tracker is not None:  # accepted drafts' slots: their stamps lose the draft mark
+                self.tracker.confirm_drafts(seq, n, seq.num_tokens - 1)
         self._extend_drafts(seqs, [n - 1 for n in num_tokens], offsets)
-        return [self.outputs.output(seq) for seq in seqs]
+        return stopped + [self.outputs.output(seq) for seq in seqs]
+
+    def _screen(self, seqs: list[Request]) -> tuple[list[Request], list[RequestOutput]]:
+        """Stop the requests the tracker's host screen fails (a speculative step's, before they draft)."""
+        assert self.tracker is not None and self.proposer is not None
+        num_drafts = [seq.num_drafts(self.proposer.num_speculative_tokens) for seq in seqs]
+        mismatches = self.tracker.screen(seqs, num_drafts)
+        if not mismatches:
+            return seqs, []
+        seqs, hit = remove_hit(mismatches, seqs, self.scheduler, self.tracker)
+        self.stats.integrity_aborts += len(hit)
+        for seq in hit:
+            self.proposer.forget(seq.seq_id)
+        return seqs, [self.outputs.output(seq) for seq in hit]
 
     def _accept(self, seq: Request, rows: torch.Tensor, tokens: list[int], probs: list) -> Verdict:
         try:
@@ -382,19 +412,29 @@ class Engine:
                         return
 
     def _run_checked(
-        self, seqs: list[Request], is_prefill: bool
+        self, seqs: list[Request], is_prefill: bool, drafts: Drafts | None = None
     ) -> tuple[list[Request], ForwardOutput | None, list[RequestOutput]]:
         """Check the step's requests (their state before the batch is made, then the batch itself), stop
         the ones hit, run the rest: (seqs run, logits, outputs of the stopped ones). Rechecked after each
-        removal, as the batch is rebuilt. Nothing the tracker finds is raised: it stops requests."""
-        tracker = self.tracker
+        removal, as the batch is rebuilt. Nothing the tracker finds is raised: it stops requests. With
+        `drafts` (a speculative step's, row by row of `seqs`) the batch is their verification."""
+        tracker, proposer = self.tracker, self.proposer
         assert tracker is not None
         stopped: list[Request] = []
+        row_of = {seq.seq_id: b for b, seq in enumerate(seqs)}
         while seqs:
-            mismatches = tracker.screen(seqs)
+            kept, num_drafts = None, None
+            if drafts is not None:
+                kept = drafts.of([row_of[seq.seq_id] for seq in seqs])
+                num_drafts = [len(tokens) for tokens in kept.token_ids]
+            mismatches = tracker.screen(seqs, num_drafts)
             if not mismatches:
-                batch = self.runner.prepare(seqs, is_prefill)
-                mismatches = tracker.check(seqs, batch)
+                if kept is None:
+                    batch = self.runner.prepare(seqs, is_prefill)
+                else:
+                    assert proposer is not None
+                    batch = self.runner.batch_of(proposer.verify_inputs(seqs, kept))
+                mismatches = tracker.check(seqs, batch, num_drafts)
                 if not mismatches and self.rank_checks is not None:
                     mismatches = self.rank_checks.check(seqs, batch)
                 if not mismatches:

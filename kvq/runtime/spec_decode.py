@@ -73,6 +73,10 @@ class Drafts:
     token_ids: list[list[int]]
     probs: list[list[torch.Tensor | None]]
 
+    def of(self, rows: list[int]) -> Drafts:
+        """The drafts of requests `rows` only (those a failed check left running)."""
+        return Drafts([self.token_ids[b] for b in rows], [self.probs[b] for b in rows])
+
 
 class MtpProposer:
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:

@@ -24,18 +24,20 @@ from kvq.runtime.integrity.tracker import TagTracker
 from kvq.runtime.kv_pool import KVPool
 
 
-def make_tracker(mode: str, kv_pool: KVPool) -> TagTracker | None:
-    """The tracker for `mode` over `kv_pool`: None for "off" (no integrity work at all)."""
+def make_tracker(mode: str, kv_pool: KVPool, num_checked_layers: int | None = None) -> TagTracker | None:
+    """The tracker for `mode` over `kv_pool`: None for "off" (no integrity work at all). Only the pool's
+    first `num_checked_layers` layers (default all) are checked: the MTP layer's, after them, only shapes
+    drafts, which verification checks against the model, and its rows lag the model's by a position."""
     if mode == "off":
         return None
+    num_layers = kv_pool.num_layers if num_checked_layers is None else num_checked_layers
+    stamps = kv_pool.stamps if num_layers == kv_pool.num_layers else kv_pool.stamps[..., :num_layers]
     if mode == "tags":
-        return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, stamps=kv_pool.stamps)
+        return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, stamps=stamps)
     assert mode == "full", mode
-    pool_bytes = kv_pool.page_bytes_view()
-    num_layers, num_parts = pool_bytes.shape[:2]
+    pool_bytes = kv_pool.page_bytes_view()[:num_layers]
+    num_parts = pool_bytes.shape[1]
     sample = make_page_sample(
         num_layers, kv_pool.page_size, kv_pool.row_bytes, kv_pool.device, num_parts=num_parts
     )
-    return TagTracker(
-        kv_pool.num_pages, kv_pool.page_size, kv_pool.device, pool_bytes, sample, stamps=kv_pool.stamps
-    )
+    return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, pool_bytes, sample, stamps=stamps)

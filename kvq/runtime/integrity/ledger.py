@@ -117,6 +117,22 @@ class PageLedger:
                 pages.append(page_id)
         return pages
 
+    def on_truncate(self, seq: Request, num_pages: int) -> list[int]:
+        """Verification rejected drafts: `seq` keeps its first `num_pages` logical pages and gives back the
+        rest (pages that held only drafts): those to release, as `on_deallocate` says for a deallocation."""
+        holding = self.holdings.get(seq.seq_id)
+        if holding is None or len(holding.pages) <= num_pages:
+            return []
+        pages = []
+        given = zip(holding.pages[num_pages:], holding.generations[num_pages:], strict=True)
+        for page_id, generation in given:
+            self._num_holders[page_id] -= 1
+            if self._generation_of[page_id] == generation:
+                pages.append(page_id)
+        for kept in (holding.tags, holding.pages, holding.generations, holding.writers):
+            del kept[num_pages:]
+        return pages
+
     def on_free(self, page_id: int, is_sealed: bool) -> int:
         """The block manager dropped the page's last reference. Returns how many holdings still name it:
         0, the page is free (a sealed one keeps its tag: a prefix hit may revive it); more, the free

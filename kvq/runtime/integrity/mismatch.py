@@ -69,23 +69,25 @@ class StepMismatches:
         self.seqs, self.batch, self.num_pages, self.page_size = seqs, batch, num_pages, page_size
         self.found: list[PageMismatch] = []
 
-    def check_lists(self, query_lens: list[int]) -> bool:
-        """The batch's host lists against the requests' own counts (True: some disagree); attention's
-        bound `max_context_len` must cover every context."""
-        batch, lens = self.batch, [s.num_tokens for s in self.seqs]
+    def check_lists(self, query_lens: list[int], lens: list[int] | None = None) -> bool:
+        """The batch's host lists against the requests' own counts (True: some disagree): `lens`, each
+        context's length, by default its request's tokens; attention's bound `max_context_len` must
+        cover every context."""
+        batch = self.batch
+        lens = [s.num_tokens for s in self.seqs] if lens is None else lens
         if batch.block_tables.shape[0] != len(self.seqs) or len(batch.query_lens) != len(self.seqs):
             self._length(self.seqs, f"a batch of {batch.block_tables.shape[0]} rows for {len(self.seqs)}")
             return True
         if batch.query_lens == query_lens and batch.context_lens_list == lens:
             if batch.max_context_len >= max(lens) and batch.positions.shape[0] == sum(query_lens):
                 return False
-        columns = zip(self.seqs, batch.query_lens, query_lens, batch.context_lens_list, strict=True)
-        for seq, found_query, query_len, found_len in columns:
-            if found_query != query_len or found_len != seq.num_tokens:
+        columns = zip(self.seqs, batch.query_lens, query_lens, batch.context_lens_list, lens, strict=True)
+        for seq, found_query, query_len, found_len, num_tokens in columns:
+            if found_query != query_len or found_len != num_tokens:
                 self._length(
                     [seq],
                     f"attention was to read {found_len} tokens, {found_query} of them new, but the request "
-                    f"holds {seq.num_tokens}, {query_len} of them new",
+                    f"holds {num_tokens}, {query_len} of them new",
                 )
         if not self.found:
             self._length(self.seqs, f"attention's bound {batch.max_context_len} is below a context")

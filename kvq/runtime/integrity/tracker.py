@@ -1,16 +1,17 @@
 """The checked KV pool's once-per-step proof (`--kv-integrity tags` or `full`), over the ledger's state.
 
-`screen(seqs)` (host, before the batch is prepared) stops requests a hook marked and requests whose
-pages and tokens disagree; `check(seqs, batch)` then proves the prepared batch in one gather-and-compare
-on the device (`kernels.integrity.step_check`), before the model reads any page: every block-table entry carries
-its request's tag (and a row names no page past what it holds), every context length is the tokens its
-request holds, and every new token has its request's position and the slot that position owns. The
-expectations come from each request's own tokens and the ledger, never from the batch. By induction over
-steps, attention then reads only slots its own request wrote, at their positions: a sealed page was
-written by the checked forward of the request that sealed it, a page being filled by its own earlier
-checked steps. `guard(batch)` adds the write guard (`ForwardBatch.write_guard`): a write whose page
-moved on after the check is skipped. In `full` mode the sampled bytes of each sealed page in the step
-are re-hashed against the hash taken after the forward that wrote it (`after_step`).
+`screen(seqs)` (host, before the batch is prepared) stops requests a hook marked and requests whose pages and
+tokens disagree; `check(seqs, batch)` then proves the prepared batch in one gather-and-compare on the device
+(`kernels.integrity.step_check`), before the model reads any page: every block-table entry carries its
+request's tag (and a row names no page past what it holds), every context length is the tokens its request
+holds, and every new token has its request's position and the slot that position owns. The expectations come
+from each request's own tokens and the ledger, never from the batch. By induction over steps, attention then
+reads only slots its own request wrote, at their positions: a sealed page was written by the checked forward
+of the request that sealed it, a page being filled by its own earlier checked steps. `guard(batch)` adds the
+write guard (`ForwardBatch.write_guard`): a write whose page moved on after the check is skipped. A
+`--speculative` verification is checked as a batch of each request's last token and drafts; its drafts' stamps
+carry `DRAFT_MARK` until accepted. In `full` mode the sampled bytes of each sealed page in the step are
+re-hashed against the hash taken after the forward that wrote it (`after_step`).
 Imports torch and kvq.runtime.
 """
 
@@ -31,6 +32,9 @@ from kvq.runtime.kernels.integrity.step_check import check_step
 from kvq.runtime.request import Request
 
 NO_BYTE_HASH = -1  # not hashed (yet): the sampled-bytes hash itself is never negative
+# XORed into a draft's slot stamp by its verification: the stamp of no real position (positions stay below
+# 2^31), so a rolled-back draft's slot read before it is rewritten fails the stamp check
+DRAFT_MARK = 1 << 31
 
 
 class TagTracker(PageLedger):
@@ -60,16 +64,18 @@ class TagTracker(PageLedger):
         self.last_check: CheckedStep | None = None  # what the last `check` that got to the pages used
 
     # -- the step check ---------------------------------------------------------------------------------
-    def screen(self, seqs: list[Request]) -> list[PageMismatch]:
+    def screen(self, seqs: list[Request], num_drafts: list[int] | None = None) -> list[PageMismatch]:
         """Host only, before the batch is made: requests a hook marked, and requests whose holding,
-        block table and token count disagree (the batch of such a request could not be laid out)."""
+        block table and token count (plus `num_drafts[b]`, a verification's) disagree (the batch of such
+        a request could not be laid out)."""
         out = []
         size = self.page_size
-        for seq in seqs:
+        drafts = num_drafts or [0] * len(seqs)
+        for seq, num_drafted in zip(seqs, drafts, strict=True):
             fault = self.faults.get(seq.seq_id)
             holding = self.holdings.get(seq.seq_id)
             num_given = 0 if holding is None else len(holding.tags)
-            num_needed = -(-seq.num_tokens // size)
+            num_needed = -(-(seq.num_tokens + num_drafted) // size)
             if fault is None and not num_given == num_needed == len(seq.block_table):
                 extra = seq.block_table[num_given:]
                 past = f" (past them: page {', page '.join(map(str, extra))})" if extra else ""
@@ -81,15 +87,25 @@ class TagTracker(PageLedger):
                 out.append(PageMismatch(seq, "bookkeeping", detail=fault))
         return out
 
-    def check(self, seqs: list[Request], batch: ForwardBatch) -> list[PageMismatch]:
+    def check(
+        self, seqs: list[Request], batch: ForwardBatch, num_drafts: list[int] | None = None
+    ) -> list[PageMismatch]:
         """Every failure of this step's batch (empty: all good). One gather-and-compare, one host sync.
         What it checked against stays in `last_check` (tensor-parallel ranks past 0 check their own pool
-        against the same, `integrity.ranks`)."""
+        against the same, `integrity.ranks`). With `num_drafts` the batch is a verification: each request's
+        last token and its drafts (`num_drafts[b] + 1` rows), whose stamps carry `DRAFT_MARK` until
+        `confirm_drafts` says which were accepted."""
         mismatches = StepMismatches(seqs, batch, self.num_pages, self.page_size)
         self.last_check = None
-        if mismatches.check_lists(self._query_lens(seqs, batch.is_prefill)):
+        if num_drafts is None:
+            query_lens, lens = self._query_lens(seqs, batch.is_prefill), [s.num_tokens for s in seqs]
+        else:
+            query_lens = [d + 1 for d in num_drafts]
+            lens = [s.num_tokens + d for s, d in zip(seqs, num_drafts, strict=True)]
+        if mismatches.check_lists(query_lens, lens):
             return mismatches.found  # the batch's host lists disagree: its tokens cannot be lined up
-        expected = self._expected(seqs, batch.query_lens, batch.block_tables.shape[1], batch.is_prefill)
+        is_prefill = batch.is_prefill and num_drafts is None  # a verification attaches nothing
+        expected = self._expected(seqs, batch.query_lens, batch.block_tables.shape[1], is_prefill, lens)
         size = self.page_size
         sealed = (
             list(dict.fromkeys(p for s in seqs for p in s.block_table[: s.num_tokens // size]))
@@ -101,6 +117,10 @@ class TagTracker(PageLedger):
         failed = findings.on_host()
         if not failed:
             self._write_tags, self._slot_stamps = findings.write_tags, findings.slot_stamps
+            if num_drafts is not None and self._slot_stamps is not None:
+                is_draft = [row > 0 for d in num_drafts for row in range(d + 1)]
+                marks = torch.tensor(is_draft, dtype=torch.int64).to(self.device) * DRAFT_MARK
+                self._slot_stamps = self._slot_stamps ^ marks
             return []
         failed.report(mismatches, step, self.tag_of)
         self._stop_writers(seqs, mismatches)
@@ -154,6 +174,23 @@ class TagTracker(PageLedger):
             findings.is_changed = (findings.recorded != NO_BYTE_HASH) & (findings.found != findings.recorded)
             findings.any_bad = findings.any_bad | findings.is_changed.any()
         return findings
+
+    def confirm_drafts(self, seq: Request, first: int, stop: int) -> None:
+        """Positions `first` to `stop` - 1 of `seq` hold drafts verification accepted: their slots' stamps
+        lose `DRAFT_MARK` (a rejected draft's slot keeps it, so a step that reads it before it is rewritten
+        is stopped)."""
+        holding = self.holdings.get(seq.seq_id)
+        if self.stamps is None or holding is None or first >= stop:
+            return
+        size = self.page_size
+        positions = range(first, stop)
+        pages = [holding.pages[p // size] for p in positions]
+        stamps = [holding.writers[p // size] ^ p for p in positions]
+        pages_t, offsets_t, stamps_t = (
+            torch.tensor(values, dtype=torch.int64).to(self.device)
+            for values in (pages, [p % size for p in positions], stamps)
+        )
+        self.stamps[pages_t, offsets_t] = stamps_t[:, None]
 
     def guard(self, batch: ForwardBatch) -> ForwardBatch:
         """`batch` (which passed `check`) with its write guard: each write lands only if its page still
@@ -214,12 +251,18 @@ class TagTracker(PageLedger):
         self._is_dirty = False
 
     def _expected(
-        self, seqs: list[Request], query_lens: list[int], width: int, is_prefill: bool
+        self,
+        seqs: list[Request],
+        query_lens: list[int],
+        width: int,
+        is_prefill: bool,
+        lens: list[int] | None = None,
     ) -> list[int]:
         """Flat `[B * width + B + T + T + B * width + B]`: each row's tags (0-padded), each row's token
         count, each new token's row and position, then each row's writer tags (what its pages' stamps
         carry; 0-padded, and 0 for a page another request writes in this very step) and how many of its
-        positions the step reads before writing (`check_stamps`)."""
+        positions the step reads before writing (`check_stamps`). `lens`: each row's context length, if
+        not its token count (a verification's counts its drafts)."""
         expected: list[int] = []
         holdings, none = self.holdings, Holding()
         held = [holdings.get(seq.seq_id, none) for seq in seqs]
@@ -227,7 +270,7 @@ class TagTracker(PageLedger):
             tags = holding.tags[:width]  # a row shorter than the holding: `screen` stops those first
             expected += tags
             expected += [FREE_TAG] * (width - len(tags))
-        lens = [seq.num_tokens for seq in seqs]
+        lens = [seq.num_tokens for seq in seqs] if lens is None else lens
         expected += lens
         if len(query_lens) == sum(query_lens):  # decode, the hot path: one token each, the last
             expected += range(len(seqs))

@@ -1,0 +1,104 @@
+"""`--speculative mtp` with `--kv-integrity tags/full`: fp32 greedy output is the output without speculation
+(prefix sharing with pages of 4, forced preemption), no request is stopped, every page goes back to the
+pool after rolled-back drafts, and a rejected draft's slot read later (a slip that counts it as accepted)
+stops exactly its request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.engine import Engine
+from kvq.runtime.request import Status
+from kvq.runtime.sampling import SamplingParams
+from tests.runtime.reference import engine_greedy
+from tests.runtime.test_mla_vs_transformers import engine_with_pages, shared_prefix_prompts
+
+NUM_TOKENS = 20
+
+
+def plain_greedy(path: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", kv_memory="16MiB"))
+    return engine_greedy(engine, prompts, num_tokens)
+
+
+def spec_engine(path: Path, k: int, mode: str = "tags", **kwargs) -> Engine:
+    config = EngineConfig(
+        model=str(path),
+        dtype="float32",
+        speculative="mtp",
+        num_speculative_tokens=k,
+        kv_integrity=mode,
+        **kwargs,
+    )
+    return Engine(config)
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.stats.integrity_aborts == 0
+    tracker = engine.tracker
+    assert tracker is not None and not tracker.faults and not tracker.holdings
+    assert tracker.num_repairs == tracker.num_free_page_releases == 0
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages  # drafts' pages back
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v3"])
+def test_greedy_with_tags_is_the_models_own(tiny_checkpoint, arch: str) -> None:
+    path = tiny_checkpoint(arch, "bf16", num_mtp_layers=1)
+    prompts = shared_prefix_prompts()
+    expected = plain_greedy(path, prompts, NUM_TOKENS)
+    for k in (1, 3):
+        engine = spec_engine(path, k, kv_memory="16MiB", page_size=4)
+        assert engine_greedy(engine, prompts, NUM_TOKENS) == expected
+        assert engine.proposer is not None and engine.proposer.stats.num_draft_tokens > 0
+        assert engine.block_manager.num_prefix_hits >= 5  # the shared prompt pages
+        assert_clean(engine)
+
+
+def test_greedy_with_full_is_the_models_own(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("glm_moe_dsa", "bf16", num_mtp_layers=1)
+    prompts = shared_prefix_prompts()
+    engine = spec_engine(path, 2, "full", kv_memory="16MiB", page_size=4)
+    assert engine_greedy(engine, prompts, NUM_TOKENS) == plain_greedy(path, prompts, NUM_TOKENS)
+    assert_clean(engine)
+
+
+def test_greedy_with_tags_and_forced_preemption(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("glm_moe_dsa", "bf16", num_mtp_layers=1)
+    prompts = shared_prefix_prompts()
+    expected = plain_greedy(path, prompts, 32)
+    tight = engine_with_pages(
+        path, 24, decode_reserve_ratio=0.0, speculative="mtp", num_speculative_tokens=2, kv_integrity="tags"
+    )
+    assert engine_greedy(tight, prompts, 32) == expected
+    assert tight.scheduler.num_preemptions > 0
+    assert_clean(tight)
+
+
+def test_a_rejected_drafts_slot_read_later_is_caught(tiny_checkpoint) -> None:
+    """After a verification that rejected drafts, the request is slipped one token: its rejected draft at
+    its last position is counted as accepted without being rewritten. The next step reads that slot: its
+    stamp still carries the draft mark, so the request is stopped; the other finishes as without the slip."""
+    path = tiny_checkpoint("glm_moe_dsa", "bf16", num_mtp_layers=1)
+    prompts = shared_prefix_prompts()[2:4]
+    expected = plain_greedy(path, prompts, NUM_TOKENS)
+    engine = spec_engine(path, 3, kv_memory="16MiB", page_size=4)
+    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    engine.step()  # the prefill (and the MTP layer's first drafts)
+    engine.step()  # a verification: the random MTP layer's drafts are rejected
+    victim = next(s for s in engine.scheduler.running if s.seq_id == ids[0])
+    assert victim.status is Status.RUNNING
+    victim.token_ids.append(victim.token_ids[-1])  # the slip: one more token, its K/V never written
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final[ids[0]].finish_reason == "error" and "stamp" in (final[ids[0]].error or "")
+    assert final[ids[1]].token_ids == expected[1]
+    assert engine.stats.integrity_aborts == 1
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
