@@ -17,8 +17,8 @@ from kvq.runtime.kernels import PagedDecodePlan
 
 @dataclass(frozen=True)
 class WriteGuard:
-    """The checked pool's guard on a batch's K/V writes (`kernels.integrity.step_check.guard_slot_mapping`): a write
-    lands only if its page still carries the tag it was checked against."""
+    """The checked pool's guard on a batch's K/V writes (`kernels.integrity.step_check.guard_slot_mapping`):
+    a write lands only if its page still carries the tag it was checked against."""
 
     page_tags: torch.Tensor  # [P] int64: the pool's device tag table (live)
     write_tags: torch.Tensor  # [T] int64: each new token's page tag at the check

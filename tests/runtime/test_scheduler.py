@@ -16,9 +16,7 @@ def make(num_pages: int, ratio: float, max_num_seqs: int = 8, max_batched: int =
 
 def request(seq_id: int, prompt_len: int = 4, max_tokens: int = 8) -> Request:
     tokens = [seq_id * 100 + i for i in range(prompt_len)]  # distinct: no prefix sharing
-    return Request(
-        seq_id, tokens, prompt_len, SamplingParams(max_tokens=max_tokens), prompt_len + max_tokens
-    )
+    return Request(seq_id, tokens, prompt_len, SamplingParams(max_tokens=max_tokens), prompt_len + max_tokens)
 
 
 def decode_step(s: Scheduler) -> list[Request]:

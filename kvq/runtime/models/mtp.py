@@ -39,8 +39,8 @@ def check_mtp(model: TextModel, where: str) -> int:
     if num_mtp_layers(model.fields) < 1:
         raise KvqError(
             f"{where}: --speculative mtp needs MTP layers but {model.at}config.json has "
-            f"num_nextn_predict_layers {model.fields.get('num_nextn_predict_layers')!r}: use a checkpoint that ships its MTP layer "
-            "(GLM-5.x, DeepSeek-V3/R1) or drop --speculative"
+            f"num_nextn_predict_layers {model.fields.get('num_nextn_predict_layers')!r}: use a checkpoint "
+            "that ships its MTP layer (GLM-5.x, DeepSeek-V3/R1) or drop --speculative"
         )
     return int(model.fields["num_hidden_layers"])
 

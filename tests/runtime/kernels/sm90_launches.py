@@ -20,12 +20,12 @@ from triton.compiler import ASTSource
 from triton.runtime.interpreter import InterpretedFunction
 
 from kvq.runtime.kernels import PagedKVCache
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from kvq.runtime.kernels.triton import fused_moe as fused_moe_triton
 from kvq.runtime.kernels.triton import kv_store as kv_store_triton
 from kvq.runtime.kernels.triton import latent_attention as latent_attention_triton
 from kvq.runtime.kernels.triton import paged_attention as paged_attention_triton
 from kvq.runtime.kernels.triton import w4a16 as w4a16_triton
-from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from kvq.runtime.kernels.w4a16 import compressed_tensors_weight
 from tests.runtime.kernels.kernel_cases import random_paged_kv, random_paged_latent, random_w4a16
 

@@ -1,8 +1,8 @@
 """Triton kernel of the checked KV pool's per-step proof: every block-table entry, context length and new
 token of a step checked in one launch.
 
-Spec: `integrity.step_check.check_step_reference` (integer gathers and compares: the interpreter agrees bit for
-bit). One flat index space of B * M table entries, then B rows, then T tokens; each lane checks its own.
+Spec: `integrity.step_check.check_step_reference` (integer gathers and compares: the interpreter agrees bit
+for bit). One flat index space of B * M table entries, then B rows, then T tokens; each lane checks its own.
 Imports Triton; loaded lazily.
 """
 
