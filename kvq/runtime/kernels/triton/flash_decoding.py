@@ -2,27 +2,28 @@
 
 A program runs an online softmax over one slice of a sequence's tokens (`online_softmax_step` per tile
 of scores in log2 units, `finish` at the end: the normalized output and, when split, the slice's
-log-sum-exp); the host sizes the slices (`plan_splits`: ~2 programs per SM, >= 4 tiles a slice) and
-merges them by log-sum-exp (`merge_splits`). Imports Triton; loaded lazily.
+log-sum-exp, written by `store_slice`); the host plans the launch (`plan_decode`: the kernel's mode,
+its dot operands and the slices, `plan_splits`: ~2 programs per SM, >= 4 tiles a slice) and merges the
+slices by log-sum-exp (`Splits.merge`). Imports Triton; loaded lazily.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.triton.launch import output_dtype, sm_count_for
-
-
-@triton.jit
-def dot(a, b, IS_FP32_DOT: tl.constexpr):
-    """`tl.dot`, fp32-exact for fp32 operands (not tf32)."""
-    if IS_FP32_DOT:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
+from kvq.runtime.kernels.triton.launch import (
+    dot_constexprs,
+    is_interpreted,
+    kernel_for,
+    output_dtype,
+    sm_count_for,
+)
 
 
 @triton.jit
@@ -47,6 +48,37 @@ def finish(acc, m_i, l_i, v_scale):
     return acc * (v_scale / safe_l)[:, None], lse
 
 
+@triton.jit
+def store_slice(
+    acc,
+    m_i,
+    l_i,
+    v_scale_ptr,
+    o_ptr,
+    lse_ptr,
+    heads,
+    offs_d,
+    mask_h,
+    mask_d,
+    stride_oh,
+    stride_od,
+    stride_lh,
+    IS_FP8: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+):
+    """`finish` a program's slice (V's scale at `v_scale_ptr` for FP8 pages) and write rows `heads` of it
+    into `o_ptr`, and their log-sum-exp into `lse_ptr` when split: the program's sequence and slice in the
+    buffers of `plan_splits`."""
+    v_scale = 1.0
+    if IS_FP8:
+        v_scale = tl.load(v_scale_ptr)
+    out, lse = finish(acc, m_i, l_i, v_scale)
+    o_ptrs = o_ptr + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    if IS_SPLIT:
+        tl.store(lse_ptr + heads * stride_lh, lse, mask=mask_h)
+
+
 @dataclass(frozen=True)
 class Splits:
     """How a launch cuts its sequences and where the slices write: `out` `[B, H, num_splits, D]` (fp32
@@ -60,6 +92,17 @@ class Splits:
     @property
     def is_split(self) -> bool:
         return self.num_splits > 1
+
+    def merge(self, dtype: torch.dtype) -> torch.Tensor:
+        """The launch's output `[B, H, D]` in `dtype`: the slices merged by their log-sum-exp."""
+        if not self.is_split:
+            return self.out.squeeze(2).to(dtype)
+        lse = self.lse
+        lse_max = lse.amax(dim=-1, keepdim=True)
+        lse_max = torch.where(torch.isinf(lse_max), torch.zeros_like(lse_max), lse_max)  # empty sequences
+        weights = torch.exp(lse - lse_max)  # [B, H, S]
+        total = weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+        return torch.einsum("bhs,bhsd->bhd", weights / total, self.out).to(dtype)
 
 
 def plan_splits(
@@ -89,13 +132,43 @@ def plan_splits(
     return Splits(num_splits, tokens_per_split, out, lse)
 
 
-def merge_splits(splits: Splits, dtype: torch.dtype) -> torch.Tensor:
-    """The launch's output `[B, H, D]` in `dtype`: the slices merged by their log-sum-exp."""
-    if not splits.is_split:
-        return splits.out.squeeze(2).to(dtype)
-    lse = splits.lse
-    lse_max = lse.amax(dim=-1, keepdim=True)
-    lse_max = torch.where(torch.isinf(lse_max), torch.zeros_like(lse_max), lse_max)  # empty sequences
-    weights = torch.exp(lse - lse_max)  # [B, H, S]
-    total = weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    return torch.einsum("bhs,bhsd->bhd", weights / total, splits.out).to(dtype)
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """A decode attention launch: `kernel[grid](...)`, its slices, and `constexprs`, the arguments every
+    decode kernel takes alike (IS_FP8, IS_SPLIT, DOT_DTYPE, IS_FP32_DOT, BLOCK_N)."""
+
+    kernel: Any
+    grid: tuple[int, int, int]
+    splits: Splits
+    constexprs: dict[str, Any]
+
+
+def plan_decode(
+    kernel: Any,
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    width: int,
+    max_seq_len: int,
+    num_head_programs: int,
+    compiled_block_n: int,
+    block_n: int | None,
+    num_splits: int | None,
+) -> DecodeLaunch | None:
+    """The launch of `kernel` for q `[B, H, *]` over `pages` (FP8 or 16-bit) with outputs `width` wide and
+    B x `num_head_programs` x slices programs; None when there is no token (the output is zeros).
+    Tokens per tile: `block_n`, else `compiled_block_n` compiled and 16 under the interpreter."""
+    kernel = kernel_for(kernel, q.device)
+    interpreted = is_interpreted(kernel)
+    block_n = block_n or (16 if interpreted else compiled_block_n)
+    if q.shape[0] == 0 or max_seq_len == 0:
+        return None
+    splits = plan_splits(q, width, max_seq_len, block_n, num_head_programs, interpreted, num_splits)
+    # fp8 pages convert to fp16 in one instruction (to bf16 in two); fp32 queries keep fp32 dots
+    dot_input_dtype = torch.float16 if is_fp8(pages) and q.dtype != torch.float32 else q.dtype
+    constexprs = {
+        "IS_FP8": is_fp8(pages),
+        "IS_SPLIT": splits.is_split,
+        "BLOCK_N": block_n,
+        **dot_constexprs(dot_input_dtype, interpreted),
+    }
+    return DecodeLaunch(kernel, (q.shape[0], num_head_programs, splits.num_splits), splits, constexprs)

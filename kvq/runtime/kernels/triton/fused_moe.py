@@ -13,11 +13,11 @@ import torch
 import triton
 
 from kvq.runtime.kernels.fused_moe import check_moe_inputs, silu_and_mul
-from kvq.runtime.kernels.triton.launch import dot_dtype, is_interpreted, kernel_for, output_dtype, tl_dtype
+from kvq.runtime.kernels.triton.launch import is_interpreted, kernel_for, output_dtype
 from kvq.runtime.kernels.triton.w4a16 import (
     W4A16LaunchConfig,
     check_launch_config,
-    unpack_constexprs,
+    launch_constexprs,
     w4a16_kernel,
 )
 from kvq.runtime.kernels.w4a16 import LAYOUT_COMPRESSED_TENSORS, W4A16Weight
@@ -75,7 +75,6 @@ def _launch_moe_gemm(
 ) -> None:
     assert w.weight_packed is not None and w.weight_scale is not None
     kernel = kernel_for(w4a16_kernel, x.device)
-    operand_dtype = dot_dtype(x.dtype, is_interpreted(kernel))
     grid = (expert_ids.numel(), triton.cdiv(w.out_features, config.block_n), 1)
     kernel[grid](
         x,
@@ -100,14 +99,7 @@ def _launch_moe_gemm(
         IS_MOE=True,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         SPLIT_K=1,
-        DOT_DTYPE=tl_dtype(operand_dtype),
-        IS_FP32_DOT=operand_dtype == torch.float32,
-        **unpack_constexprs(config, operand_dtype),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **launch_constexprs(config, x.dtype, is_interpreted(kernel)),
     )
 
 

@@ -19,16 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.paged.latent_attention import check_latent_queries
-from kvq.runtime.kernels.triton.flash_decoding import (
-    dot,
-    finish,
-    merge_splits,
-    online_softmax_step,
-    plan_splits,
-)
-from kvq.runtime.kernels.triton.launch import dot_dtype, is_interpreted, kernel_for, next_pow2, tl_dtype
+from kvq.runtime.kernels.triton.flash_decoding import online_softmax_step, plan_decode, store_slice
+from kvq.runtime.kernels.triton.launch import dot, next_pow2
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.latent_pages import PagedLatentPages
@@ -131,20 +124,23 @@ def latent_decode_kernel(
         m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, scores)  # a tile may hold no selected token
         acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), kv_c, IS_FP32_DOT)
 
-    v_scale = 1.0
-    if IS_FP8:
-        v_scale = tl.load(k_scale_ptr)
-    out, lse = finish(acc, m_i, l_i, v_scale)
-    o_ptrs = (
-        o_ptr
-        + pid_b * stride_ob
-        + heads[:, None] * stride_oh
-        + pid_s * stride_os
-        + offs_r[None, :] * stride_od
+    store_slice(
+        acc,
+        m_i,
+        l_i,
+        k_scale_ptr,
+        o_ptr + pid_b * stride_ob + pid_s * stride_os,
+        lse_ptr + pid_b * stride_lb + pid_s * stride_ls,
+        heads,
+        offs_r,
+        mask_h,
+        mask_r,
+        stride_oh,
+        stride_od,
+        stride_lh,
+        IS_FP8,
+        IS_SPLIT,
     )
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_r[None, :])
-    if IS_SPLIT:
-        tl.store(lse_ptr + pid_b * stride_lb + heads * stride_lh + pid_s * stride_ls, lse, mask=mask_h)
 
 
 def latent_decode_attention_triton(
@@ -170,20 +166,16 @@ def latent_decode_attention_triton(
         max_seq_len = token_indices.shape[1]
     elif max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if num_seqs else 0
-    kernel = kernel_for(latent_decode_kernel, q.device)
-    interpreted = is_interpreted(kernel)
-    block_n = block_n or (16 if interpreted else 32)
-    if num_seqs == 0 or max_seq_len == 0:
-        return q.new_zeros(num_seqs, num_heads, rank)
     block_h = 16  # tl.dot's smallest M; a 512-wide fp32 accumulator per head is the register budget
     num_head_blocks = triton.cdiv(num_heads, block_h)
-    splits = plan_splits(q, rank, max_seq_len, block_n, num_head_blocks, interpreted, num_splits)
-    out, lse = splits.out, splits.lse  # [B, H, S, R], [B, H, S]
+    launch = plan_decode(
+        latent_decode_kernel, q, latent, rank, max_seq_len, num_head_blocks, 32, block_n, num_splits
+    )
+    if launch is None:
+        return q.new_zeros(num_seqs, num_heads, rank)
+    out, lse = launch.splits.out, launch.splits.lse  # [B, H, S, R], [B, H, S]
     indices = token_indices if token_indices is not None else seq_lens  # unread when dense
-    # fp8 rows convert to fp16 in one instruction (to bf16 in two); fp32 queries keep fp32 dots
-    dot_input_dtype = torch.float16 if is_fp8(latent) and q.dtype != torch.float32 else q.dtype
-    operand_dtype = dot_dtype(dot_input_dtype, interpreted)
-    kernel[(num_seqs, num_head_blocks, splits.num_splits)](
+    launch.kernel[launch.grid](
         q,
         latent,
         block_tables,
@@ -194,7 +186,7 @@ def latent_decode_attention_triton(
         lse,
         sm_scale,
         cache.page_size,
-        splits.tokens_per_split,
+        launch.splits.tokens_per_split,
         num_heads,
         max_seq_len if is_sparse else 0,
         *q.stride(),
@@ -206,16 +198,12 @@ def latent_decode_attention_triton(
         *lse.stride(),
         KV_LORA_RANK=rank,
         ROPE_DIM=width - rank,
-        IS_FP8=is_fp8(latent),
         IS_SPARSE=is_sparse,
-        IS_SPLIT=splits.is_split,
-        DOT_DTYPE=tl_dtype(operand_dtype),
-        IS_FP32_DOT=operand_dtype == torch.float32,
         BLOCK_H=block_h,
-        BLOCK_N=block_n,
         BLOCK_R=max(16, next_pow2(rank)),
         BLOCK_P=max(16, next_pow2(width - rank)),
+        **launch.constexprs,
         num_warps=8,
         num_stages=2,
     )
-    return merge_splits(splits, q.dtype)
+    return launch.splits.merge(q.dtype)

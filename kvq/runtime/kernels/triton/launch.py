@@ -7,6 +7,7 @@ the environment at triton's first import, every `@triton.jit` function (kvq's an
 and cannot run on CPU tensors. kvq changes nothing of Triton's: the test suite sets `TRITON_INTERPRET=1`
 (tests/conftest.py) and scripts/gpu_check.sh sets 0; per launch, the launchers only read which mode
 their kernel is in (`is_interpreted`) to work around the interpreter's arithmetic (see the README).
+Also the one `tl.dot` the kernels call (`dot`, with its constexprs from `dot_constexprs`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,20 @@ def dot_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:
 def tl_dtype(dtype: torch.dtype) -> Any:
     """The `tl` dtype of a torch float dtype (for constexpr arguments)."""
     return _TL_DTYPES[dtype]
+
+
+def dot_constexprs(dtype: torch.dtype, interpreted: bool) -> dict[str, Any]:
+    """The constexprs `DOT_DTYPE` and `IS_FP32_DOT` of a kernel whose `dot` operands are `dot_dtype`."""
+    operand_dtype = dot_dtype(dtype, interpreted)
+    return {"DOT_DTYPE": tl_dtype(operand_dtype), "IS_FP32_DOT": operand_dtype == torch.float32}
+
+
+@triton.jit
+def dot(a, b, IS_FP32_DOT: tl.constexpr):
+    """`tl.dot`, fp32-exact for fp32 operands (not tf32)."""
+    if IS_FP32_DOT:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 def output_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:

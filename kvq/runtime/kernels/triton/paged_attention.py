@@ -18,16 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.paged.attention import check_decode_queries, default_sm_scale
-from kvq.runtime.kernels.triton.flash_decoding import (
-    dot,
-    finish,
-    merge_splits,
-    online_softmax_step,
-    plan_splits,
-)
-from kvq.runtime.kernels.triton.launch import dot_dtype, is_interpreted, kernel_for, next_pow2, tl_dtype
+from kvq.runtime.kernels.triton.flash_decoding import online_softmax_step, plan_decode, store_slice
+from kvq.runtime.kernels.triton.launch import dot, next_pow2
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
@@ -121,24 +114,23 @@ def paged_decode_kernel(
         v = tl.load(v_base + page[:, None] * stride_vp + slot[:, None] * stride_vt, mask=mask_td, other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), IS_FP32_DOT)
 
-    v_scale = 1.0
-    if IS_FP8:
-        v_scale = tl.load(v_scale_ptr + pid_kvh * stride_vs)
-    out, lse = finish(acc, m_i, l_i, v_scale)
-    o_ptrs = (
-        o_ptr
-        + pid_b * stride_ob
-        + heads[:, None] * stride_oh
-        + pid_s * stride_os
-        + offs_d[None, :] * stride_od
+    store_slice(
+        acc,
+        m_i,
+        l_i,
+        v_scale_ptr + pid_kvh * stride_vs,
+        o_ptr + pid_b * stride_ob + pid_s * stride_os,
+        lse_ptr + pid_b * stride_lb + pid_s * stride_ls,
+        heads,
+        offs_d,
+        offs_h < QUERIES_PER_KV,
+        mask_d,
+        stride_oh,
+        stride_od,
+        stride_lh,
+        IS_FP8,
+        IS_SPLIT,
     )
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_hd)
-    if IS_SPLIT:
-        tl.store(
-            lse_ptr + pid_b * stride_lb + heads * stride_lh + pid_s * stride_ls,
-            lse,
-            mask=offs_h < QUERIES_PER_KV,
-        )
 
 
 def paged_decode_attention_triton(
@@ -160,18 +152,14 @@ def paged_decode_attention_triton(
     sm_scale = default_sm_scale(head_dim) if sm_scale is None else sm_scale
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if num_seqs else 0
-    kernel = kernel_for(paged_decode_kernel, q.device)
-    interpreted = is_interpreted(kernel)
-    block_n = block_n or (16 if interpreted else 64)
-    if num_seqs == 0 or max_seq_len == 0:
+    launch = plan_decode(
+        paged_decode_kernel, q, k_cache, head_dim, max_seq_len, num_kv_heads, 64, block_n, num_splits
+    )
+    if launch is None:
         return torch.zeros_like(q)
-    splits = plan_splits(q, head_dim, max_seq_len, block_n, num_kv_heads, interpreted, num_splits)
-    out, lse = splits.out, splits.lse  # [B, Hq, S, D], [B, Hq, S]
-    # fp8 pages convert to fp16 in one instruction (to bf16 in two); fp32 queries keep fp32 dots
-    dot_input_dtype = torch.float16 if is_fp8(k_cache) and q.dtype != torch.float32 else q.dtype
-    operand_dtype = dot_dtype(dot_input_dtype, interpreted)
+    out, lse = launch.splits.out, launch.splits.lse  # [B, Hq, S, D], [B, Hq, S]
     queries_per_kv = num_q_heads // num_kv_heads
-    kernel[(num_seqs, num_kv_heads, splits.num_splits)](
+    launch.kernel[launch.grid](
         q,
         k_cache,
         v_cache,
@@ -183,7 +171,7 @@ def paged_decode_attention_triton(
         lse,
         sm_scale,
         page_size,
-        splits.tokens_per_split,
+        launch.splits.tokens_per_split,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -194,14 +182,10 @@ def paged_decode_attention_triton(
         *lse.stride(),
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
-        IS_FP8=is_fp8(k_cache),
-        IS_SPLIT=splits.is_split,
-        DOT_DTYPE=tl_dtype(operand_dtype),
-        IS_FP32_DOT=operand_dtype == torch.float32,
         BLOCK_H=max(16, next_pow2(queries_per_kv)),
-        BLOCK_N=block_n,
         BLOCK_D=max(16, next_pow2(head_dim)),
+        **launch.constexprs,
         num_warps=4,
         num_stages=2,
     )
-    return merge_splits(splits, q.dtype)
+    return launch.splits.merge(q.dtype)

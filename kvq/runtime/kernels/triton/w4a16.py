@@ -10,24 +10,26 @@ int->float conversions and layout shuffles. Imports Triton; loaded lazily by `kv
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from kvq.runtime.kernels.triton.launch import (
+    dot,
+    dot_constexprs,
     dot_dtype,
     is_interpreted,
     kernel_for,
     output_dtype,
     sm_count_for,
-    tl_dtype,
 )
 from kvq.runtime.kernels.w4a16 import LAYOUT_COMPRESSED_TENSORS, W4A16Weight
 
 
 @triton.jit
-def _tile_dot_reshape(
+def _tile_dot(
     x_base,
     w_base,
     tile,
@@ -37,56 +39,37 @@ def _tile_dot_reshape(
     mask_n,
     DOT_DTYPE: tl.constexpr,
     IS_FP32_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """x tile @ (q tile), q unpacked into natural k order: [BLOCK_M, BLOCK_N] fp32, unscaled."""
-    offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = tl.load(x_base + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask_m[:, None], other=0.0)
-    offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(w_base + offs_kw[:, None].to(tl.int64) * stride_wk, mask=mask_n[None, :], other=0)
-    shifts = tl.arange(0, 8) * 4
-    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
-    q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8  # row 8*kw + j = k
-    if IS_FP32_DOT:
-        part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision="ieee")
-    else:
-        part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE))
-    return part
-
-
-@triton.jit
-def _tile_dot_nibble_planes(
-    x_base,
-    w_base,
-    tile,
-    stride_xk,
-    stride_wk,
-    mask_m,
-    mask_n,
-    DOT_DTYPE: tl.constexpr,
+    NIBBLE_PLANES: tl.constexpr,
     MAGIC_BITS: tl.constexpr,
     MAGIC_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Same sum as `_tile_dot_reshape`, as 8 dots over nibble planes (k = 8*kw + j for plane j), so the
-    packed words never change layout; nibble u becomes the 16-bit float MAGIC + u by OR-ing its bits
-    into MAGIC_BITS (no int->float conversion), and MAGIC_OFFSET * sum(x) takes the bias back out."""
-    offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(w_base + offs_kw[:, None].to(tl.int64) * stride_wk, mask=mask_n[None, :], other=0)
+    """x tile @ (q tile): [BLOCK_M, BLOCK_N] fp32, unscaled, with q unpacked into natural k order, or with
+    NIBBLE_PLANES as 8 dots over nibble planes (k = 8*kw + j for plane j), so the packed words never
+    change layout; nibble u becomes the 16-bit float MAGIC + u by OR-ing its bits into MAGIC_BITS (no
+    int->float conversion), and MAGIC_OFFSET * sum(x) takes the bias back out."""
     offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
     x_tile = tl.load(x_base + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask_m[:, None], other=0.0)
-    x_sum = tl.sum(x_tile.to(DOT_DTYPE).to(tl.float32), axis=1)  # one reduction per tile
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(8):
-        offs_kj = (offs_kw * 8 + j).to(tl.int64)  # plane j: k = 8 * kw + j
-        x = tl.load(x_base + offs_kj[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-        bits = ((packed >> (4 * j)) & 0xF) | MAGIC_BITS
-        w = bits.to(tl.int16).to(DOT_DTYPE, bitcast=True)  # [BLOCK_K/8, BLOCK_N], exactly MAGIC + u
-        part += tl.dot(x.to(DOT_DTYPE), w)
-    return part - MAGIC_OFFSET * x_sum[:, None]
+    offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(w_base + offs_kw[:, None].to(tl.int64) * stride_wk, mask=mask_n[None, :], other=0)
+    if NIBBLE_PLANES:
+        x_sum = tl.sum(x_tile.to(DOT_DTYPE).to(tl.float32), axis=1)  # one reduction per tile
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(8):
+            offs_kj = (offs_kw * 8 + j).to(tl.int64)  # plane j: k = 8 * kw + j
+            x = tl.load(x_base + offs_kj[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+            bits = ((packed >> (4 * j)) & 0xF) | MAGIC_BITS
+            w = bits.to(tl.int16).to(DOT_DTYPE, bitcast=True)  # [BLOCK_K/8, BLOCK_N], exactly MAGIC + u
+            part += tl.dot(x.to(DOT_DTYPE), w)
+        part = part - MAGIC_OFFSET * x_sum[:, None]
+    else:
+        shifts = tl.arange(0, 8) * 4
+        nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
+        q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8  # row 8*kw + j = k
+        part = dot(x_tile.to(DOT_DTYPE), q.to(DOT_DTYPE), IS_FP32_DOT)
+    return part
 
 
 @triton.jit
@@ -155,36 +138,23 @@ def w4a16_kernel(
     s_base = s_ptr + expert * stride_se + offs_n64 * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(tile_start, tile_end):
-        if NIBBLE_PLANES:
-            part = _tile_dot_nibble_planes(
-                x_base,
-                w_base,
-                tile,
-                stride_xk,
-                stride_wk,
-                mask_m,
-                mask_n,
-                DOT_DTYPE,
-                MAGIC_BITS,
-                MAGIC_OFFSET,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-            )
-        else:
-            part = _tile_dot_reshape(
-                x_base,
-                w_base,
-                tile,
-                stride_xk,
-                stride_wk,
-                mask_m,
-                mask_n,
-                DOT_DTYPE,
-                IS_FP32_DOT,
-                BLOCK_N,
-                BLOCK_K,
-            )
+        part = _tile_dot(
+            x_base,
+            w_base,
+            tile,
+            stride_xk,
+            stride_wk,
+            mask_m,
+            mask_n,
+            DOT_DTYPE,
+            IS_FP32_DOT,
+            NIBBLE_PLANES,
+            MAGIC_BITS,
+            MAGIC_OFFSET,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
         scale = tl.load(s_base + ((tile * BLOCK_K) // GROUP_SIZE) * stride_sg, mask=mask_n, other=0.0)
         acc += part * scale.to(tl.float32)[None, :]
 
@@ -249,11 +219,22 @@ def check_launch_config(config: W4A16LaunchConfig, group_size: int) -> None:
         raise ValueError(f"{config}: nibble_planes needs block_k 128 (16-deep dots per nibble plane)")
 
 
-def unpack_constexprs(config: W4A16LaunchConfig, dot_dtype: torch.dtype) -> dict:
-    """The kernel's unpack constexprs: nibble planes with magic numbers for 16-bit dots, else a reshape."""
-    is_planes = config.nibble_planes and dot_dtype in _MAGIC
-    magic_bits, magic_offset = _MAGIC.get(dot_dtype, (0, 0.0))
-    return dict(NIBBLE_PLANES=is_planes, MAGIC_BITS=magic_bits, MAGIC_OFFSET=magic_offset)
+def launch_constexprs(config: W4A16LaunchConfig, dtype: torch.dtype, interpreted: bool) -> dict[str, Any]:
+    """The kernel's tiles, dot operands for `dtype` activations and unpack constexprs (nibble planes with
+    magic numbers for 16-bit dots, else a reshape), and the launch's warps and stages."""
+    operand_dtype = dot_dtype(dtype, interpreted)
+    magic_bits, magic_offset = _MAGIC.get(operand_dtype, (0, 0.0))
+    return {
+        **dot_constexprs(dtype, interpreted),
+        "NIBBLE_PLANES": config.nibble_planes and operand_dtype in _MAGIC,
+        "MAGIC_BITS": magic_bits,
+        "MAGIC_OFFSET": magic_offset,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
 
 
 def w4a16_linear_triton(
@@ -281,7 +262,6 @@ def w4a16_linear_triton(
     y = alloc((num_rows, w.out_features), device=x.device, dtype=y_dtype)  # [M, N]
     if num_rows == 0:
         return y.to(x.dtype)
-    operand_dtype = dot_dtype(x.dtype, is_interpreted(kernel))
     grid = (
         triton.cdiv(num_rows, config.block_m),
         triton.cdiv(w.out_features, config.block_n),
@@ -314,13 +294,6 @@ def w4a16_linear_triton(
         IS_MOE=False,
         MUL_ROUTED_WEIGHT=False,
         SPLIT_K=config.split_k,
-        DOT_DTYPE=tl_dtype(operand_dtype),
-        IS_FP32_DOT=operand_dtype == torch.float32,
-        **unpack_constexprs(config, operand_dtype),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **launch_constexprs(config, x.dtype, is_interpreted(kernel)),
     )
     return y.to(x.dtype)
