@@ -211,7 +211,7 @@ def test_without_the_extension_auto_is_the_torch_op() -> None:
         "import os, torch\n"
         "from kvq.errors import KvqError\n"
         "from kvq.runtime.kernels import prepare_w4a16\n"
-        "from kvq.runtime.kernels.cpu.linear import resolve_cpu_isa, runnable_isas\n"
+        "from kvq.runtime.kernels.cpu.isa import resolve_cpu_isa, runnable_isas\n"
         "assert runnable_isas() == () and resolve_cpu_isa('auto') == 'torch'\n"
         "w = prepare_w4a16(torch.zeros(16, 4, dtype=torch.int32), torch.ones(16, 1), 32)\n"
         "assert w.layout == 'int4pack-cpu', w.layout\n"
