@@ -84,7 +84,7 @@ def test_int4_fast_path_with_calibrated_fp8_kv_agrees_with_transformers(
 @pytest.mark.parametrize("which", ["bf16", "fp8", "int4"])
 def test_resident_weights_match_the_checkpoint(smollm2, smollm2_int4, which: str) -> None:
     path = {"bf16": smollm2.bf16, "fp8": smollm2.fp8, "int4": smollm2_int4}[which]
-    engine = Engine(EngineConfig(model=str(path), kv_memory="8MiB"))
+    engine = Engine(EngineConfig(model=str(path), kv_memory="8MiB", lm_head_weights="stored"))
     assert abs(engine.weight_bytes / engine.ckpt.tensor_bytes - 1) < 0.10
 
 
@@ -124,7 +124,7 @@ def test_llm_compressor_output_runs_packed_and_matches_transformers(
     expected = [hf_greedy(hf, p, NUM_TOKENS) for p in chat_prompts[:2]]
     engine = Engine(EngineConfig(model=str(path), dtype="float32", kv_memory="64MiB", threads=2))
     assert engine_greedy(engine, chat_prompts[:2], NUM_TOKENS) == expected
-    fast = Engine(EngineConfig(model=str(path), kv_memory="8MiB"))  # INT4 weights kept packed
+    fast = Engine(EngineConfig(model=str(path), kv_memory="8MiB", lm_head_weights="stored"))  # INT4 packed
     assert abs(fast.weight_bytes / fast.ckpt.tensor_bytes - 1) < 0.10
     assert "Paris" in fast.generate([chat_prompts[0]], SamplingParams(max_tokens=12))[0].text
 
