@@ -17,6 +17,7 @@ import torch
 
 from kvq.runtime.batch import ForwardBatch, StepInputs
 from kvq.runtime.config import EngineConfig
+from kvq.runtime.distributed.worker import follow_under_launcher
 from kvq.runtime.engine import Engine
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.model_runner import ModelRunner
@@ -57,7 +58,8 @@ def main(case: dict, out: Path) -> None:
         model=case["model"], tp=2, dtype="float32", kv_cache_dtype="auto", kv_memory="4MiB", threads=1,
         page_size=case["page_size"], kv_integrity=case["kv_integrity"],
     )  # fmt: skip
-    engine = Engine(config)  # rank 1 runs rank 0's steps in here until rank 0 closes
+    follow_under_launcher(config)  # rank 1 runs rank 0's steps in here until rank 0 closes, then exits
+    engine = Engine(config)
     params = SamplingParams(max_tokens=case["num_tokens"], ignore_eos=True)
     runs = [engine.generate(case["prompts"], params) for _ in range(2)]
     result = {
