@@ -65,5 +65,17 @@ def describe_identity(identity: dict) -> str:
     )
 
 
+def differing_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The dotted names of the fields two job identities disagree on (e.g. `recipe.ignore`)."""
+    fields = []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            fields += differing_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            fields.append(f"{prefix}{key}")
+    return fields
+
+
 def canonical(data: object) -> str:
     return json.dumps(data, sort_keys=True)

@@ -24,6 +24,7 @@ from kvq.compress.jobs import CommitJob, Committed, Outcome, PartDone, ShardJob,
 from kvq.compress.manifest import (
     MANIFEST_NAME,
     describe_identity,
+    differing_fields,
     job_identity,
     read_manifest,
     source_fingerprint,
@@ -245,8 +246,10 @@ def _recorded_shards(out: Path, identity: dict) -> dict[str, tuple[int, str]]:
             )
         return {}
     if manifest.get("job") != identity:
+        old = manifest.get("job") or {}
         raise KvqError(
-            f"{out}: already holds a different job ({describe_identity(manifest.get('job') or {})}); "
-            f"this one is {describe_identity(identity)}: choose another OUT or delete it"
+            f"{out}: already holds a different job ({describe_identity(old)}; differs in "
+            f"{', '.join(differing_fields(old, identity))}); this one is {describe_identity(identity)}: "
+            "choose another OUT or delete it"
         )
     return {name: (rec["bytes"], rec["sha256"]) for name, rec in (manifest.get("shards") or {}).items()}

@@ -280,8 +280,9 @@ def test_out_holding_a_different_job(tiny_checkpoint, tmp_path):
         KvqError, match="already holds a different job .*'w4a16-experts'.* choose another OUT"
     ):
         prepare(src, out, load_recipe("w4a16-linear"))
-    with pytest.raises(KvqError, match="already holds a different job"):
+    with pytest.raises(KvqError, match="already holds a different job") as refused:
         prepare(src, out, load_recipe("w4a16-experts", 64))
+    assert "differs in recipe.group_size" in str(refused.value)  # the field named, not only the jobs
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(KvqError, match="other: not empty .* holds no kvq_manifest.json"):
