@@ -104,7 +104,9 @@ def make_engine(model: Path, config: IntegrityBenchConfig, mode: str, **kwargs: 
 
 
 def cost_runs(model: Path, config: IntegrityBenchConfig) -> dict[str, list[dict]]:
-    """The lockstep rounds (after one untimed warm-up round), the groups rotating over the engines."""
+    """The lockstep rounds (after one untimed warm-up round), the groups rotating over the engines. The
+    pools are sized as `off`'s; a checked group's slot stamps come on top (`reset_kv` adds them), so every
+    group runs over the same pages."""
     engines = [make_engine(model, config, "off") for _ in GROUPS]
     timers = {group: TrackerTimer() for group in GROUPS}
     vocab_size = engines[0].model.config.vocab_size

@@ -20,7 +20,7 @@ from kvq.errors import KvqError
 from kvq.kv_cache_dtypes import BF16, KV_CACHE_DTYPE_BYTES
 
 INDEXER_KEY_DTYPE = BF16
-SLOT_STAMP_BYTES = 8  # per token and layer in kvq's pool: the checked pool's stamp (`kv_pool.STAMP_BYTES`)
+SLOT_STAMP_BYTES = 8  # per token and layer in kvq's checked pool (tags/full) only: its slot stamp
 
 
 @dataclass(frozen=True)
@@ -63,17 +63,17 @@ class KvCacheBytes:
     kv_cache_dtype: str
     kv: int  # K + V (GQA) or the latent row (MLA), in the KV dtype
     indexer: int  # DSA indexer keys (0 without an indexer)
-    stamps: int = 0  # kvq's own pool only: the checked pool's int64 slot stamps, 8 bytes per layer
+    stamps: int = 0  # kvq's checked pool (--kv-integrity tags/full) only: int64 slot stamps, 8 B per layer
 
     @property
     def total(self) -> int:
-        """What a server's KV pool (vLLM, SGLang) holds per token."""
+        """What a server's KV pool (vLLM, SGLang) holds per token, and kvq's with --kv-integrity off."""
         return self.kv + self.indexer
 
-    @property
-    def kvq_total(self) -> int:
-        """What kvq's KV pool holds per token (`kvq.runtime.kv_pool.page_bytes` / page_size)."""
-        return self.total + self.stamps
+    def kvq_total(self, is_checked: bool) -> int:
+        """What kvq's KV pool holds per token (`kvq.runtime.kv_pool.page_bytes` / page_size): `total`, and
+        the slot stamps in a checked pool."""
+        return self.total + (self.stamps if is_checked else 0)
 
 
 def kv_cache_spec(fields: dict, at: str) -> KvCacheSpec:

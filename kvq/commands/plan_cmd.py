@@ -300,7 +300,10 @@ def _render_memory(columns: list[tuple[str, ServingMemory]]) -> Table:
             f"KV bytes per token, {fit.kv_cache_dtype}",
             *(f"{m.kv[i].bytes_per_token}{indexer}" for _, m in columns),
         )
-        table.add_row("  kvq's pool (+ stamps)", *(str(m.kv[i].kvq_bytes_per_token) for _, m in columns))
+        table.add_row(
+            "  kvq --kv-integrity tags/full",
+            *(str(m.kv[i].kvq_checked_bytes_per_token) for _, m in columns),
+        )
     for i, fit in enumerate(first.kv):
         label = f"[bold]KV tokens that fit, {fit.kv_cache_dtype}[/bold]"
         table.add_row(label, *(_tokens(m.kv[i].tokens) for _, m in columns))
@@ -308,7 +311,11 @@ def _render_memory(columns: list[tuple[str, ServingMemory]]) -> Table:
         "fp8_e4m3 / bf16 tokens",
         lambda m: f"{m.kv[1].tokens / m.kv[0].tokens:.2f}x" if m.kv[0].tokens else "-",
     )
-    table.caption = f"KV cache: {first.kv_layout}. Parallelism: {first.parallelism}"
+    table.caption = (
+        f"KV cache: {first.kv_layout} (kvq's pool: these bytes with --kv-integrity off, the default; "
+        "tags/full add an 8-byte slot stamp per layer). "
+        f"Parallelism: {first.parallelism}"
+    )
     return table
 
 

@@ -8,8 +8,8 @@ keeps whole). Split 1/tp: routed and shared experts (each expert's
 intermediate dimension), the other attention projections (heads), the dense MLP, embeddings and lm_head
 (vocabulary). MTP / NextN layers (index >= num_hidden_layers) are counted apart: servers load them only
 for speculative decoding. The KV cache per token comes from `kvq.checkpoint.kv_cache_spec` (the MLA latent
-is replicated per rank, GQA heads are split); `kvq_bytes_per_token` adds what kvq's own pool holds beside
-(the checked pool's slot stamps, 8 bytes per layer: `KvCacheBytes.kvq_total`).
+is replicated per rank, GQA heads are split), which kvq's own pool also holds with --kv-integrity off;
+`kvq_checked_bytes_per_token` adds its checked pool's slot stamps (tags/full, 8 bytes per layer).
 Memory: `mem_fraction` is SGLang's `--mem-fraction-static`: weights + KV pool <= mem_fraction x GPU
 memory, so the pool gets `mem_fraction x gpu_mem - weights`. SGLang measures free memory after loading
 the weights, so whatever else is allocated by then (CUDA context, NCCL and all-reduce buffers, the torch
@@ -62,7 +62,7 @@ class KvFit:
     kv_bytes_per_token: int  # K+V or the MLA latent
     indexer_bytes_per_token: int  # DSA indexer keys (bf16)
     tokens: int
-    kvq_bytes_per_token: int  # kvq's own pool: bytes_per_token + the slot stamps (8 bytes per layer)
+    kvq_checked_bytes_per_token: int  # kvq's pool with --kv-integrity tags/full: + slot stamps (8 B/layer)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def serving_memory(
                 per_token.kv,
                 per_token.indexer,
                 budget // per_token.total,
-                kvq_bytes_per_token=per_token.kvq_total,
+                kvq_checked_bytes_per_token=per_token.kvq_total(is_checked=True),
             )
         )
     return ServingMemory(

@@ -1,8 +1,9 @@
 """The KV pool: the paged memory of every layer for one cache layout (`kv_layout`: GQA K/V pages, ...),
 sized from a byte budget, and the per-layer cache objects over it that the engine hands to the layers.
 Which request owns which page is the block manager's business; this file only holds the memory and the
-scales (FP8 pages need the checkpoint's: missing ones are an error or a loud warning and 1.0), and each
-slot's integrity stamps (8 bytes per slot and layer, counted in `page_bytes` and in `kvq plan`).
+scales (FP8 pages need the checkpoint's: missing ones are an error or a loud warning and 1.0), and, for a
+checked pool only (--kv-integrity tags/full), each slot's integrity stamps (8 bytes per slot and layer,
+counted in `page_bytes` and in `kvq plan` then; `off` holds no stamp byte).
 Imports torch, kvq.errors and kvq.runtime.kv_layout.
 """
 
@@ -23,19 +24,26 @@ logger = logging.getLogger("kvq")
 STAMP_BYTES = SLOT_STAMP_BYTES  # per slot and layer: the int64 slot stamp (`kernels.integrity.stamp_check`)
 
 
-def page_bytes(layout: KVLayout, num_layers: int, page_size: int) -> int:
-    """Bytes one page takes over all layers, every part of every slot, and the slots' stamps."""
-    return num_layers * page_size * (slot_bytes(layout) + STAMP_BYTES)
+def page_bytes(layout: KVLayout, num_layers: int, page_size: int, is_checked: bool = False) -> int:
+    """Bytes one page takes over all layers, every part of every slot, and, in a checked pool, the slots'
+    stamps."""
+    return num_layers * page_size * (slot_bytes(layout) + (STAMP_BYTES if is_checked else 0))
 
 
 class KVPool:
     def __init__(
-        self, layout: KVLayout, num_layers: int, num_pages: int, page_size: int, device: torch.device
+        self,
+        layout: KVLayout,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        device: torch.device,
+        is_checked: bool = False,
     ) -> None:
         if num_pages < 1:
             raise KvqError(
                 f"the KV budget holds no page of {page_size} tokens "
-                f"({page_bytes(layout, num_layers, page_size)} bytes each); raise --kv-memory"
+                f"({page_bytes(layout, num_layers, page_size, is_checked)} bytes each); raise --kv-memory"
             )
         self.layout, self.num_layers = layout, num_layers
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, layout.dtype
@@ -46,10 +54,13 @@ class KVPool:
         self.zero_page = num_pages
         self.storage = layout.allocate(num_layers, num_pages + 1, page_size, device)  # [L, C, P + 1, ...]
         self.storage[:, :, self.zero_page].zero_()
-        # Each slot's stamp in every layer, side by side (`kernels.integrity.stamp_check`): written with the
-        # K/V by the stores when --kv-integrity is on, untouched when off. Zeros: no writer's stamp.
-        self.stamps = torch.zeros(num_pages + 1, page_size, num_layers, dtype=torch.int64, device=device)
+        # A checked pool's stamps: each slot's in every layer, side by side (`kernels.integrity.stamp_check`),
+        # written with the K/V by the stores. None with --kv-integrity off: no byte, and the stores skip them.
+        self.stamps: torch.Tensor | None = None  # [P + 1, page_size, L] int64
         self.caches: list = []  # per layer, made by `layer_caches`
+        self._scales: list[Scales] = []
+        self._layers: list = []  # what `bind` handed the caches to (`set_checked` hands them new ones)
+        self.set_checked(is_checked)
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +69,37 @@ class KVPool:
     @property
     def device(self) -> torch.device:
         return self.storage.device
+
+    @property
+    def is_checked(self) -> bool:
+        """True when the pool holds slot stamps (--kv-integrity tags/full)."""
+        return self.stamps is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds: every page's (the zero page included) storage and stamps."""
+        stamps = 0 if self.stamps is None else self.stamps.numel() * self.stamps.element_size()
+        return self.storage.numel() * self.storage.element_size() + stamps
+
+    def set_checked(self, is_checked: bool) -> None:
+        """Give the pool slot stamps (zeros: no writer's stamp) or take them away, and hand every bound layer
+        its cache object anew (a new object: decode plans made over the old one are remade). A switch to a
+        checked mode adds `STAMP_BYTES` per slot and layer beyond the pages' budget."""
+        if is_checked == self.is_checked:
+            return
+        num_slot_pages, page_size = self.storage.shape[2:4]
+        shape = (num_slot_pages, page_size, self.num_layers)
+        self.stamps = torch.zeros(shape, dtype=torch.int64, device=self.device) if is_checked else None
+        if self.caches:
+            self._make_caches()
+
+    def bind(self, layers: list) -> None:
+        """Hand each layer its cache object (`layer.bind_kv`), now and whenever `set_checked` remakes them."""
+        if len(layers) != len(self.caches):
+            raise ValueError(f"{len(layers)} layers for {len(self.caches)} caches; call layer_caches first")
+        self._layers = list(layers)
+        for layer, cache in zip(self._layers, self.caches, strict=True):
+            layer.bind_kv(cache)
 
     @property
     def row_bytes(self) -> int:
@@ -91,9 +133,17 @@ class KVPool:
             )
         if len(scales) != self.num_layers:
             raise ValueError(f"{len(scales)} layers' scales for a pool of {self.num_layers} layers")
-        stamps = self.stamps.view(-1, self.num_layers)  # [num_slots, L]
-        self.caches = [
-            replace(self.layout.layer_cache(self.storage[i], s), stamps=stamps[:, i])  # type: ignore[type-var]
-            for i, s in enumerate(scales)
-        ]
+        self._scales = list(scales)
+        self._make_caches()
         return self.caches
+
+    def _make_caches(self) -> None:
+        stamps = None if self.stamps is None else self.stamps.view(-1, self.num_layers)  # [num_slots, L]
+        self.caches = [
+            replace(  # type: ignore[type-var]
+                self.layout.layer_cache(self.storage[i], s), stamps=None if stamps is None else stamps[:, i]
+            )
+            for i, s in enumerate(self._scales)
+        ]
+        for layer, cache in zip(self._layers, self.caches, strict=False):  # none before `bind`
+            layer.bind_kv(cache)

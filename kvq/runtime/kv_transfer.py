@@ -9,7 +9,7 @@ of its bytes. The tag is the sealed tag of the page's prefix chain hash (`block_
 the page's tokens, a partial last page over the tokens it holds), so the receiver derives the tag it
 expects from the request's own prompt, as the checked pool does. With the sender's pool checked, each page
 also carries its slot stamps and the sender's writer tag: every slot that holds a prompt token must carry
-that writer's stamp at its position (a late write into the page before export is refused); the receiver
+that writer's stamp at its position (a late write into the page before export is refused); a checked receiver
 stamps the pages it copies in with its own writer tags, in the same copy. `verify_handoff` recomputes both on
 arrival and raises `KvTransferError` naming the request and the page; the caller ends only that request.
 `kv_identity` is what two workers must agree on for their pages to mean the same thing: the KV cache
@@ -142,12 +142,15 @@ def export_handoff(
         return handoff
     page_ids = torch.tensor(block_table[:num_pages], dtype=torch.int64, device=pool.device)
     data = pool.page_bytes_view().index_select(2, page_ids).cpu()  # [L, C, n, page_size * row_bytes]
-    stamps = pool.stamps.index_select(0, page_ids).cpu()  # [n, page_size, L]
+    stamps = None  # only a checked pool's pages carry stamps: [n, page_size, L]
+    if pool.stamps is not None and writers is not None:
+        stamps = pool.stamps.index_select(0, page_ids).cpu()
     tags = transfer_tags(prompt[:-1], pool.page_size)
     for i in range(num_pages):
         page = data[:, :, i].contiguous()
         writer = writers[i] if writers is not None else 0
-        handoff.pages.append(PageRecord(i, tags[i], page_digest(page), page, stamps[i], writer))
+        page_stamps = stamps[i] if stamps is not None else None
+        handoff.pages.append(PageRecord(i, tags[i], page_digest(page), page, page_stamps, writer))
     return handoff
 
 
@@ -219,7 +222,7 @@ def write_pages(
     )
     data = torch.stack([p.data for p in todo], dim=2).to(pool.device)  # [L, C, n, page_size * row_bytes]
     pool.page_bytes_view().index_copy_(2, page_ids, data)
-    if writers is not None:
+    if writers is not None and pool.stamps is not None:
         size = pool.page_size
         positions = torch.tensor([[p.logical_index * size + s for s in range(size)] for p in todo])  # [n, S]
         own = torch.tensor([writers[p.logical_index] for p in todo])[:, None] ^ positions

@@ -89,14 +89,14 @@ def make_kv_pool(config: EngineConfig, loaded: LoadedModel) -> KVPool:
     has_scales = loaded.ckpt.quantization_config.get("kv_cache_scheme") is not None
     layout = layout_for(loaded.kv_spec, config.kv_torch_dtype(has_scales), loaded.tp.size)
     max_pages = config.max_num_seqs * -(-loaded.max_model_len // config.page_size)
-    num_pages = config.kv_pool_bytes() // page_bytes(layout, len(layers), config.page_size)
+    is_checked = config.kv_integrity != "off"  # slot stamps only in a checked pool
+    num_pages = config.kv_pool_bytes() // page_bytes(layout, len(layers), config.page_size, is_checked)
     num_pages = loaded.tp.min_int(min(num_pages, max_pages))
-    pool = KVPool(layout, len(layers), num_pages, config.page_size, config.torch_device)
-    caches = pool.layer_caches(
+    pool = KVPool(layout, len(layers), num_pages, config.page_size, config.torch_device, is_checked)
+    pool.layer_caches(
         [a.kv_scales for a in layers], require_kv_scales=config.require_kv_scales, where=str(loaded.ckpt.root)
     )
-    for layer, cache in zip(layers, caches, strict=True):
-        layer.bind_kv(cache)
+    pool.bind(layers)
     return pool
 
 

@@ -245,8 +245,9 @@ def test_configs_kvq_cannot_handle_are_refused_by_name(tmp_path, edit, match):
 
 @pytest.mark.parametrize("arch", ["llama", "glm_moe_dsa"])
 def test_plan_prints_kvq_pool_bytes_per_token_equal_to_the_runtime_pool(tiny_checkpoint, arch: str) -> None:
-    """Beside each server figure, `kvq plan` prints (and writes in --json) what kvq's own pool holds per
-    token, stamps included: `KvCacheBytes.kvq_total`, and the bytes an engine's pool measures."""
+    """`kvq plan`'s bytes per token are what kvq's own pool measures in each mode: the server figure with
+    --kv-integrity off (no stamp byte), and beside it, printed and in --json, the checked pool's with its
+    slot stamps (`KvCacheBytes.kvq_total(is_checked=True)`, 8 bytes per layer more)."""
     from kvq.checkpoint.kv_cache_spec import kv_cache_bytes
     from kvq.runtime.config import EngineConfig
     from kvq.runtime.engine import Engine
@@ -257,14 +258,21 @@ def test_plan_prints_kvq_pool_bytes_per_token_equal_to_the_runtime_pool(tiny_che
     out = plan_json(*args[1:])
     for fit in out["serving"]["kv"]:
         dtype = fit["kv_cache_dtype"]
-        engine = Engine(
-            EngineConfig(model=str(src), dtype="bfloat16", kv_cache_dtype=dtype, kv_memory="1MiB", threads=1)
-        )
-        pool = engine.kv_pool
-        pool_bytes = pool.storage.numel() * pool.storage.element_size() + pool.stamps.numel() * 8
-        num_slots = pool.page_size * (pool.num_pages + 1)  # the zero page included
-        assert fit["kvq_bytes_per_token"] == kv_cache_bytes(engine.kv_spec, dtype).kvq_total, dtype
-        assert pool_bytes == fit["kvq_bytes_per_token"] * num_slots, dtype
-        assert fit["kvq_bytes_per_token"] == fit["bytes_per_token"] + 8 * pool.num_layers
-    rows = re.findall(r"kvq's pool \(\+ stamps\)\s*│\s*(\d+)\s*│\s*(\d+)", printed)
-    assert [int(source) for source, _ in rows] == [fit["kvq_bytes_per_token"] for fit in out["serving"]["kv"]]
+        for mode, planned in (("off", fit["bytes_per_token"]), ("tags", fit["kvq_checked_bytes_per_token"])):
+            config = EngineConfig(
+                model=str(src),
+                dtype="bfloat16",
+                kv_cache_dtype=dtype,
+                kv_memory="1MiB",
+                threads=1,
+                kv_integrity=mode,
+            )
+            engine = Engine(config)
+            pool = engine.kv_pool
+            num_slots = pool.page_size * (pool.num_pages + 1)  # the zero page included
+            assert planned == kv_cache_bytes(engine.kv_spec, dtype).kvq_total(mode != "off"), (dtype, mode)
+            assert pool.nbytes == planned * num_slots, (dtype, mode)
+        assert fit["kvq_checked_bytes_per_token"] == fit["bytes_per_token"] + 8 * pool.num_layers
+    rows = re.findall(r"kvq --kv-integrity tags/full\s*│\s*(\d+)\s*│\s*(\d+)", printed)
+    checked = [fit["kvq_checked_bytes_per_token"] for fit in out["serving"]["kv"]]
+    assert [int(source) for source, _ in rows] == checked

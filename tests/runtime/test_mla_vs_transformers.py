@@ -91,25 +91,35 @@ def test_dsa_selection_is_transformers(mla_checkpoint, fmt: str) -> None:
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
 def test_fp8_latent_pool_holds_twice_the_tokens_and_plans_bytes(mla_checkpoint, arch: str) -> None:
-    """Bytes per token of the pool are `kv_cache_bytes`' with the slot stamps (`kvq_total`, kvq's own pool in
-    `kvq plan`). FP8 latent rows are half the BF16 ones; the pool holds a stamp of 8 bytes per slot and layer
-    beside them even with --kv-integrity off, so the token ratio is (bf16 row + 8) / (fp8 row + 8): 1.96x on
-    this tiny model's 192-wide rows, 1.986x on GLM-5's 576 (GLM-5's index keys stay bf16 in both)."""
+    """Bytes per token of the pool are `kv_cache_bytes`' (`kvq_total`, kvq's own pool in `kvq plan`) in each
+    mode. FP8 latent rows are half the BF16 ones: with --kv-integrity off (no stamp) the pool holds twice
+    the tokens; a checked pool holds a stamp of 8 bytes per slot and layer beside each row, so its ratio is
+    (bf16 row + 8) / (fp8 row + 8): 1.96x on this tiny model's 192-wide rows, 1.986x on GLM-5's 576
+    (GLM-5's index keys stay bf16 in both)."""
     path = mla_checkpoint(arch, "bf16")
     tokens, rows = {}, {}
-    for kv_cache_dtype in ("bf16", "fp8_e4m3"):
-        engine = Engine(EngineConfig(model=str(path), kv_cache_dtype=kv_cache_dtype, kv_memory="8MiB"))
-        pool, spec = engine.kv_pool, engine.kv_spec
-        expected = kv_cache_bytes(spec, kv_cache_dtype)
-        assert page_bytes(pool.layout, pool.num_layers, pool.page_size) == pool.page_size * expected.kvq_total
-        stored = pool.storage.numel() * pool.storage.element_size() + pool.stamps.numel() * 8  # 8-byte stamps
-        assert stored == (pool.num_pages + 1) * pool.page_size * expected.kvq_total
-        tokens[kv_cache_dtype] = pool.num_tokens
-        latent_layout = layout_for(replace(spec, index_head_dim=0), pool.dtype)
-        rows[kv_cache_dtype] = page_bytes(latent_layout, pool.num_layers, 1) // pool.num_layers - 8
-        tokens[f"{kv_cache_dtype} latent"] = (8 << 20) // page_bytes(latent_layout, pool.num_layers, 1)
+    for mode in ("off", "tags"):
+        is_checked = mode != "off"
+        for kv_cache_dtype in ("bf16", "fp8_e4m3"):
+            config = EngineConfig(
+                model=str(path), kv_cache_dtype=kv_cache_dtype, kv_memory="8MiB", kv_integrity=mode
+            )
+            engine = Engine(config)
+            pool, spec = engine.kv_pool, engine.kv_spec
+            per_token = kv_cache_bytes(spec, kv_cache_dtype).kvq_total(is_checked)
+            assert (
+                page_bytes(pool.layout, pool.num_layers, pool.page_size, is_checked)
+                == pool.page_size * per_token
+            )
+            assert pool.nbytes == (pool.num_pages + 1) * pool.page_size * per_token, (mode, kv_cache_dtype)
+            tokens[mode, kv_cache_dtype] = pool.num_tokens
+            latent_layout = layout_for(replace(spec, index_head_dim=0), pool.dtype)
+            rows[kv_cache_dtype] = page_bytes(latent_layout, pool.num_layers, 1) // pool.num_layers
+            latent_bytes = page_bytes(latent_layout, pool.num_layers, 1, is_checked)
+            tokens[mode, f"{kv_cache_dtype} latent"] = (8 << 20) // latent_bytes
     assert rows["bf16"] == 2 * rows["fp8_e4m3"]  # the latent row itself: half the bytes
-    with_stamps = (rows["bf16"] + 8) / (rows["fp8_e4m3"] + 8)
-    assert tokens["fp8_e4m3 latent"] / tokens["bf16 latent"] == pytest.approx(with_stamps, rel=1e-3)
-    if arch == "deepseek_v3":  # no indexer: the pool is all latent
-        assert tokens["fp8_e4m3"] / tokens["bf16"] == pytest.approx(with_stamps, rel=1e-2)
+    ratios = {"off": 2.0, "tags": (rows["bf16"] + 8) / (rows["fp8_e4m3"] + 8)}
+    for mode, ratio in ratios.items():
+        assert tokens[mode, "fp8_e4m3 latent"] / tokens[mode, "bf16 latent"] == pytest.approx(ratio, rel=1e-3)
+        if arch == "deepseek_v3":  # no indexer: the pool is all latent
+            assert tokens[mode, "fp8_e4m3"] / tokens[mode, "bf16"] == pytest.approx(ratio, rel=1e-2), mode

@@ -25,11 +25,15 @@ from kvq.runtime.kv_pool import KVPool
 
 
 def make_tracker(mode: str, kv_pool: KVPool, num_checked_layers: int | None = None) -> TagTracker | None:
-    """The tracker for `mode` over `kv_pool`: None for "off" (no integrity work at all). Only the pool's
-    first `num_checked_layers` layers (default all) are checked: the MTP layer's, after them, only shapes
-    drafts, which verification checks against the model, and its rows lag the model's by a position."""
+    """The tracker for `mode` over `kv_pool`: None for "off" (no integrity work at all). The pool holds slot
+    stamps exactly when checked (`KVPool.set_checked`: a switch on an existing pool adds or drops them).
+    Only the pool's first `num_checked_layers` layers (default all) are checked: the MTP layer's, after
+    them, only shapes drafts, which verification checks against the model, and its rows lag the model's
+    by a position."""
+    kv_pool.set_checked(mode != "off")
     if mode == "off":
         return None
+    assert kv_pool.stamps is not None
     num_layers = kv_pool.num_layers if num_checked_layers is None else num_checked_layers
     stamps = kv_pool.stamps if num_layers == kv_pool.num_layers else kv_pool.stamps[..., :num_layers]
     if mode == "tags":

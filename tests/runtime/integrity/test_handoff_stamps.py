@@ -1,8 +1,8 @@
-"""Slot stamps across the prefill/decode handoff: a page carries its stamps and the sender's writer tag; a
-page whose stamps are not its writer's is refused on arrival; a late import copy (the decode side's copy of
-an aborted request's pages, landing after one of them went to another request that is filling it) is
-caught before that request reads it, only it is stopped, a bystander's tokens are unchanged and no page
-leaks. GQA (llama) and MLA (glm_moe_dsa) pools, fp32, pages of 4."""
+"""Slot stamps across the prefill/decode handoff: a checked sender's page carries its stamps and writer tag
+(an unchecked one's none); a page whose stamps are not its writer's is refused on arrival; a late import
+copy (the decode side's copy of an aborted request's pages, landing after one of them went to another
+request that is filling it) is caught before that request reads it, only it is stopped, a bystander's
+tokens are unchanged and no page leaks. GQA (llama) and MLA (glm_moe_dsa) pools, fp32, pages of 4."""
 
 from __future__ import annotations
 
@@ -27,6 +27,29 @@ def test_a_page_whose_stamps_are_not_its_writers_is_refused(tiny_checkpoint) -> 
     stamps[2, 0] ^= 1 << 40  # a late write into the sender's page before it was exported
     with pytest.raises(KvTransferError, match="position 6 carries stamp"):
         engine(path, kv_integrity="tags").add_prefilled(handoff, GREEDY)  # type: ignore[attr-defined]
+
+
+def test_only_a_checked_pool_sends_and_receives_stamps(tiny_checkpoint) -> None:
+    """An unchecked sender (--kv-integrity off, no stamp in its pool) sends pages without stamps, which a
+    checked receiver takes and stamps itself in the import copy; an unchecked receiver stamps nothing."""
+    path = tiny_checkpoint("llama", "bf16")
+    handoff = handoff_of(engine(path, kv_integrity="off"), PROMPT)
+    assert [(p.writer, p.stamps) for p in handoff.pages] == [(0, None)] * 3
+    outputs = {}
+    for mode in ("off", "tags"):
+        decode = engine(path, kv_integrity=mode)
+        assert isinstance(decode, PDEngine) and decode.kv_pool.is_checked == (mode == "tags")
+        decode.add_prefilled(handoff, GREEDY)
+        decode.step()  # admitted: its pages copied in
+        seq = decode.scheduler.running[0]
+        if mode == "tags":
+            assert decode.tracker is not None and decode.kv_pool.stamps is not None
+            writers = decode.tracker.expected_writers(seq)
+            stamps = decode.kv_pool.stamps[seq.block_table[1], :, 0].tolist()  # positions 4..7
+            assert stamps == [writers[1] ^ p for p in range(4, 8)]
+        while decode.has_unfinished_requests():
+            outputs.setdefault(mode, []).extend(o.token_ids for o in decode.step() if o.finished)
+    assert outputs["tags"] == outputs["off"] and len(outputs["off"][0]) == GREEDY.max_tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "glm_moe_dsa"])

@@ -1,7 +1,8 @@
 """`--kv-integrity full` at `--tp 2` on CPU (gloo, two processes under torchrun): rank 1 checks its own
 pool's pages (`kvq.runtime.integrity.ranks`). A sampled bit flipped in rank 1's copy of a sealed page is
 caught before the next step reads it and ends only the request holding it, with a message naming rank 1
-and the page; everyone else's greedy tokens, and a second run of every prompt, equal `--tp 1`'s in fp32
+and the page (its pool holds `kvq plan --tp 2`'s checked bytes: its share of the heads, a whole stamp per
+slot and layer); everyone else's greedy tokens, and a second run of every prompt, equal `--tp 1`'s in fp32
 reference mode, on llama (GQA heads split) and the MLA fixture (the latent replicated). A late write is
 skipped by every rank's write guard."""
 
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvq.checkpoint.kv_cache_spec import kv_cache_bytes, kv_cache_spec
+from kvq.checkpoint.model_config import read_text_model
 from tests.runtime.test_models_vs_transformers import random_prompts
 from tests.runtime.tp_run import TIMEOUT_S, run
 
@@ -49,7 +52,10 @@ def test_a_bit_flipped_on_rank_1_ends_only_its_request(arch: str, tiny_checkpoin
     case = {"model": model, "prompts": PROMPTS, "num_tokens": NUM_TOKENS, "page_size": PAGE_SIZE}
     out = tmp_path / "tp2.pt"
     faulted, clean = run_tp2(out, **case, kv_integrity="full", flip_row=FLIP_ROW)["runs"]
-    page = json.loads(out.with_suffix(".rank1.json").read_text())["page"]
+    rank1 = json.loads(out.with_suffix(".rank1.json").read_text())
+    page, (pool_bytes, num_slots) = rank1["page"], rank1["pool"]
+    spec = kv_cache_spec(read_text_model(model).fields, "")
+    assert pool_bytes == kv_cache_bytes(spec, "fp32", tp=2).kvq_total(is_checked=True) * num_slots
     hit = [i for i, (_, reason, _) in enumerate(faulted) if reason == "error"]
     assert len(hit) == 1, faulted
     tokens, _, error = faulted[hit[0]]

@@ -42,7 +42,9 @@ def arm_bit_flip(row: int, record: Path) -> None:
                 runner.kv_pool.page_bytes_view()[0, 0, page, offset] ^= torch.tensor(
                     1 << 6, dtype=torch.uint8
                 )
-                record.write_text(json.dumps({"page": page, "offset": offset}))
+                pool = runner.kv_pool
+                slots = pool.page_size * (pool.num_pages + 1)
+                record.write_text(json.dumps({"page": page, "offset": offset, "pool": [pool.nbytes, slots]}))
             return batch_of(inputs)
 
         runner.batch_of = flip_then_batch  # type: ignore[method-assign]
