@@ -4,7 +4,8 @@
 API (each step returns what changed). With `kv_integrity` on, each step's batch is checked before the
 model reads a page, and a request whose pages fail ends alone with finish reason "error". So does a
 request whose own output handling fails (its sampling, a token hook, its text, stop strings, logprobs):
-the error is logged and names the request; the others in the step go on.
+the error is logged and names the request; the others in the step go on. With `--speculative mtp` a
+decode step is `spec_step.SpecStep.run` (draft, verify, accept, roll back), through the methods it names.
 Imports torch, transformers (config, tokenizer) and kvq.
 """
 
@@ -22,7 +23,6 @@ import torch
 from transformers import AutoTokenizer
 
 from kvq.errors import KvqError
-from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.frozen_heap import frozen_heap
@@ -36,8 +36,8 @@ from kvq.runtime.prompt_encoding import encode_messages, encode_text, eos_token_
 from kvq.runtime.request import Request, Status
 from kvq.runtime.sampling import SamplingParams, make_generator, sample_requests
 from kvq.runtime.scheduler import Scheduler
-from kvq.runtime.spec_accept import Verdict, accept
 from kvq.runtime.spec_decode import Drafts, MtpProposer
+from kvq.runtime.spec_step import SpecStep
 
 Prompt = str | list[int]
 # Called after each step's sampling with (the step's sequences, their logits [B, V] (bf16 or fp32), the
@@ -79,10 +79,15 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.token_hooks: list[TokenHook] = [self.outputs.record_logprobs]
         self.stats = EngineStats()
-        # --speculative mtp: the MTP layer drafts, each decode step verifies (`spec_decode`)
-        self.proposer = (
-            None if config.speculative is None else MtpProposer(self.runner, config.num_speculative_tokens)
+        # --speculative mtp: the MTP layer drafts, each decode step verifies (`spec_step`)
+        self.spec = (
+            None if config.speculative is None else SpecStep(self.runner, config.num_speculative_tokens)
         )
+
+    @property
+    def proposer(self) -> MtpProposer | None:
+        """The MTP drafter of `--speculative mtp` (its `stats`), or None."""
+        return None if self.spec is None else self.spec.proposer
 
     def reset_kv(self, kv_integrity: str | None = None) -> None:
         """A fresh page allocator, prefix cache, scheduler and tracker (in `kv_integrity` mode if given)
@@ -183,8 +188,8 @@ class Engine:
         if seq is not None:
             seq.finish_reason = "abort"
             self.outputs.forget(request_id)
-            if self.proposer is not None:
-                self.proposer.forget(request_id)
+            if self.spec is not None:
+                self.spec.forget(request_id)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -200,15 +205,15 @@ class Engine:
         stats = self.stats
         stats.largest_batch = max(stats.largest_batch, len(seqs))
         stats.num_steps += 1
-        if self.proposer is not None and not is_prefill:
-            spec_outputs = self._speculative_step(seqs)
+        if self.spec is not None and not is_prefill:
+            spec_outputs = self.spec.run(self, seqs)
             stats.step_seconds += time.perf_counter() - start
             return spec_outputs
         outputs: list[RequestOutput] = []
         if self.tracker is None:
-            result = self._timed_forward(lambda: self.runner.run(seqs, is_prefill))
+            result = self.timed_forward(lambda: self.runner.run(seqs, is_prefill))
         else:
-            seqs, checked, outputs = self._run_checked(seqs, is_prefill)
+            seqs, checked, outputs = self.run_checked(seqs, is_prefill)
             if checked is None:  # every request of the step was stopped
                 stats.step_seconds += time.perf_counter() - start
                 return outputs
@@ -218,137 +223,38 @@ class Engine:
         rows = [0, *itertools.accumulate(s.num_tokens - start for s, start in zip(seqs, starts, strict=True))]
         logits = result.logits
         token_ids, errors = sample_requests(seqs, logits, self.eos_token_ids)
-        self._run_token_hooks(seqs, logits, token_ids, errors)
+        self.run_token_hooks(seqs, logits, token_ids, errors)
         for seq, token_id, error in zip(seqs, token_ids, errors, strict=True):
             if seq.status is Status.FINISHED:  # aborted during the step (by a token hook): already gone
                 continue
-            if error is None:
-                error = self._guarded(seq, partial(self.outputs.append, seq, token_id))
-            if error is not None:
-                seq.finish_reason = "error"
-                seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
+            self.append_token(seq, token_id, error)
             if seq.finish_reason is not None:
                 self._finish(seq)
             outputs.append(self.outputs.output(seq))
-        if self.proposer is not None:  # the MTP layer over the prompts: each request's first draft
-            self._extend_drafts(seqs, starts, rows[:-1])
+        if self.spec is not None:  # the MTP layer over the prompts: each request's first draft
+            self.spec.extend(self, seqs, starts, rows[:-1])
         stats.step_seconds += time.perf_counter() - start
         return outputs
 
     def _finish(self, seq: Request) -> None:
         self.scheduler.finish(seq)
-        if self.proposer is not None:
-            self.proposer.forget(seq.seq_id)
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id)
 
-    def _extend_drafts(self, seqs: list[Request], starts: list[int], rows: list[int]) -> None:
-        """The MTP layer over each running request's positions from `starts[b]` to its last but one, which
-        the model's last forward computed from its row `rows[b]` on (`MtpProposer.extend`)."""
-        assert self.proposer is not None
-        kept = [b for b, seq in enumerate(seqs) if seq.status is Status.RUNNING]
-        if kept:
-            self.proposer.extend(
-                [seqs[b] for b in kept],
-                [starts[b] for b in kept],
-                [rows[b] for b in kept],
-                self._timed_forward_of(self.runner.forward),
-            )
+    def append_token(self, seq: Request, token_id: int, error: str | None = None) -> None:
+        """Append a sampled token to `seq` (its outputs: text, stops, logprobs), unless `error` (its
+        sampling's) or its output handling failing stops that request alone."""
+        if error is None:
+            error = self._guarded(seq, partial(self.outputs.append, seq, token_id))
+        if error is not None:
+            self.stop(seq, error)
 
-    def _speculative_step(self, seqs: list[Request]) -> list[RequestOutput]:
-        """A decode step of `--speculative mtp`: draft, verify in one forward, accept, append, give back the
-        pages of rejected drafts, and run the MTP layer over what was accepted (the next drafts)."""
-        proposer = self.proposer
-        assert proposer is not None
-        forward = self._timed_forward_of(self.runner.forward)
-        stopped: list[RequestOutput] = []
-        if self.tracker is not None:  # requests already marked draft nothing
-            seqs, stopped = self._screen(seqs)
-        drafts = proposer.draft(seqs, forward)
-        if self.tracker is None:
-            logits = forward(self.runner.batch_of(proposer.verify_inputs(seqs, drafts))).logits  # [T, V]
-        else:
-            row_of = {seq.seq_id: b for b, seq in enumerate(seqs)}
-            seqs, checked, outputs = self._run_checked(seqs, False, drafts)
-            for out in outputs:
-                proposer.forget(out.request_id)
-            stopped += outputs
-            if checked is None:
-                return stopped
-            drafts, logits = drafts.of([row_of[seq.seq_id] for seq in seqs]), checked.logits
-        num_tokens = [seq.num_tokens for seq in seqs]
-        offsets, verdicts, row = [], [], 0
-        for seq, tokens, probs in zip(seqs, drafts.token_ids, drafts.probs, strict=True):
-            offsets.append(row)
-            rows = logits[row : row + len(tokens) + 1]
-            verdicts.append(self._accept(seq, rows, tokens, probs))
-            row += len(tokens) + 1
-        self._append_verdicts(seqs, logits, offsets, verdicts)
-        for seq, tokens, verdict, n in zip(seqs, drafts.token_ids, verdicts, num_tokens, strict=True):
-            proposer.stats.add(len(tokens), min(verdict.num_accepted, seq.num_tokens - n))
-            if seq.finish_reason is not None:
-                self._finish(seq)
-                continue
-            self.block_manager.truncate(seq)
-            if self.tracker is not None:  # accepted drafts' slots: their stamps lose the draft mark
-                self.tracker.confirm_drafts(seq, n, seq.num_tokens - 1)
-        self._extend_drafts(seqs, [n - 1 for n in num_tokens], offsets)
-        return stopped + [self.outputs.output(seq) for seq in seqs]
+    def stop(self, seq: Request, error: str) -> None:
+        """End `seq` with finish reason "error" (the scheduler frees it when the step finishes it)."""
+        seq.finish_reason = "error"
+        seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
 
-    def _screen(self, seqs: list[Request]) -> tuple[list[Request], list[RequestOutput]]:
-        """Stop the requests the tracker's host screen fails (a speculative step's, before they draft)."""
-        assert self.tracker is not None and self.proposer is not None
-        num_drafts = [seq.num_drafts(self.proposer.num_speculative_tokens) for seq in seqs]
-        mismatches = self.tracker.screen(seqs, num_drafts)
-        if not mismatches:
-            return seqs, []
-        seqs, hit = remove_hit(mismatches, seqs, self.scheduler, self.tracker)
-        self.stats.integrity_aborts += len(hit)
-        for seq in hit:
-            self.proposer.forget(seq.seq_id)
-        return seqs, [self.outputs.output(seq) for seq in hit]
-
-    def _accept(self, seq: Request, rows: torch.Tensor, tokens: list[int], probs: list) -> Verdict:
-        try:
-            return accept(seq, rows, tokens, probs, self.eos_token_ids)
-        except Exception as e:  # one request's parameters: that request alone ends
-            logger.exception("request %d: its speculative acceptance failed; it is stopped", seq.seq_id)
-            return Verdict([], 0, f"output handling failed ({type(e).__name__}: {e})")
-
-    def _append_verdicts(
-        self, seqs: list[Request], logits: torch.Tensor, offsets: list[int], verdicts: list[Verdict]
-    ) -> None:
-        """Append each request's tokens, one column of the step at a time, through the token hooks (a hook
-        that replaces a token ends that request's tokens of the step there) until it finishes."""
-        for j in range(max(len(v.token_ids) for v in verdicts)):
-            active = [
-                b for b, v in enumerate(verdicts) if len(v.token_ids) > j and seqs[b].finish_reason is None
-            ]
-            active = [b for b in active if seqs[b].status is not Status.FINISHED]
-            if not active:
-                break
-            batch = [seqs[b] for b in active]
-            token_ids = [verdicts[b].token_ids[j] for b in active]
-            errors: list[str | None] = [None] * len(active)
-            self._run_token_hooks(batch, logits[[offsets[b] + j for b in active]], token_ids, errors)
-            for b, token_id, error in zip(active, token_ids, errors, strict=True):
-                seq, verdict = seqs[b], verdicts[b]
-                if token_id != verdict.token_ids[j]:  # replaced: the drafts after it no longer follow
-                    verdict.token_ids[j + 1 :] = []
-                if error is None:
-                    error = self._guarded(seq, partial(self.outputs.append, seq, token_id))
-                if error is not None:
-                    seq.finish_reason = "error"
-                    seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
-        for seq, verdict in zip(seqs, verdicts, strict=True):
-            if verdict.error is not None and seq.finish_reason is None:
-                seq.finish_reason = "error"
-                seq.error = f"{verdict.error} at position {seq.num_tokens}; the request was stopped"
-
-    def _timed_forward_of(
-        self, forward: Callable[[ForwardBatch], ForwardOutput]
-    ) -> Callable[[ForwardBatch], ForwardOutput]:
-        return lambda batch: self._timed_forward(partial(forward, batch))
-
-    def _run_token_hooks(
+    def run_token_hooks(
         self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]
     ) -> None:
         """Every hook over the step; a hook that fails is run again request by request, so that only the
@@ -375,7 +281,7 @@ class Engine:
             return f"output handling failed ({type(e).__name__}: {e})"
         return None
 
-    def _timed_forward(self, forward: Callable[[], ForwardOutput]) -> ForwardOutput:
+    def timed_forward(self, forward: Callable[[], ForwardOutput]) -> ForwardOutput:
         start = time.perf_counter()
         result = forward()
         self.stats.forward_seconds += time.perf_counter() - start
@@ -411,14 +317,14 @@ class Engine:
                     if out.finished:
                         return
 
-    def _run_checked(
+    def run_checked(
         self, seqs: list[Request], is_prefill: bool, drafts: Drafts | None = None
     ) -> tuple[list[Request], ForwardOutput | None, list[RequestOutput]]:
         """Check the step's requests (their state before the batch is made, then the batch itself), stop
         the ones hit, run the rest: (seqs run, logits, outputs of the stopped ones). Rechecked after each
         removal, as the batch is rebuilt. Nothing the tracker finds is raised: it stops requests. With
         `drafts` (a speculative step's, row by row of `seqs`) the batch is their verification."""
-        tracker, proposer = self.tracker, self.proposer
+        tracker, spec = self.tracker, self.spec
         assert tracker is not None
         stopped: list[Request] = []
         row_of = {seq.seq_id: b for b, seq in enumerate(seqs)}
@@ -432,8 +338,8 @@ class Engine:
                 if kept is None:
                     batch = self.runner.prepare(seqs, is_prefill)
                 else:
-                    assert proposer is not None
-                    batch = self.runner.batch_of(proposer.verify_inputs(seqs, kept))
+                    assert spec is not None
+                    batch = self.runner.batch_of(spec.proposer.verify_inputs(seqs, kept))
                 mismatches = tracker.check(seqs, batch, num_drafts)
                 if not mismatches and self.rank_checks is not None:
                     mismatches = self.rank_checks.check(seqs, batch)
@@ -445,6 +351,6 @@ class Engine:
         result = None
         if seqs:
             guarded = tracker.guard(batch)
-            result = self._timed_forward(lambda: self.runner.forward(guarded))
+            result = self.timed_forward(lambda: self.runner.forward(guarded))
         tracker.after_step(is_forward_run=bool(seqs))
         return seqs, result, [self.outputs.output(s) for s in stopped]

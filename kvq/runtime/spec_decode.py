@@ -38,12 +38,15 @@ class DraftState:
 @dataclass
 class SpecStats:
     """Counters as vLLM's spec_decode metrics: verified requests-steps that drafted, draft tokens, accepted
-    ones, and accepted ones by draft position."""
+    ones, and accepted ones by draft position; and the decode steps' wall time in the MTP layer (drafting
+    and extending) and in verification (the model's forward over K + 1 positions)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    mtp_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
