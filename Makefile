@@ -9,7 +9,7 @@ PIP := $(BIN)/pip install --prefer-binary --disable-pip-version-check
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py kvq/compress/_int4.c kvq/runtime/kernels/cpu/_linear.c kvq/runtime/kernels/cpu/_ops.c $(wildcard kvq/runtime/kernels/cpu/*.h) constraints.txt requirements-data.txt
+$(STAMP): pyproject.toml setup.py kvq/compress/_int4.c kvq/runtime/kernels/cpu/_linear.c kvq/runtime/kernels/cpu/_ops.c $(wildcard kvq/runtime/kernels/cpu/*.h) kvq/formats/_pack_quantized.h constraints.txt requirements-data.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(PIP) -c constraints.txt -e '.[data,serve,kernels,dev,eval]'

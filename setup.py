@@ -9,6 +9,7 @@ setup(
         Extension(
             "kvq.compress._int4",
             ["kvq/compress/_int4.c"],
+            depends=["kvq/formats/_pack_quantized.h"],
             # IEEE fp32 exactly as torch computes it: no FMA contraction, no fast-math reassociation
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11"],
             optional=True,
@@ -17,6 +18,7 @@ setup(
             "kvq.runtime.kernels.cpu._linear",
             ["kvq/runtime/kernels/cpu/_linear.c"],
             depends=[
+                "kvq/formats/_pack_quantized.h",
                 "kvq/runtime/kernels/cpu/_linear_pool.h",
                 "kvq/runtime/kernels/cpu/_linear_simd.h",
                 "kvq/runtime/kernels/cpu/_linear_bf16.h",

@@ -22,22 +22,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../formats/_pack_quantized.h" /* the nibble layout, f32_bits, bits_f32, bf16_round_bits */
+
 #define MAX_GROUP 1024
-
-static inline uint32_t f32_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return u;
-}
-
-static inline float bits_f32(uint32_t u) {
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-/* Round a finite fp32 to the nearest bfloat16 (ties to even), as its upper 16 bits. */
-static inline uint32_t bf16_round_bits(uint32_t u) { return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u; }
 
 /* bf16(value(code) * s) as fp32 bits, for a float8_e4m3fn code (NaN for S.1111.111). Branch-free so the
    loops over a group vectorize: the code's magnitude is built as an fp32 (exact: 1.m * 2^(e-7) for e > 0,
@@ -90,7 +77,7 @@ static inline uint32_t quantize_group(const uint32_t *y, int n, uint8_t *out) {
         nibbles[i] = (r < -8 ? -8 : (r > 7 ? 7 : r)) + 8; /* clamping before or after rounding: same */
     }
     for (int i = 0; i < n / 2; i++)
-        out[i] = (uint8_t)(nibbles[2 * i] | (nibbles[2 * i + 1] << 4));
+        out[i] = int4_pack_byte((uint32_t)nibbles[2 * i], (uint32_t)nibbles[2 * i + 1]);
     return scale_bits;
 }
 
@@ -145,7 +132,7 @@ static inline void pack_steps(const uint8_t *codes, int n, const Steps *st, uint
         nibbles[i] = ((c >> 7) ^ negative_scale) ? negative : positive;
     }
     for (int i = 0; i < n / 2; i++)
-        out[i] = (uint8_t)(nibbles[2 * i] | (nibbles[2 * i + 1] << 4));
+        out[i] = int4_pack_byte((uint32_t)nibbles[2 * i], (uint32_t)nibbles[2 * i + 1]);
 }
 
 VECTOR_CLONES

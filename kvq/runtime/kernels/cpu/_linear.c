@@ -25,6 +25,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "../../../formats/_pack_quantized.h" /* the nibble layout, f32_bits, bits_f32, bf16_round_bits */
 #include "_linear_pool.h"
 
 #if defined(KVQ_SIMDE_CHECK) /* a check build: every path through SIMDe's portable intrinsics, on any CPU */
@@ -73,18 +74,6 @@ typedef struct {
     atomic_int failed; /* set by a thread that could not get its buffer (amx): the call raises MemoryError */
 } Job;
 
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
     if (exponent == 0x1F)
@@ -112,7 +101,7 @@ static inline uint16_t f32_to_bf16(float f) {
     uint32_t u = f32_bits(f);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u)
         return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return (uint16_t)(bf16_round_bits(u) >> 16);
 }
 
 /* Element i of an fp32 / bf16 / fp16 array as fp32, and v stored into one (rounded to nearest even). */
@@ -315,7 +304,7 @@ static void scalar_rows(const Job *job, int64_t n0, int64_t n1) {
             for (int64_t g = 0; g < job->num_groups; g++) {
                 float sum = 0.0f;
                 for (int64_t k = g * job->group; k < (g + 1) * job->group; k++) {
-                    int q = (int)((wrow[k / 8] >> (4 * (k % 8))) & 15u) - 8;
+                    int q = int4_unpack(wrow[k / 8], (int)(k % 8));
                     sum += (float)q * x[k];
                 }
                 acc += sum * scale_at(job, srow, g);

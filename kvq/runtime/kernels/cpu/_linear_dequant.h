@@ -23,7 +23,7 @@ static void dequantize_rows_scalar(const DequantJob *d, int64_t n0, int64_t n1) 
             float s = row_scale(srow, d->scale_dtype, g);
             for (int64_t i = g * words_per_group; i < (g + 1) * words_per_group; i++)
                 for (int j = 0; j < 8; j++)
-                    d->out[n * d->K + 8 * i + j] = f32_to_bf16((float)((int)((w[i] >> (4 * j)) & 15u) - 8) * s);
+                    d->out[n * d->K + 8 * i + j] = f32_to_bf16((float)int4_unpack(w[i], j) * s);
         }
     }
 }
