@@ -6,24 +6,30 @@ The fixture (`kvq.fixtures` size "bench", BF16, one MTP layer; random weights) a
 a predicting-well draft, as a trained MTP layer is; the random one drafts noise). Contenders at concurrency
 1: no speculation, the random MTP layer and the fitted one, each drafting K tokens; fp32 reference mode (the
 fit's greedy tokens are fp32's). Decode tok/s by (N - 1) / (t(N) - t(1)) as in `kvq bench decode`,
-contenders taking turns, median; acceptance from the engine's `SpecStats` and target forwards (prefill and
-verification steps of the model) per token over the last N-token run of each. Built once under
+contenders taking turns, median; each turn on an engine of its own, freed before the next is built (one
+model resident at a time). From the engine's counters over the last N-token run: acceptance, target
+forwards (prefill and verification steps of the model) per token, and per decode step the milliseconds of
+the model's forward (one position, or K + 1 verified) and of the MTP layer's. Built once under
 `kvq.paths.cache_dir()/bench`. Imports torch and kvq.runtime, kvq.fixtures inside the builders.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.table import Table
 
-from kvq.bench.decode_speed import Generate, decode_tok_s
+from kvq.bench.decode_speed import decode_tok_s
 from kvq.paths import cache_dir
+
+if TYPE_CHECKING:
+    from kvq.runtime.engine import Engine
 
 PLAIN = "no speculation"
 
@@ -51,6 +57,23 @@ class SpecRun:
     mean_accepted_length: float = 1.0  # tokens per verification: 1 + accepted / drafts
     accepted_per_pos: list[int] = field(default_factory=list)
     target_forwards_per_token: float = 1.0  # prefill + verification forwards of the model / tokens
+    target_forward_ms: float = 0.0  # per decode step: the model's forward (1 position, or K + 1 verified)
+    mtp_ms: float = 0.0  # per decode step: the MTP layer's forwards (K drafts, then over what was accepted)
+
+
+@dataclass
+class Counters:
+    """An engine's counters (`EngineStats`, and `SpecStats` with --speculative) at one moment."""
+
+    num_steps: int
+    forward_seconds: float
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    is_spec: bool = False
+    mtp_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 @dataclass
@@ -82,13 +105,12 @@ def bench_prompt(path: Path, num_tokens: int) -> list[int]:
     return torch.randint(3, vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-def spec_generate(path: Path, config: SpecBenchConfig, speculative: str | None) -> tuple[Generate, Callable]:
-    """(generate(n) of the bench prompt, greedy; a reading of the engine's counters) for one contender."""
+def spec_engine(path: Path, config: SpecBenchConfig, speculative: str | None) -> Engine:
+    """One contender's engine (concurrency 1, `config.dtype`)."""
     from kvq.runtime.config import EngineConfig
     from kvq.runtime.engine import Engine
-    from kvq.runtime.sampling import SamplingParams
 
-    engine = Engine(
+    return Engine(
         EngineConfig(
             model=str(path),
             dtype=config.dtype,
@@ -100,64 +122,89 @@ def spec_generate(path: Path, config: SpecBenchConfig, speculative: str | None) 
             num_speculative_tokens=config.num_speculative_tokens,
         )
     )
+
+
+def counters(engine: Engine) -> Counters:
+    """The engine's counters a contender's record is the difference of."""
+    now = Counters(engine.stats.num_steps, engine.stats.forward_seconds)
+    if engine.proposer is None:
+        return now
+    stats = engine.proposer.stats
+    return replace(
+        now,
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted=stats.num_accepted_tokens,
+        accepted_per_pos=list(stats.accepted_per_pos),
+        is_spec=True,
+        mtp_seconds=stats.mtp_seconds,
+        verify_seconds=stats.verify_seconds,
+    )
+
+
+def one_turn(path: Path, config: SpecBenchConfig, speculative: str | None) -> tuple[float, SpecRun]:
+    """One repeat of one contender on an engine of its own (freed on return: one model resident at a
+    time): its decode tok/s and the record of its N-token run, less its 1-token run (the prefill)."""
+    from kvq.runtime.sampling_params import SamplingParams
+
+    engine = spec_engine(path, config, speculative)
     prompt = bench_prompt(path, config.prompt_tokens)
+    seen: dict[int, tuple[Counters, Counters]] = {}
 
-    def counters() -> tuple[int, int, int, int, list[int]]:
-        stats = engine.proposer.stats if engine.proposer is not None else None
-        if stats is None:
-            return engine.stats.num_steps, 0, 0, 0, []
-        drafted = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-        return engine.stats.num_steps, *drafted, list(stats.accepted_per_pos)
+    def generate(n: int) -> object:
+        before = counters(engine)
+        out = engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+        seen[n] = (before, counters(engine))
+        return out
 
-    return lambda n: engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True)), counters
+    tok_s = decode_tok_s({"turn": generate}, 1, config.new_tokens, 1)["turn"][0]
+    return tok_s, spec_run(seen[1], seen[config.new_tokens], config.new_tokens)
 
 
 def run_spec_bench(config: SpecBenchConfig, paths: dict[str, Path]) -> SpecBenchResult:
-    """No speculation vs the random and the fitted MTP layer (`paths` from `spec_models`), in one run."""
+    """No speculation vs the random and the fitted MTP layer (`paths` from `spec_models`), in one run:
+    contenders take turns within every repeat, each on a fresh engine freed before the next is built."""
     torch.set_num_threads(config.threads)
-    built = {
-        PLAIN: spec_generate(paths["random"], config, None),
-        **{f"mtp K={config.num_speculative_tokens}, {kind} MTP layer": (
-            spec_generate(paths[kind], config, "mtp")
-        ) for kind in ("random", "fitted")},
-    }  # fmt: skip
-    last: dict[str, tuple[tuple, tuple]] = {}  # counters before and after the last N-token run
-
-    def recorded(name: str) -> Generate:
-        generate, counters = built[name]
-
-        def run(n: int) -> object:
-            before = counters()
-            out = generate(n)
-            if n == config.new_tokens:
-                last[name] = (before, counters())
-            return out
-
-        return run
-
-    runs = decode_tok_s({name: recorded(name) for name in built}, 1, config.new_tokens, config.repeats)
+    k = config.num_speculative_tokens
+    contenders = {
+        PLAIN: (paths["random"], None),
+        **{f"mtp K={k}, {kind} MTP layer": (paths[kind], "mtp") for kind in ("random", "fitted")},
+    }
+    tok_s_runs: dict[str, list[float]] = {name: [] for name in contenders}
     result = SpecBenchResult(config=asdict(config))
-    for name, tok_s_runs in runs.items():
-        before, after = last[name]
-        result.runs[name] = spec_run(tok_s_runs, before, after, config.new_tokens)
-    plain = result.runs[PLAIN].tok_s
-    for run in result.runs.values():
-        run.speedup = run.tok_s / plain
+    for _ in range(config.repeats):
+        for name, (path, speculative) in contenders.items():
+            tok_s, result.runs[name] = one_turn(path, config, speculative)
+            tok_s_runs[name].append(tok_s)
+            gc.collect()  # the engine's weights go before the next contender's load
+    for name, run in result.runs.items():
+        run.tok_s_runs = tok_s_runs[name]
+        run.tok_s = statistics.median(tok_s_runs[name])
+        run.speedup = run.tok_s / statistics.median(tok_s_runs[PLAIN])
     return result
 
 
-def spec_run(tok_s_runs: list[float], before: tuple, after: tuple, num_tokens: int) -> SpecRun:
-    """A contender's record from its tok/s and its counters (steps, drafts, draft tokens, accepted, accepted
-    per position) before and after one `num_tokens` run."""
-    steps, drafts, draft_tokens, accepted = (a - b for a, b in zip(after[:4], before[:4], strict=True))
-    per_pos = [a - (before[4][p] if p < len(before[4]) else 0) for p, a in enumerate(after[4])]
+def spec_run(prefill: tuple[Counters, Counters], full: tuple[Counters, Counters], num_tokens: int) -> SpecRun:
+    """A contender's record from its counters around a 1-token run (`prefill`) and a `num_tokens` run."""
+    (p0, p1), (f0, f1) = prefill, full
+    steps, drafts = f1.num_steps - f0.num_steps, f1.num_drafts - f0.num_drafts
+    draft_tokens, accepted = f1.num_draft_tokens - f0.num_draft_tokens, f1.num_accepted - f0.num_accepted
+    decode_steps = steps - (p1.num_steps - p0.num_steps)
+    decode_forward_s = f1.forward_seconds - f0.forward_seconds - (p1.forward_seconds - p0.forward_seconds)
     return SpecRun(
-        tok_s=statistics.median(tok_s_runs),
-        tok_s_runs=tok_s_runs,
+        tok_s=0.0,
+        tok_s_runs=[],
         acceptance_rate=accepted / draft_tokens if draft_tokens else 0.0,
         mean_accepted_length=1.0 + accepted / drafts if drafts else 1.0,
-        accepted_per_pos=per_pos,
+        accepted_per_pos=[
+            a - (f0.accepted_per_pos[p] if p < len(f0.accepted_per_pos) else 0)
+            for p, a in enumerate(f1.accepted_per_pos)
+        ],
         target_forwards_per_token=steps / num_tokens,
+        target_forward_ms=1e3
+        * (f1.verify_seconds - f0.verify_seconds if f1.is_spec else decode_forward_s)
+        / max(decode_steps, 1),
+        mtp_ms=1e3 * (f1.mtp_seconds - f0.mtp_seconds) / max(decode_steps, 1),
     )
 
 
@@ -169,8 +216,8 @@ def render_spec(result: SpecBenchResult) -> Table:
     )
     for column in ("contender", "tok/s", "vs no speculation", "acceptance", "mean accepted length"):
         table.add_column(column, justify="left" if column == "contender" else "right")
-    table.add_column("target forwards / token", justify="right")
-    table.add_column("accepted by position", justify="right")
+    for column in ("target forwards / token", "ms / target forward", "MTP ms / step", "accepted by position"):
+        table.add_column(column, justify="right")
     for name, run in result.runs.items():
         is_plain = name == PLAIN
         table.add_row(
@@ -180,6 +227,8 @@ def render_spec(result: SpecBenchResult) -> Table:
             "-" if is_plain else f"{run.acceptance_rate:.2f}",
             "-" if is_plain else f"{run.mean_accepted_length:.2f}",
             f"{run.target_forwards_per_token:.2f}",
+            f"{run.target_forward_ms:.0f}",
+            "-" if is_plain else f"{run.mtp_ms:.0f}",
             "-" if is_plain else ", ".join(map(str, run.accepted_per_pos)),
         )
     return table

@@ -27,9 +27,11 @@ def test_report_is_consistent(tmp_path: Path) -> None:
     assert list(result.runs) == [PLAIN, random, fitted]
     plain = result.runs[PLAIN]
     assert plain.speedup == 1.0 and plain.target_forwards_per_token == 1.0 and plain.accepted_per_pos == []
+    assert plain.target_forward_ms > 0 and plain.mtp_ms == 0.0
     for name in (random, fitted):
         run = result.runs[name]
         assert run.tok_s > 0 and run.speedup == pytest.approx(run.tok_s / plain.tok_s)
+        assert run.target_forward_ms > 0 and run.mtp_ms > 0 and len(run.tok_s_runs) == 1
         assert 0.0 <= run.acceptance_rate <= 1.0 and 1.0 <= run.mean_accepted_length <= K + 1
         assert len(run.accepted_per_pos) == K and run.accepted_per_pos == sorted(run.accepted_per_pos)[::-1]
         # one prefill, then one verification per (1 + accepted) tokens
