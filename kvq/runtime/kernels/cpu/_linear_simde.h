@@ -1,17 +1,22 @@
 /* Check builds only (KVQ_SIMDE_CHECK, see scripts/check_cpu_paths.sh): the AVX-512 intrinsics that the
    SIMDe release at hand may lack, lane by lane, so the AVX-512 path runs (slowly) on any CPU. */
 
+/* Widenings and narrowings lane by lane: T_IN in[N] -> T_OUT out[N] as C converts them. */
+#define KVQ_LANES(name, vin, vout, tin, tout, n)                                                             \
+    static inline vout name(vin v) {                                                                         \
+        tin in[n];                                                                                           \
+        tout out[n];                                                                                         \
+        vout r;                                                                                              \
+        memset(&r, 0, sizeof r);                                                                             \
+        memcpy(in, &v, sizeof in);                                                                           \
+        for (int i = 0; i < n; i++)                                                                          \
+            out[i] = (tout)in[i];                                                                            \
+        memcpy(&r, out, sizeof out);                                                                         \
+        return r;                                                                                            \
+    }
+
 #ifndef _mm512_cvtepi32_ps
-static inline __m512 kvq_cvtepi32_ps(__m512i v) {
-    int32_t in[16];
-    float out[16];
-    __m512 r;
-    memcpy(in, &v, sizeof in);
-    for (int i = 0; i < 16; i++)
-        out[i] = (float)in[i];
-    memcpy(&r, out, sizeof r);
-    return r;
-}
+KVQ_LANES(kvq_cvtepi32_ps, __m512i, __m512, int32_t, float, 16)
 #define _mm512_cvtepi32_ps kvq_cvtepi32_ps
 #endif
 
@@ -40,32 +45,9 @@ static inline float kvq_reduce_add_ps(__m512 v) {
 #endif
 
 #ifndef _mm512_cvtepi8_epi32
-static inline __m512i kvq_cvtepi8_epi32(__m128i v) {
-    int8_t in[16];
-    int32_t out[16];
-    __m512i r;
-    memcpy(in, &v, sizeof in);
-    for (int i = 0; i < 16; i++)
-        out[i] = in[i];
-    memcpy(&r, out, sizeof r);
-    return r;
-}
+KVQ_LANES(kvq_cvtepi8_epi32, __m128i, __m512i, int8_t, int32_t, 16)
 #define _mm512_cvtepi8_epi32 kvq_cvtepi8_epi32
 #endif
-
-/* Widenings and narrowings lane by lane: T_IN in[N] -> T_OUT out[N] as C converts them. */
-#define KVQ_LANES(name, vin, vout, tin, tout, n)                                                             \
-    static inline vout name(vin v) {                                                                         \
-        tin in[n];                                                                                           \
-        tout out[n];                                                                                         \
-        vout r;                                                                                              \
-        memset(&r, 0, sizeof r);                                                                             \
-        memcpy(in, &v, sizeof in);                                                                           \
-        for (int i = 0; i < n; i++)                                                                          \
-            out[i] = (tout)in[i];                                                                            \
-        memcpy(&r, out, sizeof out);                                                                         \
-        return r;                                                                                            \
-    }
 
 #ifndef _mm512_cvtepu8_epi32
 KVQ_LANES(kvq_cvtepu8_epi32, __m128i, __m512i, uint8_t, int32_t, 16)
