@@ -29,7 +29,8 @@ def shared_prefix_prompts(num: int = 6, prefix_len: int = 22, seed: int = 0) -> 
 def engine_with_pages(path: Path, num_pages: int, page_size: int = 4, **kwargs) -> Engine:
     """A reference-mode engine whose pool holds exactly `num_pages` pages."""
     probe = Engine(EngineConfig(model=str(path), dtype="float32", kv_memory="1MiB", page_size=page_size))
-    size = page_bytes(probe.kv_pool.layout, probe.kv_pool.num_layers, page_size)
+    is_checked = kwargs.get("kv_integrity", "off") != "off"  # a checked pool's pages hold slot stamps too
+    size = page_bytes(probe.kv_pool.layout, probe.kv_pool.num_layers, page_size, is_checked)
     engine = Engine(
         EngineConfig(
             model=str(path), dtype="float32", kv_memory=num_pages * size, page_size=page_size, **kwargs

@@ -48,7 +48,8 @@ def checkpoint(mla_checkpoint, request: pytest.FixtureRequest) -> Path:
 def engine_with_pages(path: Path, num_pages: int, **kwargs) -> Engine:
     """A reference-mode engine (pages of 4 tokens) whose pool holds exactly `num_pages` pages."""
     probe = Engine(EngineConfig(model=str(path), dtype="float32", kv_memory="1MiB", page_size=4))
-    size = page_bytes(probe.kv_pool.layout, probe.kv_pool.num_layers, 4)
+    is_checked = kwargs.get("kv_integrity", "off") != "off"  # a checked pool's pages hold slot stamps too
+    size = page_bytes(probe.kv_pool.layout, probe.kv_pool.num_layers, 4, is_checked)
     config = EngineConfig(model=str(path), dtype="float32", kv_memory=num_pages * size, page_size=4, **kwargs)
     return Engine(config)
 

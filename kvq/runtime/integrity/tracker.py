@@ -28,7 +28,7 @@ from kvq.runtime.integrity.page_sample import PageSample
 from kvq.runtime.integrity.tags import FREE_TAG
 from kvq.runtime.kernels.integrity.page_check import sampled_page_hash
 from kvq.runtime.kernels.integrity.stamp_check import check_stamps, stamp_of
-from kvq.runtime.kernels.integrity.step_check import check_step
+from kvq.runtime.kernels.integrity.step_check import StepCheckInputs, check_step
 from kvq.runtime.request import Request
 
 NO_BYTE_HASH = -1  # not hashed (yet): the sampled-bytes hash itself is never negative
@@ -154,10 +154,11 @@ class TagTracker(PageLedger):
         tags, lens, rows, positions, writers, read_lens = expected_t.split(
             [num_rows * width, num_rows, num_tokens, num_tokens, num_rows * width, num_rows]
         )
-        is_bad, write_tags = check_step(
+        inputs = StepCheckInputs(
             self.page_tags, batch.block_tables, batch.context_lens, batch.positions, batch.slot_mapping,
-            tags.view(num_rows, width), lens, rows, positions, self.page_size,
+            tags.view(num_rows, width), lens, rows, positions,
         )  # fmt: skip
+        is_bad, write_tags = check_step(inputs, self.page_size)
         findings = PageFindings(is_bad, write_tags, is_bad.any())
         if self.stamps is not None:
             writers = writers.view(num_rows, width)

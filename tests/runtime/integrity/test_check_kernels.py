@@ -11,7 +11,12 @@ import torch
 
 from kvq.runtime.integrity.page_sample import make_page_sample
 from kvq.runtime.kernels.integrity.page_check import sampled_page_hash, sampled_page_hash_reference
-from kvq.runtime.kernels.integrity.step_check import check_step, check_step_reference, guard_slot_mapping
+from kvq.runtime.kernels.integrity.step_check import (
+    StepCheckInputs,
+    check_step,
+    check_step_reference,
+    guard_slot_mapping,
+)
 from kvq.runtime.kernels.triton.page_check import sampled_page_hash_triton
 from kvq.runtime.kernels.triton.step_check import check_step_triton
 
@@ -100,20 +105,20 @@ def test_step_check_triton_matches_the_reference(
     num_pages: int, lens: list[int], query_lens: list[int], page_size: int
 ) -> None:
     clean, gen = step_case(num_pages, lens, query_lens, page_size, seed=num_pages)
-    is_bad, write_tags = check_step_reference(**clean, page_size=page_size)
+    is_bad, write_tags = check_step_reference(StepCheckInputs(**clean), page_size=page_size)
     assert not is_bad.any()
     assert write_tags.tolist() == step_by_loop(clean, page_size)[1]
     faulty = {k: v.clone() for k, v in clean.items()}
     corrupt(faulty, gen, num_pages)
-    is_bad, write_tags = check_step_reference(**faulty, page_size=page_size)
+    is_bad, write_tags = check_step_reference(StepCheckInputs(**faulty), page_size=page_size)
     bad_by_loop, write_tags_by_loop = step_by_loop(faulty, page_size)
     assert is_bad.tolist() == bad_by_loop and write_tags.tolist() == write_tags_by_loop
     assert 3 <= int(is_bad.sum()) < is_bad.numel()
     for case in (clean, faulty):
-        reference = check_step_reference(**case, page_size=page_size)
-        triton_out = check_step_triton(**case, page_size=page_size)
+        reference = check_step_reference(StepCheckInputs(**case), page_size=page_size)
+        triton_out = check_step_triton(StepCheckInputs(**case), page_size=page_size)
         assert all(torch.equal(a, b) for a, b in zip(triton_out, reference, strict=True))
-        dispatched = check_step(**case, page_size=page_size)
+        dispatched = check_step(StepCheckInputs(**case), page_size=page_size)
         assert all(torch.equal(a, b) for a, b in zip(dispatched, reference, strict=True))
 
 
@@ -122,11 +127,11 @@ def test_a_slot_one_off_inside_the_right_page_and_a_context_one_too_long_are_see
     clean, _ = step_case(20, [6, 7], [1, 1], 4, seed=3)
     slot = clean["slot_mapping"].clone()
     slot[0] -= 1  # position 5 -> slot of position 4, the same page
-    is_bad, _ = check_step_reference(**(clean | {"slot_mapping": slot}), page_size=4)
+    is_bad, _ = check_step_reference(StepCheckInputs(**(clean | {"slot_mapping": slot})), page_size=4)
     assert is_bad.nonzero().flatten().tolist() == [2 * 2 + 2 + 0]
     lens = clean["context_lens"].clone()
     lens[1] += 1
-    is_bad, _ = check_step_reference(**(clean | {"context_lens": lens}), page_size=4)
+    is_bad, _ = check_step_reference(StepCheckInputs(**(clean | {"context_lens": lens})), page_size=4)
     assert is_bad.nonzero().flatten().tolist() == [2 * 2 + 1]
 
 
@@ -140,9 +145,8 @@ def test_the_guard_skips_writes_whose_page_moved_on() -> None:
 def test_step_check_of_nothing_is_empty() -> None:
     empty = torch.empty(0, dtype=torch.int64)
     args = (torch.ones(3, dtype=torch.int64), torch.empty(0, 0, dtype=torch.int32), empty.int(), empty, empty)
-    is_bad, write_tags = check_step_triton(
-        *args, torch.empty(0, 0, dtype=torch.int64), empty, empty, empty, 4
-    )
+    inputs = StepCheckInputs(*args, torch.empty(0, 0, dtype=torch.int64), empty, empty, empty)
+    is_bad, write_tags = check_step_triton(inputs, 4)
     assert is_bad.shape == (0,) and write_tags.shape == (0,)
 
 
@@ -217,9 +221,13 @@ def test_the_sample_covers_every_slot_of_a_page() -> None:
 def test_bad_inputs_are_named() -> None:
     clean, _ = step_case(20, [6, 7], [1, 1], 4, seed=3)
     with pytest.raises(TypeError, match="int64"):
-        check_step_reference(**(clean | {"page_tags": clean["page_tags"].int()}), page_size=4)
+        check_step_reference(
+            StepCheckInputs(**(clean | {"page_tags": clean["page_tags"].int()})), page_size=4
+        )
     with pytest.raises(ValueError, match=r"expected_lens has shape \(3,\), expected \(2,\)"):
-        check_step_reference(**(clean | {"expected_lens": torch.zeros(3, dtype=torch.int64)}), page_size=4)
+        check_step_reference(
+            StepCheckInputs(**(clean | {"expected_lens": torch.zeros(3, dtype=torch.int64)})), page_size=4
+        )
     pool_bytes, sample = hash_case(2, 3, 2, 1, 8, seed=0)
     with pytest.raises(ValueError, match="coeffs has shape"):
         sampled_page_hash_reference(pool_bytes, torch.tensor([0]), sample.offsets, sample.coeffs[:1])

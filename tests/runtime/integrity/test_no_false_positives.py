@@ -44,9 +44,8 @@ def requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
 
 def test_full_mode_stops_nothing_over_10k_decode_steps(tiny_checkpoint) -> None:
     path = tiny_checkpoint("llama", "bf16")
-    size = page_bytes(
-        GqaLayout(2, 64, torch.float32), 2, PAGE_SIZE
-    )  # the tiny llama: 2 layers, 2 KV heads of 64
+    # the tiny llama's checked pool: 2 layers, 2 KV heads of 64, and the slot stamps
+    size = page_bytes(GqaLayout(2, 64, torch.float32), 2, PAGE_SIZE, is_checked=True)
     engine = Engine(
         EngineConfig(
             model=str(path),

@@ -185,3 +185,14 @@ def test_page_bytes_count_the_stamps_of_a_checked_pool(is_checked: bool) -> None
     assert page_bytes(layout, 30, 16, is_checked) == 30 * 16 * (
         2 * 3 * 64 + (STAMP_BYTES if is_checked else 0)
     )
+
+
+def test_bad_stamp_check_inputs_are_named() -> None:
+    stamps, tables = torch.zeros(3, 4, 2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32)
+    writers, lens = torch.ones(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+    with pytest.raises(
+        TypeError, match=r"must be int64 and block_tables integer; got read_lens torch.float32"
+    ):
+        check_stamps_reference(stamps, tables, writers, lens.float())
+    with pytest.raises(ValueError, match=r"expected_writers has shape \(2, 2\), expected \(2, 1\)"):
+        check_stamps_reference(stamps, tables, writers.repeat(1, 2), lens)

@@ -2,7 +2,7 @@
 token's K/V, and verified for every slot a step reads before the forward.
 
 Reference (the spec, also the torch path on every device) and the dispatch to the C op on CPU
-(`cpu/_ops_stamps.h`). Imports torch and kvq.runtime.kernels.cpu.ops only.
+(`cpu/_ops_stamps.h`). Imports torch, kvq.runtime.kernels.cpu.ops and `tensor_checks` only.
 
 The pool keeps `stamps` int64 `[P + 1, page_size, L]`: each layer's stamp of each slot, side by side, so
 a slot's stamps are one contiguous read. A layer's store sees its column as `[num_slots]` (stride L).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvq.runtime.kernels.cpu.ops import check_stamps_native, stamps_check_applies
+from kvq.runtime.kernels.integrity.tensor_checks import check_tensors
 
 
 def stamp_of(writer_tags: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -49,21 +50,12 @@ def check_stamps_inputs(
             f"stamps {tuple(stamps.shape)} and block_tables {tuple(block_tables.shape)} must be "
             "[P1, page_size, L] and [B, M]"
         )
-    if tuple(expected_writers.shape) != tuple(block_tables.shape):
-        raise ValueError(
-            f"expected_writers has shape {tuple(expected_writers.shape)}, expected "
-            f"{tuple(block_tables.shape)}"
-        )
-    if tuple(read_lens.shape) != (block_tables.shape[0],):
-        raise ValueError(f"read_lens has shape {tuple(read_lens.shape)}, expected ({block_tables.shape[0]},)")
-    int64 = (stamps, expected_writers, read_lens)
-    if any(t.dtype != torch.int64 for t in int64) or block_tables.is_floating_point():
-        raise TypeError(
-            "stamps, expected_writers and read_lens must be int64 and block_tables integer; got "
-            f"{[t.dtype for t in int64]}, {block_tables.dtype}"
-        )
-    if len({t.device for t in (*int64, block_tables)}) != 1:
-        raise ValueError("stamps, block_tables, expected_writers and read_lens must share a device")
+    tensors = {
+        "stamps": stamps, "block_tables": block_tables, "expected_writers": expected_writers,
+        "read_lens": read_lens,
+    }  # fmt: skip
+    shapes = {"expected_writers": tuple(block_tables.shape), "read_lens": (block_tables.shape[0],)}
+    check_tensors(tensors, shapes, integer=("block_tables",))
 
 
 def check_stamps_reference(

@@ -2,12 +2,11 @@
 the very tensors the step's kernels will read, and the write guard every forward applies.
 
 Reference (the spec, also the torch path) and the device dispatch; the Triton kernel is in
-`triton/step_check.py`. Imports torch and kvq.runtime.kernels.backend only.
+`triton/step_check.py`. Imports torch, kvq.runtime.kernels.backend and `tensor_checks` only.
 
-`check_step(page_tags [P] int64, block_tables [B, M] int, context_lens [B] int, positions [T] int64,
-slot_mapping [T] int64, expected_tags [B, M] int64, expected_lens [B] int64, token_rows [T] int64,
-expected_positions [T] int64, page_size) -> (is_bad [B * M + B + T] bool, write_tags [T] int64)`.
-The `expected_*` and `token_rows` come from the requests' own state, never from the batch:
+`check_step(StepCheckInputs, page_size) -> (is_bad [B * M + B + T] bool, write_tags [T] int64)`, the
+inputs being the batch's tensors and the expectations (`StepCheckInputs`, shapes there). The
+`expected_*` and `token_rows` come from the requests' own state, never from the batch:
 - entry (b, j): `expected_tags[b, j] != 0` and the page id is outside [0, P) or `page_tags[id] !=
   expected_tags[b, j]`; or `expected_tags[b, j] == 0` (the request holds no page there) and the entry
   is not the padding -1.
@@ -26,69 +25,48 @@ after the batch was checked (its request stopped, the page taken by another) nev
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvq.runtime.kernels.backend import resolve_backend
+from kvq.runtime.kernels.integrity.tensor_checks import check_tensors
 
 
-def check_step_inputs(
-    page_tags: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    expected_tags: torch.Tensor,
-    expected_lens: torch.Tensor,
-    token_rows: torch.Tensor,
-    expected_positions: torch.Tensor,
-) -> None:
+class StepCheckInputs(NamedTuple):
+    """What `check_step` compares: the pool's page tags, the batch's tensors, the requests' expectations
+    (in this order: the Triton kernel takes them as its first pointers)."""
+
+    page_tags: torch.Tensor  # [P] int64
+    block_tables: torch.Tensor  # [B, M] int
+    context_lens: torch.Tensor  # [B] int
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    expected_tags: torch.Tensor  # [B, M] int64
+    expected_lens: torch.Tensor  # [B] int64
+    token_rows: torch.Tensor  # [T] int64
+    expected_positions: torch.Tensor  # [T] int64
+
+
+def check_step_inputs(inputs: StepCheckInputs) -> None:
     """Shapes, dtypes and devices of `check_step` (ValueError / TypeError naming what is wrong)."""
-    if block_tables.dim() != 2 or page_tags.dim() != 1:
+    page_tags, block_tables, positions = inputs.page_tags, inputs.block_tables, inputs.positions
+    if block_tables.dim() != 2 or page_tags.dim() != 1 or positions.dim() != 1:
         raise ValueError(
-            f"block_tables {tuple(block_tables.shape)} and page_tags {tuple(page_tags.shape)} must be "
-            "[B, M] and [P]"
+            f"block_tables {tuple(block_tables.shape)}, page_tags {tuple(page_tags.shape)} and positions "
+            f"{tuple(positions.shape)} must be [B, M], [P] and [T]"
         )
-    num_rows, num_tokens = block_tables.shape[0], positions.shape[0] if positions.dim() == 1 else -1
-    shapes = {
-        "expected_tags": (expected_tags, tuple(block_tables.shape)),
-        "context_lens": (context_lens, (num_rows,)),
-        "expected_lens": (expected_lens, (num_rows,)),
-        "slot_mapping": (slot_mapping, (num_tokens,)),
-        "token_rows": (token_rows, (num_tokens,)),
-        "expected_positions": (expected_positions, (num_tokens,)),
-    }
-    for name, (tensor, shape) in shapes.items():
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
-    int64 = (page_tags, positions, slot_mapping, expected_tags, expected_lens, token_rows, expected_positions)
-    if any(t.dtype != torch.int64 for t in int64) or block_tables.is_floating_point():
-        raise TypeError(
-            "page_tags, positions, slot_mapping and the expectations must be int64 and block_tables, "
-            f"context_lens integer; got {[t.dtype for t in int64]}, {block_tables.dtype}"
-        )
-    if context_lens.is_floating_point():
-        raise TypeError(f"context_lens must be integer, got {context_lens.dtype}")
-    if len({t.device for t in (*int64, block_tables, context_lens)}) != 1:
-        raise ValueError("page_tags, the batch tensors and the expectations must share a device")
+    rows, tokens = (block_tables.shape[0],), tuple(positions.shape)
+    shapes = {"expected_tags": tuple(block_tables.shape), "context_lens": rows, "expected_lens": rows}
+    shapes |= {"slot_mapping": tokens, "token_rows": tokens, "expected_positions": tokens}
+    check_tensors(inputs._asdict(), shapes, integer=("block_tables", "context_lens"))
 
 
-def check_step_reference(
-    page_tags: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    expected_tags: torch.Tensor,
-    expected_lens: torch.Tensor,
-    token_rows: torch.Tensor,
-    expected_positions: torch.Tensor,
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def check_step_reference(inputs: StepCheckInputs, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(is_bad [B * M + B + T] bool, write_tags [T] int64): see the module docstring."""
-    check_step_inputs(
-        page_tags, block_tables, context_lens, positions, slot_mapping,
-        expected_tags, expected_lens, token_rows, expected_positions,
-    )  # fmt: skip
+    check_step_inputs(inputs)
+    page_tags, block_tables, context_lens, positions, slot_mapping = inputs[:5]
+    expected_tags, expected_lens, token_rows, expected_positions = inputs[5:]
     num_rows, width = block_tables.shape
     pages = block_tables.flatten().long()  # [B * M]
     tags = expected_tags.flatten()
@@ -107,29 +85,14 @@ def check_step_reference(
 
 
 def check_step(
-    page_tags: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    expected_tags: torch.Tensor,
-    expected_lens: torch.Tensor,
-    token_rows: torch.Tensor,
-    expected_positions: torch.Tensor,
-    page_size: int,
-    *,
-    backend: str | None = None,
+    inputs: StepCheckInputs, page_size: int, *, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`check_step_reference` on the backend chosen for the tensors' device (Triton on CUDA)."""
-    args = (
-        page_tags, block_tables, context_lens, positions, slot_mapping,
-        expected_tags, expected_lens, token_rows, expected_positions, page_size,
-    )  # fmt: skip
-    if resolve_backend(page_tags.device, backend) == "torch":
-        return check_step_reference(*args)
+    if resolve_backend(inputs.page_tags.device, backend) == "torch":
+        return check_step_reference(inputs, page_size)
     from kvq.runtime.kernels.triton.step_check import check_step_triton
 
-    return check_step_triton(*args)
+    return check_step_triton(inputs, page_size)
 
 
 def guard_slot_mapping(

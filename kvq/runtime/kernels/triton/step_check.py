@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.integrity.step_check import check_step_inputs
+from kvq.runtime.kernels.integrity.step_check import StepCheckInputs, check_step_inputs
 from kvq.runtime.kernels.triton.launch import kernel_for
 
 STEP_BLOCK = 256
@@ -75,38 +75,23 @@ def check_step_kernel(
     tl.store(write_tags_ptr + t, write_tag, mask=is_token)
 
 
-def check_step_triton(
-    page_tags: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    expected_tags: torch.Tensor,
-    expected_lens: torch.Tensor,
-    token_rows: torch.Tensor,
-    expected_positions: torch.Tensor,
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def check_step_triton(inputs: StepCheckInputs, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path of `check_step`: one program per STEP_BLOCK entries of the flat index space."""
-    tensors = (
-        page_tags, block_tables, context_lens, positions, slot_mapping,
-        expected_tags, expected_lens, token_rows, expected_positions,
-    )  # fmt: skip
-    check_step_inputs(*tensors)
-    if not all(t.is_contiguous() for t in tensors):
+    check_step_inputs(inputs)
+    if not all(t.is_contiguous() for t in inputs):
         raise ValueError("page_tags, the batch tensors and the expectations must be contiguous")
-    num_rows, width = block_tables.shape
-    num_tokens = positions.shape[0]
+    num_rows, width = inputs.block_tables.shape
+    num_tokens = inputs.positions.shape[0]
     total = num_rows * width + num_rows + num_tokens
-    device = page_tags.device
+    device = inputs.page_tags.device
     is_bad = torch.empty(total, dtype=torch.int8, device=device)
     write_tags = torch.empty(num_tokens, dtype=torch.int64, device=device)
     if total == 0:
         return is_bad.view(torch.bool), write_tags
     kernel = kernel_for(check_step_kernel, device)
     kernel[(triton.cdiv(total, STEP_BLOCK),)](
-        *tensors, is_bad, write_tags,
-        page_tags.shape[0], num_rows, width, num_tokens, page_size,
+        *inputs, is_bad, write_tags,
+        inputs.page_tags.shape[0], num_rows, width, num_tokens, page_size,
         BLOCK=STEP_BLOCK,
     )  # fmt: skip
     return is_bad.view(torch.bool), write_tags
