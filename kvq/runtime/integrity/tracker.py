@@ -27,7 +27,7 @@ from kvq.runtime.integrity.mismatch import CheckedStep, PageFindings, PageMismat
 from kvq.runtime.integrity.page_sample import PageSample
 from kvq.runtime.integrity.tags import FREE_TAG
 from kvq.runtime.kernels.integrity.page_check import sampled_page_hash
-from kvq.runtime.kernels.integrity.stamp_check import check_stamps, stamp_of
+from kvq.runtime.kernels.integrity.stamp_check import check_stamps
 from kvq.runtime.kernels.integrity.step_check import StepCheckInputs, check_step
 from kvq.runtime.request import Request
 
@@ -158,17 +158,14 @@ class TagTracker(PageLedger):
             self.page_tags, batch.block_tables, batch.context_lens, batch.positions, batch.slot_mapping,
             tags.view(num_rows, width), lens, rows, positions,
         )  # fmt: skip
-        is_bad, write_tags = check_step(inputs, self.page_size)
+        page_writers = writers.view(num_rows, width) if self.stamps is not None else None
+        is_bad, write_tags, slot_stamps = check_step(inputs, self.page_size, page_writers)
         findings = PageFindings(is_bad, write_tags, is_bad.any())
         if self.stamps is not None:
-            writers = writers.view(num_rows, width)
-            findings.bad_reads = check_stamps(self.stamps, batch.block_tables, writers, read_lens)
+            assert page_writers is not None
+            findings.bad_reads = check_stamps(self.stamps, batch.block_tables, page_writers, read_lens)
             findings.any_bad = findings.any_bad | (findings.bad_reads >= 0).any()
-            index = positions.div(self.page_size, rounding_mode="floor").clamp(0, max(width - 1, 0))
-            token_writers = (
-                writers[rows.clamp(0, max(num_rows - 1, 0)), index] if writers.numel() else index * 0
-            )
-            findings.slot_stamps = stamp_of(token_writers, positions)
+            findings.slot_stamps = slot_stamps
             findings.stamps, findings.block_tables = self.stamps, batch.block_tables
         if self.is_full and sealed:
             findings.found, findings.recorded = self.rehash(sealed)

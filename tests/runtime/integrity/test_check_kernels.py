@@ -17,6 +17,12 @@ from kvq.runtime.kernels.integrity.step_check import (
     check_step_reference,
     guard_slot_mapping,
 )
+from kvq.runtime.kernels.integrity.step_check_native import (
+    check_step_native,
+    guard_applies,
+    guard_native,
+    step_check_applies,
+)
 from kvq.runtime.kernels.triton.page_check import sampled_page_hash_triton
 from kvq.runtime.kernels.triton.step_check import check_step_triton
 
@@ -105,21 +111,58 @@ def test_step_check_triton_matches_the_reference(
     num_pages: int, lens: list[int], query_lens: list[int], page_size: int
 ) -> None:
     clean, gen = step_case(num_pages, lens, query_lens, page_size, seed=num_pages)
-    is_bad, write_tags = check_step_reference(StepCheckInputs(**clean), page_size=page_size)
+    is_bad, write_tags, _ = check_step_reference(StepCheckInputs(**clean), page_size=page_size)
     assert not is_bad.any()
     assert write_tags.tolist() == step_by_loop(clean, page_size)[1]
     faulty = {k: v.clone() for k, v in clean.items()}
     corrupt(faulty, gen, num_pages)
-    is_bad, write_tags = check_step_reference(StepCheckInputs(**faulty), page_size=page_size)
+    is_bad, write_tags, _ = check_step_reference(StepCheckInputs(**faulty), page_size=page_size)
     bad_by_loop, write_tags_by_loop = step_by_loop(faulty, page_size)
     assert is_bad.tolist() == bad_by_loop and write_tags.tolist() == write_tags_by_loop
     assert 3 <= int(is_bad.sum()) < is_bad.numel()
     for case in (clean, faulty):
         reference = check_step_reference(StepCheckInputs(**case), page_size=page_size)
         triton_out = check_step_triton(StepCheckInputs(**case), page_size=page_size)
-        assert all(torch.equal(a, b) for a, b in zip(triton_out, reference, strict=True))
-        dispatched = check_step(StepCheckInputs(**case), page_size=page_size)
-        assert all(torch.equal(a, b) for a, b in zip(dispatched, reference, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(triton_out, reference[:2], strict=True))
+        dispatched = check_step(StepCheckInputs(**case), page_size=page_size, backend="triton")
+        assert all(torch.equal(a, b) for a, b in zip(dispatched[:2], reference[:2], strict=True))
+
+
+@pytest.mark.parametrize(
+    ("num_pages", "lens", "query_lens", "page_size", "table_dtype"),
+    [
+        (97, [17, 4, 33, 1, 29], [17, 4, 1, 1, 9], 4, torch.int32),
+        (40, [5, 16, 9], [1, 1, 1], 16, torch.int64),
+        (9, [3], [3], 1, torch.int32),
+    ],
+)
+def test_step_check_c_call_matches_the_reference(
+    num_pages: int, lens: list[int], query_lens: list[int], page_size: int, table_dtype: torch.dtype
+) -> None:
+    """The CPU C call (`step_check_native`): the reference's flags, write tags and slot stamps, clean and
+    with every kind of fault, and a position outside the table; the guard's C call likewise."""
+    clean, gen = step_case(num_pages, lens, query_lens, page_size, seed=num_pages + 1)
+    clean["block_tables"] = clean["block_tables"].to(table_dtype)
+    faulty = {k: v.clone() for k, v in clean.items()}
+    corrupt(faulty, gen, num_pages)
+    faulty["expected_positions"][-1] = -3  # an entry before the table: write tag 0, flagged
+    writers = torch.randint(1, 1 << 40, clean["block_tables"].shape, generator=gen) << 20
+    for case in (clean, faulty):
+        inputs = StepCheckInputs(**case)
+        assert step_check_applies(inputs, writers) and step_check_applies(inputs, None)
+        reference = check_step_reference(inputs, page_size, writers)
+        native = check_step_native(inputs, page_size, writers)
+        dispatched = check_step(inputs, page_size, writers)
+        for found in (native, dispatched):
+            assert all(torch.equal(a, b) for a, b in zip(found, reference, strict=True))  # type: ignore[arg-type]
+        assert check_step(inputs, page_size)[2] is None
+        page_tags, slots, write_tags = case["page_tags"], case["slot_mapping"].clone(), reference[1]
+        slots[0] = -1  # a skipped token
+        assert guard_applies(page_tags, slots, write_tags)
+        guarded = guard_native(page_tags, slots, write_tags, page_size)
+        pages = slots.div(page_size, rounding_mode="floor").clamp(0, page_tags.shape[0] - 1)
+        assert torch.equal(guarded, torch.where(page_tags[pages] == write_tags, slots, -1))
+    assert int(check_step_native(StepCheckInputs(**faulty), page_size)[0].sum()) >= 4
 
 
 def test_a_slot_one_off_inside_the_right_page_and_a_context_one_too_long_are_seen() -> None:
@@ -127,11 +170,11 @@ def test_a_slot_one_off_inside_the_right_page_and_a_context_one_too_long_are_see
     clean, _ = step_case(20, [6, 7], [1, 1], 4, seed=3)
     slot = clean["slot_mapping"].clone()
     slot[0] -= 1  # position 5 -> slot of position 4, the same page
-    is_bad, _ = check_step_reference(StepCheckInputs(**(clean | {"slot_mapping": slot})), page_size=4)
+    is_bad, _, _ = check_step_reference(StepCheckInputs(**(clean | {"slot_mapping": slot})), page_size=4)
     assert is_bad.nonzero().flatten().tolist() == [2 * 2 + 2 + 0]
     lens = clean["context_lens"].clone()
     lens[1] += 1
-    is_bad, _ = check_step_reference(StepCheckInputs(**(clean | {"context_lens": lens})), page_size=4)
+    is_bad, _, _ = check_step_reference(StepCheckInputs(**(clean | {"context_lens": lens})), page_size=4)
     assert is_bad.nonzero().flatten().tolist() == [2 * 2 + 1]
 
 

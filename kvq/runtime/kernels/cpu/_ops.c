@@ -575,6 +575,8 @@ static PyMethodDef methods[] = {
     {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows (and slot stamps) into their page slots."},
     {"check_stamps", check_stamps, METH_VARARGS, "The first slot of each row whose stamp is not its own."},
+    {"check_step", check_step, METH_VARARGS, "The step check of tags, lengths and slots (and slot stamps)."},
+    {"guard_slots", guard_slots, METH_VARARGS, "The slot mapping, -1 where a page moved on since its check."},
     {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 or bf16 rows, and their finiteness."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {"vector_level", vector_level, METH_VARARGS, "The vector level (0-2) that runs for a wanted one."},

@@ -1,0 +1,92 @@
+"""The step check and the write guard (`step_check`) as one C call each on CPU (`cpu/_ops_stamps.h`): exact
+integer compares, so the same values as the torch reference wherever the extension is built, at any ISA.
+`*_applies` says when the C call runs (CPU tensors of the dtypes, shapes and layout it reads); anything
+else goes to the reference, which names what is wrong. Imports torch and the `_ops` extension only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvq.runtime.kernels.integrity.step_check import StepCheckInputs
+
+_ext: ModuleType | None
+try:
+    _ext = importlib.import_module("kvq.runtime.kernels.cpu._ops")
+except ImportError:  # no C compiler at install: torch only
+    _ext = None
+_INTEGER = (torch.int32, torch.int64)
+
+
+def step_check_applies(inputs: StepCheckInputs, writers: torch.Tensor | None) -> bool:
+    """True when `check_step_native` runs: the extension has the op; every tensor on the CPU, contiguous,
+    int64 (block_tables and context_lens int32 or int64) and of `check_step`'s shapes."""
+    if _ext is None or not hasattr(_ext, "check_step"):
+        return False
+    page_tags, block_tables, context_lens, positions = inputs[:4]
+    if block_tables.dim() != 2 or positions.dim() != 1 or page_tags.dim() != 1:
+        return False
+    table, rows, tokens = tuple(block_tables.shape), (block_tables.shape[0],), tuple(positions.shape)
+    tensors = [*inputs[1:], *([] if writers is None else [writers])]  # block_tables onwards
+    shapes = [table, rows, tokens, tokens, table, rows, tokens, tokens, table]
+    int64 = [page_tags, *tensors[2:]]
+    return (
+        all(tuple(t.shape) == shape for t, shape in zip(tensors, shapes, strict=False))
+        and all(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu" for t in int64)
+        and all(t.dtype in _INTEGER and t.device.type == "cpu" for t in (block_tables, context_lens))
+        and block_tables.stride(1) == 1
+        and context_lens.is_contiguous()
+    )
+
+
+def check_step_native(
+    inputs: StepCheckInputs, page_size: int, writers: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`step_check.check_step_reference` as one C call (`step_check_applies`)."""
+    assert _ext is not None
+    page_tags, block_tables, context_lens, positions, slot_mapping = inputs[:5]
+    num_rows, width = block_tables.shape
+    num_tokens = positions.shape[0]
+    is_bad = torch.empty(num_rows * width + num_rows + num_tokens, dtype=torch.bool)
+    write_tags = torch.empty(num_tokens, dtype=torch.int64)
+    slot_stamps = None if writers is None else torch.empty(num_tokens, dtype=torch.int64)
+    _ext.check_step(
+        page_tags.data_ptr(), page_tags.shape[0],
+        block_tables.data_ptr(), block_tables.stride(0), int(block_tables.dtype == torch.int64),
+        context_lens.data_ptr(), int(context_lens.dtype == torch.int64), num_rows, width,
+        positions.data_ptr(), slot_mapping.data_ptr(), *(t.data_ptr() for t in inputs[5:]), num_tokens,
+        page_size, 0 if writers is None else writers.data_ptr(), is_bad.data_ptr(), write_tags.data_ptr(),
+        0 if slot_stamps is None else slot_stamps.data_ptr(),
+    )  # fmt: skip
+    return is_bad, write_tags, slot_stamps
+
+
+def guard_applies(page_tags: torch.Tensor, slot_mapping: torch.Tensor, write_tags: torch.Tensor) -> bool:
+    """True when `guard_native` runs: the extension has the op; CPU, contiguous int64 `[P]`, `[T]`, `[T]`."""
+    tensors = (page_tags, slot_mapping, write_tags)
+    return (
+        _ext is not None
+        and hasattr(_ext, "guard_slots")
+        and page_tags.dim() == slot_mapping.dim() == 1
+        and page_tags.numel() > 0
+        and write_tags.shape == slot_mapping.shape
+        and all(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    )
+
+
+def guard_native(
+    page_tags: torch.Tensor, slot_mapping: torch.Tensor, write_tags: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """`step_check.guard_slot_mapping` as one C call (`guard_applies`)."""
+    assert _ext is not None
+    out = torch.empty_like(slot_mapping)
+    _ext.guard_slots(
+        page_tags.data_ptr(), page_tags.shape[0], slot_mapping.data_ptr(), write_tags.data_ptr(),
+        slot_mapping.shape[0], page_size, out.data_ptr(),
+    )  # fmt: skip
+    return out
