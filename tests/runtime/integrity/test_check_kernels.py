@@ -10,18 +10,20 @@ import pytest
 import torch
 
 from kvq.runtime.integrity.page_sample import make_page_sample
+from kvq.runtime.kernels.integrity.cpu_calls import (
+    check_step_native,
+    guard_applies,
+    guard_native,
+    page_hash_applies,
+    sampled_page_hash_native,
+    step_check_applies,
+)
 from kvq.runtime.kernels.integrity.page_check import sampled_page_hash, sampled_page_hash_reference
 from kvq.runtime.kernels.integrity.step_check import (
     StepCheckInputs,
     check_step,
     check_step_reference,
     guard_slot_mapping,
-)
-from kvq.runtime.kernels.integrity.step_check_native import (
-    check_step_native,
-    guard_applies,
-    guard_native,
-    step_check_applies,
 )
 from kvq.runtime.kernels.triton.page_check import sampled_page_hash_triton
 from kvq.runtime.kernels.triton.step_check import check_step_triton
@@ -218,7 +220,7 @@ def hash_by_loop(pool_bytes: torch.Tensor, page: int, offsets: list[int], coeffs
 @pytest.mark.parametrize(
     ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"), [(3, 11, 5, 3, 37), (1, 2, 1, 1, 8)]
 )
-def test_sampled_hash_triton_matches_the_reference(
+def test_sampled_hash_triton_and_c_match_the_reference(
     num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
 ) -> None:
     pool_bytes, sample = hash_case(num_layers, num_pages, page_size, num_kv_heads, head_dim, seed=head_dim)
@@ -232,6 +234,14 @@ def test_sampled_hash_triton_matches_the_reference(
         sampled_page_hash_triton(pool_bytes, page_ids, sample.offsets, sample.coeffs), reference
     )
     assert torch.equal(sampled_page_hash(pool_bytes, page_ids, sample.offsets, sample.coeffs), reference)
+    assert page_hash_applies(pool_bytes, page_ids.int(), sample.offsets, sample.coeffs)
+    native = sampled_page_hash_native(pool_bytes, page_ids.int(), sample.offsets, sample.coeffs)
+    assert torch.equal(native, reference)
+    first = pool_bytes[: num_layers - 1]  # the checked layers of a pool with an MTP layer after them: a view
+    coeffs = sample.coeffs[: num_layers - 1]
+    assert page_hash_applies(first, page_ids, sample.offsets, coeffs)
+    expected = sampled_page_hash_reference(first, page_ids, sample.offsets, coeffs)
+    assert torch.equal(sampled_page_hash_native(first, page_ids, sample.offsets, coeffs), expected)
 
 
 def test_any_one_sampled_byte_changes_the_hash() -> None:

@@ -577,6 +577,7 @@ static PyMethodDef methods[] = {
     {"check_stamps", check_stamps, METH_VARARGS, "The first slot of each row whose stamp is not its own."},
     {"check_step", check_step, METH_VARARGS, "The step check of tags, lengths and slots (and slot stamps)."},
     {"guard_slots", guard_slots, METH_VARARGS, "The slot mapping, -1 where a page moved on since its check."},
+    {"sampled_page_hash", sampled_page_hash, METH_VARARGS, "Each page's sampled bytes, weighted and summed."},
     {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 or bf16 rows, and their finiteness."},
     {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
     {"vector_level", vector_level, METH_VARARGS, "The vector level (0-2) that runs for a wanted one."},

@@ -141,3 +141,43 @@ static PyObject *guard_slots(PyObject *self, PyObject *args) {
     }
     Py_RETURN_NONE;
 }
+
+/* sampled_page_hash(pool, L, C, P1, stride_l, stride_c, stride_p, page_ids, ids_int64, N, offsets, S, coeffs, out):
+   `sampled_page_hash_reference` of kvq/runtime/kernels/integrity/page_check.py: out[n] = sum over l, c, s of
+   pool[l, c, page_ids[n], offsets[s]] * coeffs[l, c, s]. pool uint8 with strides in bytes (a part's bytes
+   contiguous), page_ids int32/int64 [N], offsets int64 [S] (in range: checked where they are made), coeffs
+   int64 [L, C, S] contiguous, out int64 [N]. The sum stays below 2^63 (page_check.MAX_HASH_TERMS). */
+static PyObject *sampled_page_hash(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pool_p, ids_p, offsets_p, coeffs_p, out_p;
+    long long L, C, P1, stride_l, stride_c, stride_p, N, S;
+    int ids_int64;
+    if (!PyArg_ParseTuple(args, "KLLLLLLKiLKLKK", &pool_p, &L, &C, &P1, &stride_l, &stride_c, &stride_p, &ids_p,
+                          &ids_int64, &N, &offsets_p, &S, &coeffs_p, &out_p))
+        return NULL;
+    if (L < 0 || C < 0 || P1 < 0 || N < 0 || S < 0)
+        return PyErr_Format(PyExc_ValueError, "bad shape L=%lld C=%lld N=%lld S=%lld", L, C, N, S);
+    const uint8_t *pool = (const uint8_t *)(uintptr_t)pool_p;
+    const int64_t *offsets = (const int64_t *)(uintptr_t)offsets_p, *coeffs = (const int64_t *)(uintptr_t)coeffs_p;
+    int64_t *out = (int64_t *)(uintptr_t)out_p;
+    for (int64_t n = 0; n < N; n++) {
+        int64_t page = ids_int64 ? ((const int64_t *)(uintptr_t)ids_p)[n] : ((const int32_t *)(uintptr_t)ids_p)[n];
+        if (page < 0 || page >= P1)
+            return PyErr_Format(PyExc_IndexError, "page id %lld outside the pool's %lld pages", (long long)page, P1);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t n = 0; n < N; n++) {
+        int64_t page = ids_int64 ? ((const int64_t *)(uintptr_t)ids_p)[n] : ((const int32_t *)(uintptr_t)ids_p)[n];
+        int64_t sum = 0;
+        for (int64_t l = 0; l < L; l++)
+            for (int64_t c = 0; c < C; c++) {
+                const uint8_t *bytes = pool + l * stride_l + c * stride_c + page * stride_p;
+                const int64_t *weights = coeffs + (l * C + c) * S;
+                for (int64_t s = 0; s < S; s++)
+                    sum += (int64_t)bytes[offsets[s]] * weights[s];
+            }
+        out[n] = sum;
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}

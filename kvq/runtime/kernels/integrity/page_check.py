@@ -2,7 +2,8 @@
 over every layer (the per-step tag and slot proof is `integrity.step_check`).
 
 Reference (the spec, also the torch path) and the device dispatch; the Triton kernel is in
-`triton/page_check.py`. Imports torch and kvq.runtime.kernels.backend only.
+`triton/page_check.py`, the C call on CPU in `cpu_calls.py`. Imports torch, kvq.runtime.kernels.backend and
+`cpu_calls` only.
 
 - `sampled_page_hash(pool_bytes [L, C, P1, R] uint8, page_ids [N] int, offsets [S] int64,
   coeffs [L, C, S] int64) -> [N] int64`: `sum(l, c, s) pool_bytes[l, c, page_ids[n], offsets[s]] *
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvq.runtime.kernels.backend import resolve_backend
+from kvq.runtime.kernels.integrity.cpu_calls import page_hash_applies, sampled_page_hash_native
 
 MAX_HASH_TERMS = 1 << 24  # L * C * S: 255 * 2^31 * 2^24 < 2^63
 
@@ -64,8 +66,11 @@ def sampled_page_hash(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """[N] int64 sampled-bytes hash of each page (see the module docstring)."""
+    """[N] int64 sampled-bytes hash of each page (see the module docstring): one C call on CPU where it
+    applies, else the torch reference; Triton on CUDA."""
     if resolve_backend(pool_bytes.device, backend) == "torch":
+        if page_hash_applies(pool_bytes, page_ids, offsets, coeffs) and coeffs.numel() < MAX_HASH_TERMS:
+            return sampled_page_hash_native(pool_bytes, page_ids, offsets, coeffs)
         return sampled_page_hash_reference(pool_bytes, page_ids, offsets, coeffs)
     from kvq.runtime.kernels.triton.page_check import sampled_page_hash_triton
 

@@ -2,8 +2,8 @@
 the very tensors the step's kernels will read, and the write guard every forward applies.
 
 Reference (the spec, also the torch path) and the device dispatch; the C calls on CPU are in
-`step_check_native.py`, the Triton kernel in `triton/step_check.py`. Imports torch,
-kvq.runtime.kernels.backend, `tensor_checks` and `step_check_native` only.
+`cpu_calls.py`, the Triton kernel in `triton/step_check.py`. Imports torch,
+kvq.runtime.kernels.backend, `tensor_checks` and `cpu_calls` only.
 
 `check_step(StepCheckInputs, page_size, writers [B, M] int64 | None) -> (is_bad [B * M + B + T] bool,
 write_tags [T] int64, slot_stamps [T] int64 | None)`, the inputs being the batch's tensors and the
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from kvq.runtime.kernels.backend import resolve_backend
-from kvq.runtime.kernels.integrity.step_check_native import (
+from kvq.runtime.kernels.integrity.cpu_calls import (
     check_step_native,
     guard_applies,
     guard_native,

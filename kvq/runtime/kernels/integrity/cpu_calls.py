@@ -1,7 +1,8 @@
-"""The step check and the write guard (`step_check`) as one C call each on CPU (`cpu/_ops_stamps.h`): exact
-integer compares, so the same values as the torch reference wherever the extension is built, at any ISA.
-`*_applies` says when the C call runs (CPU tensors of the dtypes, shapes and layout it reads); anything
-else goes to the reference, which names what is wrong. Imports torch and the `_ops` extension only.
+"""The integrity kernels' C calls on CPU (`cpu/_ops_stamps.h`): the step check and the write guard
+(`step_check`) and the sampled-bytes page hash (`page_check`), one call each. Exact integer arithmetic, so
+the same values as the torch references wherever the extension is built, at any ISA. `*_applies` says when
+a C call runs (CPU tensors of the dtypes, shapes and layout it reads); anything else goes to the reference,
+which names what is wrong. Imports torch and the `_ops` extension only.
 """
 
 from __future__ import annotations
@@ -88,5 +89,41 @@ def guard_native(
     _ext.guard_slots(
         page_tags.data_ptr(), page_tags.shape[0], slot_mapping.data_ptr(), write_tags.data_ptr(),
         slot_mapping.shape[0], page_size, out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def page_hash_applies(
+    pool_bytes: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, coeffs: torch.Tensor
+) -> bool:
+    """True when `sampled_page_hash_native` runs: the extension has the op; CPU uint8 `[L, C, P1, R]`
+    with each part's bytes contiguous, int page ids `[N]`, contiguous int64 offsets `[S]`, coeffs
+    `[L, C, S]`."""
+    return (
+        _ext is not None
+        and hasattr(_ext, "sampled_page_hash")
+        and pool_bytes.dim() == 4
+        and pool_bytes.dtype == torch.uint8
+        and pool_bytes.stride(3) == 1
+        and page_ids.dim() == offsets.dim() == 1
+        and page_ids.dtype in _INTEGER
+        and page_ids.is_contiguous()
+        and tuple(coeffs.shape) == (*pool_bytes.shape[:2], offsets.shape[0])
+        and all(t.dtype == torch.int64 and t.is_contiguous() for t in (offsets, coeffs))
+        and all(t.device.type == "cpu" for t in (pool_bytes, page_ids, offsets, coeffs))
+    )
+
+
+def sampled_page_hash_native(
+    pool_bytes: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, coeffs: torch.Tensor
+) -> torch.Tensor:
+    """`page_check.sampled_page_hash_reference` as one C call (`page_hash_applies`)."""
+    assert _ext is not None
+    num_layers, num_parts, num_slot_pages = pool_bytes.shape[:3]
+    out = torch.empty(page_ids.shape[0], dtype=torch.int64)
+    _ext.sampled_page_hash(
+        pool_bytes.data_ptr(), num_layers, num_parts, num_slot_pages, *pool_bytes.stride()[:3],
+        page_ids.data_ptr(), int(page_ids.dtype == torch.int64), page_ids.shape[0],
+        offsets.data_ptr(), offsets.shape[0], coeffs.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     return out
