@@ -13,8 +13,8 @@ from kvq.paths import cache_dir
 def ensure_smollm2_int4(bf16: Path, group_size: int = 64, num_samples: int = 32, seq_len: int = 512) -> Path:
     """SmolLM2 (`bf16`, its BF16 checkpoint) compressed to INT4 with groups of `group_size` and calibrated on
     `num_samples` windows of `seq_len` tokens; built on first use, then found by its path."""
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibrate
+    from kvq.calibrate.calibrate_checkpoint import calibrate
+    from kvq.calibrate.calibration_config import CalibrationConfig
     from kvq.compress.recipe import load_recipe
     from kvq.compress.runner import prepare, run
 

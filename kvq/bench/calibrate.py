@@ -26,7 +26,7 @@ from kvq.commands.render import console
 from kvq.paths import cache_dir
 
 if TYPE_CHECKING:
-    from kvq.calibrate.run import CalibrationResult
+    from kvq.calibrate.calibrate_checkpoint import CalibrationResult
 
 PPL_KV_MEMORY = "1GiB"  # every window's pages at once (bf16: 16 x 512 tokens of SmolLM2 take 0.18 GiB)
 
@@ -152,14 +152,15 @@ def write_scales_copy(source: Path, dst: Path, result: CalibrationResult, strate
     """A linked copy of `source` holding `strategy` scales from the maxima of calibration `result`, written
     as `kvq calibrate --strategy {strategy}` writes them."""
     from kvq.calibrate.scales import layer_scales
-    from kvq.calibrate.write_scales import apply_update, plan_update
+    from kvq.calibrate.write_scales import apply_update, prepare_update
     from kvq.checkpoint.reader import Checkpoint
 
     ckpt = Checkpoint.open(linked_copy(source, dst))
     scales: dict = {}
     for i in range(result.layout.num_layers):
         scales |= layer_scales(result.layout, strategy, i, result.recorder.amax[i])
-    apply_update(ckpt, scales, plan_update(ckpt, scales, strategy, {**result.record, "strategy": strategy}))
+    record = {**result.record, "strategy": strategy}
+    apply_update(ckpt, scales, prepare_update(ckpt, scales, strategy, record))
     return dst
 
 
@@ -169,8 +170,8 @@ def measure_perplexity(cfg: CalibrateBenchConfig, work: Path) -> dict:
     pages with the scales of one `kvq calibrate` run (per tensor, and per head from the same maxima)."""
     import torch
 
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibrate, load_tokenizer
+    from kvq.calibrate.calibrate_checkpoint import calibrate, load_tokenizer
+    from kvq.calibrate.calibration_config import CalibrationConfig
     from kvq.calibrate.samples import build_samples
     from kvq.data.embedded_model import ensure_smollm2
     from kvq.data.texts import DEFAULT_SOURCE, load_texts

@@ -86,8 +86,8 @@ def calibration_ids(src: Path, num_samples: int, seq_len: int, path: Path) -> st
     """kvq's default calibration windows (seed 0), saved for `oneshot`; returns their sha256."""
     import torch
 
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibration_samples
+    from kvq.calibrate.calibrate_checkpoint import calibration_samples
+    from kvq.calibrate.calibration_config import CalibrationConfig
 
     samples = calibration_samples(src, CalibrationConfig(num_samples=num_samples, seq_len=seq_len))
     torch.save(samples.input_ids, path)

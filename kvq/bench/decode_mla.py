@@ -47,8 +47,8 @@ class MlaBenchResult:
 
 def bench_models(config: MlaBenchConfig) -> dict[str, Path]:
     """The FP8-block fixture and its w4a16-experts output, both calibrated, built once."""
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibrate
+    from kvq.calibrate.calibrate_checkpoint import calibrate
+    from kvq.calibrate.calibration_config import CalibrationConfig
     from kvq.compress.recipe import load_recipe
     from kvq.compress.runner import prepare, run
     from kvq.fixtures.checkpoint_fixtures import build_fixture

@@ -1,6 +1,6 @@
 """Add calibrated KV scales to a checkpoint in place: extra shard, index, config.json, manifest.
 
-`plan_update` checks everything and builds every JSON document before anything is written; `apply_update`
+`prepare_update` checks everything and builds every JSON document before anything is written; `apply_update`
 then writes `kv_scales.safetensors`, the index (created if the checkpoint had a single
 `model.safetensors` and no index), config.json and `kvq_manifest.json` as one unit
 (`kvq.checkpoint.file_commit`: staged, then renamed in that order, the manifest last; a failure or a
@@ -30,7 +30,7 @@ from kvq.checkpoint.reader import CONFIG_NAME, Checkpoint, read_json
 from kvq.checkpoint.write import index_document, write_bytes_atomic, write_json_atomic
 from kvq.errors import KvqError
 
-__all__ = ["MANIFEST_KEY", "SCALES_FILE", "apply_update", "plan_update"]
+__all__ = ["MANIFEST_KEY", "SCALES_FILE", "apply_update", "prepare_update"]
 _SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
@@ -85,7 +85,7 @@ def quantization_config_with_kv(existing: dict, strategy: str, where: str) -> di
     return updated
 
 
-def plan_update(
+def prepare_update(
     ckpt: Checkpoint, scales: dict[str, torch.Tensor], strategy: str, record: dict
 ) -> CheckpointUpdate:
     """Check that `scales` can be added to `ckpt` and build the new index, config and manifest."""

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from kvq.checkpoint.fp8_block_layout import FP8_BLOCK_QUANTIZATION_CONFIG, fp8_block_specs
-from kvq.checkpoint.sharding import plan_shards, shard_file_names, spec_nbytes
+from kvq.checkpoint.sharding import shard_file_names, spec_nbytes, split_shards
 from kvq.checkpoint.specs import TensorSpec
 from kvq.checkpoint.staging import staged_dir
 from kvq.checkpoint.write import save_safetensors_atomic, write_index, write_json_atomic
@@ -80,7 +80,7 @@ def write_stored(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write the `stored` tensors (made by `produce`) and the model files as a checkpoint, atomically."""
-    shards = plan_shards(stored, max_shard_bytes)
+    shards = split_shards(stored, max_shard_bytes)
     out_dir = Path(out_dir)
     with staged_dir(out_dir) as tmp:
         weight_map = _write_shards(tmp, shards, produce)

@@ -24,7 +24,7 @@ def shard_file_names(num_shards: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
 
 
-def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+def split_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     """At least `MIN_SHARDS` non-empty contiguous shards of about `total / n` bytes each."""
     total = sum(spec_nbytes(s) for s in specs)
     num_shards = max(MIN_SHARDS, math.ceil(total / max_shard_bytes))

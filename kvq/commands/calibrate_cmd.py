@@ -9,13 +9,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvq.calibrate.config import STRATEGIES, CalibrationConfig
+from kvq.calibrate.calibration_config import STRATEGIES, CalibrationConfig
 from kvq.checkpoint.validate import validate_dir
 from kvq.commands.layer_progress import LayerProgress
 from kvq.commands.render import console
 
 if TYPE_CHECKING:  # the run module imports transformers' model classes: only load it when calibrating
-    from kvq.calibrate.run import CalibrationResult
+    from kvq.calibrate.calibrate_checkpoint import CalibrationResult
 
 _DEFAULTS = CalibrationConfig()
 
@@ -75,7 +75,7 @@ def calibrate_command(
     )
     validate_dir(path)  # before the calibration run: the checkpoint is what its config.json says
     progress = LayerProgress("calibrating layers", Console(stderr=True))
-    from kvq.calibrate.run import calibrate  # torch and transformers: once every flag passed
+    from kvq.calibrate.calibrate_checkpoint import calibrate  # torch and transformers: once every flag passed
 
     try:
         result = calibrate(path, config, on_start=progress.start, on_layer_done=progress.layer_done)

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from kvq.byte_sizes import format_bytes
-from kvq.calibrate.config import STRATEGIES, CalibrationConfig
+from kvq.calibrate.calibration_config import STRATEGIES, CalibrationConfig
 from kvq.commands.layer_progress import LayerProgress
 from kvq.commands.render import console
 from kvq.commands.resumable import resumable
@@ -23,8 +23,8 @@ from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import Recipe
 from kvq.compress.runner import CompressReport
 from kvq.errors import KvqError
-from kvq.gptq.config import GPTAQ_ALPHA, GptqConfig
 from kvq.gptq.forward_dtype import DEFAULT_FORWARD_DTYPE, FORWARD_DTYPES, check_forward_dtype
+from kvq.gptq.gptq_config import GPTAQ_ALPHA, GptqConfig
 
 METHODS = ("rtn", "gptq", "gptaq")
 CALIBRATED_METHODS = ("gptq", "gptaq")
@@ -204,7 +204,7 @@ def gptq_compress(
     and an estimate after the first layer, print the GPTQ report; return the shards' report (what was
     kept or dequantized is listed by the caller)."""
     from kvq.gptq.forward_dtype import resolve_forward_dtype
-    from kvq.gptq.run import prepare_gptq
+    from kvq.gptq.gptq_job import prepare_gptq
 
     forward = resolve_forward_dtype(options.gptq_forward_dtype or DEFAULT_FORWARD_DTYPE)
     job = prepare_gptq(src, out, recipe, options.config(forward.dtype), target)
@@ -246,7 +246,7 @@ def _start_line(job, recipe: Recipe, target: str, workers: int) -> str:  # noqa:
 
 def _run(job, workers: int, quiet: bool):  # noqa: ANN001, ANN202 (GptqJob, GptqReport: torch-side types)
     """The layers' bar (with --quiet only the estimate line), then the shards' bar on the same display."""
-    from kvq.gptq.run import run_gptq
+    from kvq.gptq.gptq_job import run_gptq
 
     name = "GPTQ" if job.config.gptaq_alpha is None else "GPTAQ"
     layers = LayerProgress(f"{name} layers", console, show_bar=not quiet)

@@ -73,7 +73,7 @@ def has_kv_scales(path: Path) -> bool:
     return Checkpoint.open(path).quantization_config.get("kv_cache_scheme") is not None
 
 
-def plan_runs(model: Path, baseline: Path | None, config: EvalConfig) -> list[Run]:
+def eval_runs(model: Path, baseline: Path | None, config: EvalConfig) -> list[Run]:
     runs = [Run("model", model, kv) for kv in config.kv_cache_dtypes]
     if baseline is not None and "fp8_e4m3" in config.kv_cache_dtypes and has_kv_scales(baseline):
         runs.append(Run("baseline", baseline, "fp8_e4m3"))
@@ -88,7 +88,7 @@ def evaluate(
     progress: Progress = no_progress,
 ) -> dict:
     """Every task of `config` on every run; the report `kvq eval --json` writes."""
-    runs = plan_runs(model, baseline, config)
+    runs = eval_runs(model, baseline, config)
     shared = Shared(task_manager(config.include_paths, config.lm_eval_tasks), text_source=text_source(config))
     report: dict = {"kvq_version": __version__, "engine": {"name": ENGINE_NAME, "version": __version__}}
     report |= {"settings": settings_of(config, shared.text_source), "baseline": None}

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq.formats.pack_quantized import INT4_MAX, INT4_MIN
-from kvq.gptq.config import GPTAQ_ALPHA
+from kvq.gptq.gptq_config import GPTAQ_ALPHA
 from kvq.gptq.observer import observe_weight_scale
 
 

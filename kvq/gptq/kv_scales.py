@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvq.calibrate.calibrate_checkpoint import run_record
 from kvq.calibrate.observers import KvRecorder
-from kvq.calibrate.run import run_record
 from kvq.calibrate.scales import layer_scales
-from kvq.calibrate.write_scales import MANIFEST_KEY, apply_update, plan_update
+from kvq.calibrate.write_scales import MANIFEST_KEY, apply_update, prepare_update
 from kvq.checkpoint.reader import Checkpoint
 from kvq.compress.manifest import read_manifest
 
 if TYPE_CHECKING:
-    from kvq.gptq.run import GptqJob
+    from kvq.gptq.gptq_job import GptqJob
 
 OBSERVED_ON = "the GPTQ-quantized layers, in kvq compress --method gptq's propagation pass"
 
@@ -56,5 +56,5 @@ def write_kv_scales(job: GptqJob, recorder: KvRecorder) -> bool:
     if (read_manifest(out) or {}).get(MANIFEST_KEY) == json.loads(json.dumps(record)):
         return False
     ckpt = Checkpoint.open(out)
-    apply_update(ckpt, scales, plan_update(ckpt, scales, strategy, record))
+    apply_update(ckpt, scales, prepare_update(ckpt, scales, strategy, record))
     return True

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvq.bench.calibrate import CalibrateBenchConfig, linked_copy, measure_perplexity
-from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.run import calibrate
+from kvq.calibrate.calibrate_checkpoint import calibrate
+from kvq.calibrate.calibration_config import CalibrationConfig
 from tests.calibrate.test_errors import snapshot
 from tests.conftest import TinyCheckpoint
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.run import calibrate
+from kvq.calibrate.calibrate_checkpoint import calibrate
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.errors import KvqError
 from tests.calibrate.conftest import writable
 from tests.conftest import TinyCheckpoint

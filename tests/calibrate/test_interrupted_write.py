@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.run import calibrate
+from kvq.calibrate.calibrate_checkpoint import calibrate
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.calibrate.scales_record import UNIT_FILES
 from kvq.checkpoint.file_commit import FAULT_ENV, recover
 from kvq.errors import KvqError
@@ -106,7 +106,7 @@ def test_an_unwritable_checkpoint_is_refused_before_any_work(
         raise AssertionError("calibration started on a checkpoint it cannot write")
 
     monkeypatch.setattr("kvq.checkpoint.writable.tempfile.mkstemp", read_only)
-    monkeypatch.setattr("kvq.calibrate.run.calibration_samples", no_work)
+    monkeypatch.setattr("kvq.calibrate.calibrate_checkpoint.calibration_samples", no_work)
     with pytest.raises(KvqError, match=f"{root}: cannot write in {root} \\(Permission denied\\)"):
         calibrate(root, settings)
     assert files(root) == before

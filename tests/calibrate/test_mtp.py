@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.run import calibrate
+from kvq.calibrate.calibrate_checkpoint import calibrate
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.calibrate.scales_record import MANIFEST_NAME, SCALES_FILE
 from kvq.check import check_checkpoint
 from tests.calibrate.conftest import writable

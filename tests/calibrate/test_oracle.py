@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvq.calibrate.calibrate_checkpoint import load_tokenizer, measure_kv
 from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.observers import KvRecorder
-from kvq.calibrate.run import load_tokenizer, measure_kv
 from kvq.calibrate.samples import build_samples
 from kvq.calibrate.scales import layer_scales
 from kvq.checkpoint.model_config import text_model

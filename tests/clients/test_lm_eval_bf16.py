@@ -45,8 +45,8 @@ def hf_bf16(smollm2) -> Scored:
 
 @pytest.fixture(scope="module")
 def int4_fp8_kv(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibrate
+    from kvq.calibrate.calibrate_checkpoint import calibrate
+    from kvq.calibrate.calibration_config import CalibrationConfig
     from kvq.compress.recipe import load_recipe
     from kvq.compress.runner import prepare, run
 

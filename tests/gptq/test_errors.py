@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.compress.recipe import RECIPES_DIR, load_recipe
 from kvq.errors import KvqError
-from kvq.gptq.config import GptqConfig
-from kvq.gptq.run import prepare_gptq, run_gptq
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import prepare_gptq, run_gptq
 from tests.calibrate.test_errors import snapshot
 from tests.conftest import TinyCheckpoint
 from tests.test_cli_errors import assert_one_line_error, run_kvq

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.checkpoint.reader import Checkpoint
 from kvq.compress.manifest import read_manifest
 from kvq.compress.recipe import load_recipe
 from kvq.errors import KvqError
 from kvq.gptq import forward_dtype
-from kvq.gptq.config import GptqConfig
 from kvq.gptq.forward_dtype import CpuBf16, detect_cpu_bf16, resolve_forward_dtype
-from kvq.gptq.run import prepare_gptq, run_gptq
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import prepare_gptq, run_gptq
 from tests.conftest import TinyCheckpoint
 from tests.test_cli_errors import assert_one_line_error, run_kvq, run_kvq_in_process
 

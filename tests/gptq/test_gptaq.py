@@ -18,15 +18,15 @@ from safetensors.torch import load_file
 
 from kvq.bench.compress_gptq import printed_bound
 from kvq.bench.measure import run_measured
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.checkpoint.header import read_header
 from kvq.compress.manifest import read_manifest
 from kvq.compress.recipe import load_recipe
 from kvq.formats.pack_quantized import INT4_MAX, INT4_MIN
 from kvq.gptq.algorithm import gptq_quantize
-from kvq.gptq.config import GptqConfig
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import GptqReport, prepare_gptq, run_gptq
 from kvq.gptq.hessian import HessianSum
-from kvq.gptq.run import GptqReport, prepare_gptq, run_gptq
 from kvq.gptq.staging import STAGING_DIR, state_path
 from tests.calibrate.test_errors import snapshot
 from tests.conftest import TinyCheckpoint

@@ -16,14 +16,14 @@ import torch
 
 from kvq.bench.compress_gptq import printed_bound
 from kvq.bench.measure import run_measured
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.checkpoint.reader import INDEX_NAME, Checkpoint, read_json
 from kvq.compress.recipe import load_recipe
 from kvq.compress.runner import prepare, run
 from kvq.formats.pack_quantized import unpack_int4
-from kvq.gptq.config import GptqConfig
 from kvq.gptq.experts import route
-from kvq.gptq.run import prepare_gptq, run_gptq
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import prepare_gptq, run_gptq
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from tests.compress.test_transformers_load import assert_holds_kvqs_weights, generate, load

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.checkpoint.reader import Checkpoint, read_json
 from kvq.compress.recipe import load_recipe
-from kvq.gptq.config import GptqConfig
-from kvq.gptq.run import prepare_gptq, run_gptq
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import prepare_gptq, run_gptq
 from tests.compress.test_nested_source import bf16_kimi
 from tests.conftest import TinyCheckpoint
 

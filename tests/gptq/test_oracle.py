@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.run import load_tokenizer
+from kvq.calibrate.calibrate_checkpoint import load_tokenizer
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.calibrate.samples import build_samples
 from kvq.checkpoint.reader import Checkpoint
 from kvq.compress.recipe import load_recipe
 from kvq.data.texts import load_texts
 from kvq.formats.pack_quantized import quantize_int4_group, unpack_int4
-from kvq.gptq.config import GptqConfig
-from kvq.gptq.run import prepare_gptq, run_gptq
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import prepare_gptq, run_gptq
 from tests.conftest import TinyCheckpoint
 from tests.runtime.reference import hf_reference
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.run import calibrate
+from kvq.calibrate.calibrate_checkpoint import calibrate
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.checkpoint.reader import Checkpoint
 from kvq.compress.manifest import read_manifest
 from kvq.compress.recipe import load_recipe
-from kvq.gptq.config import GptqConfig
-from kvq.gptq.run import GptqReport, prepare_gptq, run_gptq
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import GptqReport, prepare_gptq, run_gptq
 from kvq.gptq.staging import STAGING_DIR, state_path
 from tests.calibrate.test_errors import snapshot
 from tests.calibrate.test_oracle import BF16_ULP

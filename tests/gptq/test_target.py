@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.check import check_checkpoint
 from kvq.checkpoint.reader import Checkpoint
 from kvq.compress.recipe import load_recipe
-from kvq.gptq.config import GptqConfig
-from kvq.gptq.run import prepare_gptq, run_gptq
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import prepare_gptq, run_gptq
 from tests.conftest import TinyCheckpoint
 
 

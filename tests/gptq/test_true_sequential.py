@@ -17,13 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.commands.gptq_options import GptqOptions
 from kvq.compress.manifest import read_manifest
 from kvq.compress.recipe import load_recipe, resolve_recipe_path
 from kvq.formats.pack_quantized import dequantize_pack_quantized
-from kvq.gptq.config import GptqConfig
-from kvq.gptq.run import GptqReport, prepare_gptq, run_gptq
+from kvq.gptq.gptq_config import GptqConfig
+from kvq.gptq.gptq_job import GptqReport, prepare_gptq, run_gptq
 from kvq.gptq.staging import STAGING_DIR
 from tests.calibrate.test_errors import snapshot
 from tests.conftest import TinyCheckpoint

@@ -12,8 +12,8 @@ import pytest
 @pytest.fixture(scope="session")
 def published(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """(the output directory, its eval report against the BF16 source)."""
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibrate
+    from kvq.calibrate.calibrate_checkpoint import calibrate
+    from kvq.calibrate.calibration_config import CalibrationConfig
     from kvq.compress.recipe import load_recipe
     from kvq.compress.runner import prepare, run
     from kvq.eval.eval_config import EvalConfig

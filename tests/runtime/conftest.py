@@ -69,8 +69,8 @@ def smollm2_int4(smollm2: SmolLM2Paths, tmp_path_factory: pytest.TempPathFactory
 def smollm2_int4_calibrated(smollm2_int4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The INT4 SmolLM2 with FP8 KV scales from `kvq calibrate` (a small run: 4 windows of 256 tokens; the
     bf16 layer forward is most of this fixture's time, and 8 x 512 gave no closer agreement)."""
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibrate
+    from kvq.calibrate.calibrate_checkpoint import calibrate
+    from kvq.calibrate.calibration_config import CalibrationConfig
 
     path = Path(shutil.copytree(smollm2_int4, tmp_path_factory.mktemp("smollm2-int4-kv") / "model"))
     calibrate(path, CalibrationConfig(num_samples=4, seq_len=256))

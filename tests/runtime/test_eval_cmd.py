@@ -49,8 +49,8 @@ ENGINE = ["--threads", "2", "--kv-memory", "4MiB"]
 
 
 def calibrated(path: Path, out: Path) -> Path:
-    from kvq.calibrate.config import CalibrationConfig
-    from kvq.calibrate.run import calibrate
+    from kvq.calibrate.calibrate_checkpoint import calibrate
+    from kvq.calibrate.calibration_config import CalibrationConfig
 
     copy = Path(shutil.copytree(path, out))
     calibrate(copy, CalibrationConfig(num_samples=2, seq_len=32))

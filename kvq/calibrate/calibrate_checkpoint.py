@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvq import __version__
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.layer_stream import embed, meta_model, run_layers
 from kvq.calibrate.mtp_stream import run_mtp_layers
@@ -23,7 +23,7 @@ from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.samples import CalibrationSamples, build_samples
 from kvq.calibrate.scales import layer_scales
 from kvq.calibrate.scales_record import SCALES_FILE, UNIT_FILES
-from kvq.calibrate.write_scales import apply_update, plan_update
+from kvq.calibrate.write_scales import apply_update, prepare_update
 from kvq.checkpoint.file_commit import recover
 from kvq.checkpoint.model_config import TextModel, pretrained_config, text_model
 from kvq.checkpoint.mtp_layers import mtp_layer_indexes
@@ -66,7 +66,7 @@ def calibrate(
     layer_names = layer_tensor_names(lm, layout.num_layers)
     samples = calibration_samples(ckpt.root, config)
     # Fail now, not after the forward, on anything writing would reject (foreign scales, bad JSON).
-    plan_update(ckpt, {}, config.strategy, {})
+    prepare_update(ckpt, {}, config.strategy, {})
     mtp = stored_mtp_layers(lm, model.fields)
     if on_start is not None:
         on_start(layout.num_layers)
@@ -78,7 +78,7 @@ def calibrate(
         scales |= layer_scales(layout, config.strategy, i, recorder.amax[i])
     record = run_record(layout, config, samples, recorder, scales)
     scales = {model.checkpoint_name(name): scale for name, scale in scales.items()}
-    apply_update(ckpt, scales, plan_update(ckpt, scales, config.strategy, record))
+    apply_update(ckpt, scales, prepare_update(ckpt, scales, config.strategy, record))
     return CalibrationResult(layout, samples, recorder, scales, record)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvq.calibrate.config import CalibrationConfig
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.errors import KvqError
 
 GPTAQ_ALPHA = 0.25  # --method gptaq's default correction scale: the GPTAQ reference implementation's

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from kvq.calibrate.calibrate_checkpoint import DTYPES, calibration_samples, check_run
 from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.layer_stream import StreamState, embed, layer_inputs, meta_model
 from kvq.calibrate.layer_weights import load_layer_weights
 from kvq.calibrate.memory import limit_primitive_cache, release_freed
 from kvq.calibrate.observers import KvRecorder
-from kvq.calibrate.run import DTYPES, calibration_samples, check_run
 from kvq.calibrate.samples import CalibrationSamples
 from kvq.checkpoint.header import ShardHeader, read_header
 from kvq.checkpoint.model_config import TextModel, pretrained_config, text_model
@@ -36,7 +36,7 @@ from kvq.compress.runner import CompressReport, PreparedJob, manifest_header, pr
 from kvq.compress.tensor_plan import VLLM
 from kvq.errors import KvqError
 from kvq.gptq import staging
-from kvq.gptq.config import GptqConfig
+from kvq.gptq.gptq_config import GptqConfig
 from kvq.gptq.kv_scales import layer_record, restore_amax, write_kv_scales
 from kvq.gptq.layer import CALIBRATED, LayerOptions, quantize_layer
 from kvq.gptq.targets import NOT_REACHED, LayerTargets, dense_in_features, find_targets

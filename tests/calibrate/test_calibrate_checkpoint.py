@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvq.calibrate.config import CalibrationConfig
-from kvq.calibrate.run import calibrate
+from kvq.calibrate.calibrate_checkpoint import calibrate
+from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.calibrate.scales_record import FILE_KEY, MANIFEST_NAME, SCALES_FILE, file_record
 from kvq.checkpoint.reader import INDEX_NAME, Checkpoint
 from kvq.checkpoint.write import save_safetensors_atomic
