@@ -180,16 +180,15 @@ def host_ms_per_token(path: Path, config: DecodeBenchConfig) -> dict[str, float]
 
 
 def run_bench(config: DecodeBenchConfig, bf16: Path, int4: Path) -> DecodeBenchResult:
-    from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
+    from kvq.runtime.kernels import CpuOps, describe_cpu_path
     from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
     from kvq.runtime.kv_layout import layout_for
     from kvq.runtime.kv_pool import page_bytes
 
     torch.set_num_threads(config.threads)
-    w4a8 = w4a8_path() is not None
-    cpu_path = describe_cpu_path(
-        resolve_cpu_isa(), "w4a8" if w4a8 else "w4a16"
-    )  # W4A8 contenders: theirs too
+    ops = CpuOps.choose()  # what the engines below choose ($KVQ_CPU_ISA, else auto)
+    w4a8 = w4a8_path(ops.isa) is not None
+    cpu_path = describe_cpu_path(ops, "w4a8" if w4a8 else "w4a16")  # W4A8 contenders: theirs too
     result = DecodeBenchResult(config=asdict(config), cpu_path=cpu_path)
 
     def one(path: Path, kv: str, **kwargs) -> object:

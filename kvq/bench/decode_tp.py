@@ -72,10 +72,10 @@ def measure(path: Path, kv_cache_dtype: str, tp: int, config: DecodeBenchConfig)
 
 
 def run_tp_bench(config: DecodeBenchConfig, bf16: Path, int4: Path, tp: int) -> DecodeTpResult:
-    from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
+    from kvq.runtime.kernels import CpuOps, describe_cpu_path
 
     torch.set_num_threads(config.threads)
-    result = DecodeTpResult(config=asdict(config), tp=tp, cpu_path=describe_cpu_path(resolve_cpu_isa()))
+    result = DecodeTpResult(config=asdict(config), tp=tp, cpu_path=describe_cpu_path(CpuOps.choose()))
     paths = {"bf16": bf16, "int4": int4}
     for name, weights, kv in CONTENDERS:
         one, many = (measure(paths[weights], kv, n, config) for n in (1, tp))

@@ -322,10 +322,10 @@ def print_tables(result: dict) -> None:
 
 def cpu_device() -> str:
     """The device name for CPU runs: cpu, the W4A16 path and the CPU's features (`describe_cpu_path`)."""
-    from kvq.runtime.kernels.cpu.isa import resolve_cpu_isa
+    from kvq.runtime.kernels.cpu.ops import CpuOps
     from kvq.runtime.kernels.cpu.path import describe_cpu_path
 
-    return f"cpu; {describe_cpu_path(resolve_cpu_isa())}"
+    return f"cpu; {describe_cpu_path(CpuOps.choose())}"
 
 
 def run(cfg: BenchConfig, device: torch.device) -> dict:

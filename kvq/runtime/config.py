@@ -34,6 +34,8 @@ INT4_COMPUTE_MODES = ("w4a16", "w4a8")
 LM_HEAD_GROUP_SIZE = 32  # the int4 copy's group size: the finest the kernels run
 DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
+# the CPU kernel paths, fastest first (`kernels.cpu.isa`): auto picks the first this CPU and build run
+CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
 SPECULATIVE_METHODS = ("mtp",)  # --speculative: drafts from the checkpoint's MTP (NextN) layers
 
 
@@ -109,6 +111,13 @@ class EngineConfig:
     fp8_weights: str = "per-use"
     device: str = "auto"
     threads: int | None = option(None, "torch CPU threads.")
+    cpu_isa: str | None = option(
+        None,
+        "CPU kernel path: auto (the fastest this CPU runs: amx, avx512bf16, avx512 or avx2), one of those, "
+        "scalar (kvq's C reference) or torch (torch's own ops throughout). Chosen once, at load. "
+        "Default: $KVQ_CPU_ISA, else auto.",
+        envvar="KVQ_CPU_ISA",
+    )
     kv_integrity: str = option(
         "off",
         "Checked KV pages: off (no checks, no cost); tags (before each step's attention, every page the "
@@ -158,6 +167,12 @@ class EngineConfig:
         self.dtype = check_dtype(self.dtype)
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
+        if self.cpu_isa is not None:
+            value, self.cpu_isa = self.cpu_isa, self.cpu_isa.strip().lower() or "auto"
+            if self.cpu_isa not in CPU_ISA_CHOICES:
+                raise KvqError(
+                    f"--cpu-isa (or $KVQ_CPU_ISA) is {value!r}; pick one of {', '.join(CPU_ISA_CHOICES)}"
+                )
         _choice("device", self.device, DEVICES)
         _choice("kv_integrity", self.kv_integrity, KV_INTEGRITY_MODES)
         _choice("lm_head_weights", self.lm_head_weights, LM_HEAD_WEIGHT_MODES)
@@ -199,6 +214,7 @@ class EngineConfig:
                 raise KvqError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
 
     def _check_w4a8(self) -> None:
+        from kvq.runtime.kernels.cpu.isa import resolve_cpu_isa
         from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 
         if self.is_reference:
@@ -208,9 +224,9 @@ class EngineConfig:
             )
         if self.torch_device.type != "cpu":
             raise KvqError("--int4-compute w4a8 is a CPU kernel; use --device cpu, or --int4-compute w4a16")
-        if w4a8_path() is None:
+        if w4a8_path(resolve_cpu_isa(self.cpu_isa)) is None:
             raise KvqError(
-                "--int4-compute w4a8 needs kvq's CPU extension and a SIMD CPU path ($KVQ_CPU_ISA auto, amx, "
+                "--int4-compute w4a8 needs kvq's CPU extension and a SIMD CPU path (--cpu-isa auto, amx, "
                 "avx512bf16, avx512 or avx2: AVX2 at least); this build or setting has neither: use "
                 "--int4-compute w4a16"
             )

@@ -9,11 +9,11 @@ with their arguments bound to them; a step copies its inputs in and replays the 
 eager forward's own, in its order, on the same values: the same bits (tested).
 
 Where it runs (`model_blocker` and `step_blocker` say why not): Llama's decoder layers with its GQA
-`Attention` (no q/k norms), one rank, bf16 activations on CPU, the C small ops on (KVQ_CPU_ISA not torch),
-the KV pages bf16 or FP8 on the torch backend. A Linear that is not one C call (torch's GEMM, FP8, W8A16,
-a bias) joins as `y.copy_(linear(x))`, a feed-forward other than Llama's `MLP` (GLM-4.5's MoE) as
-`x.copy_(mlp(h))`: the same values, with that part's Python kept. `EngineConfig.enforce_eager` turns
-plans off (vLLM's name).
+`Attention` (no q/k norms), one rank, bf16 activations on CPU, the C small ops on (the model's `CpuOps`:
+its CPU path not torch), the KV pages bf16 or FP8 on the torch backend. A Linear that is not one C call
+(torch's GEMM, FP8, W8A16, a bias) joins as `y.copy_(linear(x))`, a feed-forward other than Llama's
+`MLP` (GLM-4.5's MoE) as `x.copy_(mlp(h))`: the same values, with that part's Python kept.
+`EngineConfig.enforce_eager` turns plans off (vLLM's name).
 Imports torch and kvq.runtime.
 """
 
@@ -25,17 +25,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.kernels.cpu.isa import Call, cpu_isa_env
-from kvq.runtime.kernels.cpu.ops import (
-    decode_attention_call,
-    native_ops_enabled,
-    rms_norm_call,
-    rotary_call,
-    silu_and_mul,
-    silu_mul_applies,
-    silu_mul_call,
-    store_kv_call,
-)
+from kvq.runtime.kernels.cpu.isa import Call
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.layers.linear import Linear
 from kvq.runtime.layers.norm import RMSNorm
 
@@ -72,7 +63,7 @@ def model_blocker(model: LlamaForCausalLM) -> str | None:
 def describe_decode(model: LlamaForCausalLM, enforce_eager: bool) -> str:
     """One log line: whether CPU decode steps run from plans, and why not."""
     why = "--enforce-eager" if enforce_eager else model_blocker(model)
-    if why is None and not native_ops_enabled():
+    if why is None and model.cpu_ops.level is None:
         why = "the C small ops are off"
     if why is None:
         return "CPU decode steps: plans (each layer's C calls bound once per batch size)"
@@ -81,7 +72,7 @@ def describe_decode(model: LlamaForCausalLM, enforce_eager: bool) -> str:
 
 def step_blocker(model: LlamaForCausalLM) -> str | None:
     """Why a plan cannot run now (`model_blocker(model)` None): the C ops off, or KV pages it cannot read."""
-    if not native_ops_enabled():
+    if model.cpu_ops.level is None:
         return "the C small ops are off"
     for layer in model.layers:
         kv = _attention(layer).attn.kv
@@ -105,9 +96,11 @@ def linear_call(linear: Linear, x: torch.Tensor, y: torch.Tensor) -> Call:
     return linear.call(x, y) or (_into, (linear, x, y))
 
 
-def silu_mul_into(gate_up: torch.Tensor, out: torch.Tensor) -> Call:
-    """`MLP`'s SiLU-and-mul (`silu_and_mul`) into `out`: its C call where it takes the C op."""
-    return silu_mul_call(gate_up, out) if silu_mul_applies(gate_up) else (_into, (silu_and_mul, gate_up, out))
+def silu_mul_into(ops: CpuOps, gate_up: torch.Tensor, out: torch.Tensor) -> Call:
+    """`MLP`'s SiLU-and-mul (`ops.silu_and_mul`) into `out`: its C call where it takes the C op."""
+    if ops.silu_mul_applies(gate_up):
+        return ops.silu_mul_call(gate_up, out)
+    return _into, (ops.silu_and_mul, gate_up, out)
 
 
 class DecodeBuffers:
@@ -145,7 +138,7 @@ class DecodePlan:
         from kvq.runtime.models.llama import MLP
 
         self.model, self.buffers, self.num_rows, self.is_stamped = model, buffers, num_rows, is_stamped
-        b, m = buffers, num_rows
+        b, m, ops = buffers, num_rows, model.cpu_ops
         tables, lens, slots = b.block_tables[:m], b.seq_lens[:m], b.slots[:m]
         slot_stamps = b.slot_stamps[:m] if is_stamped else None  # --kv-integrity on: stamps with the K/V
         cos, sin_signed = b.cos[:m, None], b.sin_signed[:m, None]
@@ -157,11 +150,11 @@ class DecodePlan:
         def add_norm(norm: RMSNorm, into: torch.Tensor, value: torch.Tensor) -> None:
             nonlocal residual
             if residual is None:
-                calls.append(rms_norm_call(value, norm.weight, norm.eps, into))
+                calls.append(ops.rms_norm_call(value, norm.weight, norm.eps, into))
                 residual = value
                 return
             total = res[0] if residual is not res[0] else res[1]
-            calls.append(rms_norm_call(value, norm.weight, norm.eps, into, residual, total))
+            calls.append(ops.rms_norm_call(value, norm.weight, norm.eps, into, residual, total))
             residual = total
 
         for layer in model.layers:
@@ -172,17 +165,19 @@ class DecodePlan:
             add_norm(layer.input_layernorm, h, x)
             calls.append(linear_call(attn.qkv_proj, h, qkv))
             unrotated = qkv[:, : attn.q_size + attn.kv_size].view(m, heads + kv_heads, dim)
-            calls.append(rotary_call(unrotated, cos, sin_signed, attn.rotary.rotary_dim, qk))
+            calls.append(ops.rotary_call(unrotated, cos, sin_signed, attn.rotary.rotary_dim, qk))
             v = qkv[:, attn.q_size + attn.kv_size :].view(m, kv_heads, dim)
             scales = kv.stacked_scales
             stamps = kv.stamps if is_stamped else None
             calls.append(
-                store_kv_call(qk[:, heads:], v, kv.k_cache, kv.v_cache, scales, slots, stamps, slot_stamps)
+                ops.store_kv_call(
+                    qk[:, heads:], v, kv.k_cache, kv.v_cache, scales, slots, stamps, slot_stamps
+                )
             )
             q = qk[:, :heads]
             sm_scale = attn.attn.sm_scale
             calls.append(
-                decode_attention_call(q, kv.k_cache, kv.v_cache, scales, tables, lens, sm_scale, att)
+                ops.decode_attention_call(q, kv.k_cache, kv.v_cache, scales, tables, lens, sm_scale, att)
             )
             calls.append(linear_call(attn.o_proj, att.view(m, attn.q_size), o))
             add_norm(layer.post_attention_layernorm, h, o)
@@ -191,7 +186,7 @@ class DecodePlan:
                 continue
             gate_up, act = b.gate_up[:m], b.act[:m]
             calls.append(linear_call(mlp.gate_up_proj, h, gate_up))
-            calls.append(silu_mul_into(gate_up, act))
+            calls.append(silu_mul_into(ops, gate_up, act))
             calls.append(linear_call(mlp.down_proj, act, x))
         add_norm(model.norm, out, x)
         self.calls, self.out = calls, out
@@ -214,7 +209,7 @@ class DecodePlan:
 
 class DecodePlans:
     """A model's plans, one per batch size, made at a size's first step and kept; rebuilt when the KV
-    pages, $KVQ_CPU_ISA or the thread count change, or a batch outgrows the buffers."""
+    pages or the thread count change, or a batch outgrows the buffers."""
 
     @classmethod
     def of(cls, model: LlamaForCausalLM, enforce_eager: bool) -> DecodePlans | None:
@@ -235,7 +230,7 @@ class DecodePlans:
         model = self.model
         # the key holds the first layer's cache object itself (compared by identity): the plans' pointers
         # stay valid while it lives, and the engine binds every layer's cache together
-        key = (_attention(model.layers[0]).attn.kv, cpu_isa_env(), torch.get_num_threads())
+        key = (_attention(model.layers[0]).attn.kv, torch.get_num_threads())
         if key != self.key:
             self.key, self.plans, self.buffers = key, {}, None
             self.blocker = step_blocker(model)
@@ -247,9 +242,7 @@ class DecodePlans:
             rows = max(num_rows, b.rows if b else 1)
             self.buffers = DecodeBuffers(model, rows, max(pages, 2 * b.pages if b else 16))
             self.plans = {}
-        is_stamped = (
-            batch.slot_stamps is not None
-        )  # --kv-integrity on: the stores stamp (reset_kv may switch)
+        is_stamped = batch.slot_stamps is not None  # --kv-integrity on: the stores stamp (it may switch)
         plan = self.plans.get(num_rows)
         if plan is None or plan.is_stamped != is_stamped:
             assert self.buffers is not None

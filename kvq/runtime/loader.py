@@ -23,8 +23,10 @@ from kvq.formats.shapes import GROUP_SIZES
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS, Index, dense_index, fp8_indexes, int4_indexes
+from kvq.runtime.kernels import CpuOps
 from kvq.runtime.layers.linear import DENSE, FP8, INT4, Linear, StoredLinear, build_linear
 from kvq.runtime.layers.moe import Experts, build_experts
+from kvq.runtime.layers.norm import RMSNorm
 
 SUPPORTED_QUANT_METHODS = (None, "fp8", "compressed-tensors")
 _MAX_LISTED = 40
@@ -52,6 +54,7 @@ class WeightLoader:
         self.num_layers = int(model.fields.get("num_hidden_layers") or 0)
         self.dtype, self.device = config.activation_dtype, config.torch_device
         self.tp = tp or TpGroup.single()
+        self.cpu_ops = CpuOps.choose(config.cpu_isa)  # the CPU kernels every layer is built for, once
         self.read_bytes = 0  # stored bytes this rank read: `kvq plan --tp N`'s weights per GPU
         self.block = block_size(ckpt)
         self.used: set[str] = set()
@@ -66,6 +69,10 @@ class WeightLoader:
     def __exit__(self, *exc: object) -> None:
         self._files.close()
         self._handles.clear()
+
+    def rms_norm(self, name: str, size: int, eps: float) -> RMSNorm:
+        """The RMSNorm of weight `name` `[size]`, run by the engine's CPU kernels."""
+        return RMSNorm(self.tensor(name, (size,)), eps, self.cpu_ops)
 
     # -- plain tensors --------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -191,6 +198,7 @@ class WeightLoader:
             is_reference=self.config.is_reference,
             fp8_weights=self.config.fp8_weights,
             int4_compute=self.config.int4_compute,
+            cpu_ops=self.cpu_ops,
         )
 
     def experts(self, prefix: str, num_experts: int, hidden: int, intermediate: int) -> Experts:
@@ -215,6 +223,7 @@ class WeightLoader:
             is_reference=self.config.is_reference,
             fp8_weights=self.config.fp8_weights,
             int4_compute=self.config.int4_compute,
+            cpu_ops=self.cpu_ops,
         )
 
     def _int4(

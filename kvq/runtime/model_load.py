@@ -21,7 +21,7 @@ from kvq.errors import KvqError
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.decode_plan import describe_decode
 from kvq.runtime.distributed.group import TpGroup
-from kvq.runtime.kernels import describe_cpu_path, resolve_cpu_isa
+from kvq.runtime.kernels import describe_cpu_path
 from kvq.runtime.kv_layout import layout_for
 from kvq.runtime.kv_pool import KVPool, page_bytes
 from kvq.runtime.loader import WeightLoader
@@ -61,7 +61,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         loader.finish()
     tp.connect(config.torch_device, json.dumps(asdict(config)))
     if config.torch_device.type == "cpu":
-        logger.info(describe_cpu_path(resolve_cpu_isa(), config.int4_compute))
+        logger.info(describe_cpu_path(model.cpu_ops, config.int4_compute))
         logger.info(describe_decode(model, config.enforce_eager))
     return LoadedModel(
         ckpt,

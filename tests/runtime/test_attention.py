@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq.runtime.batch import ForwardBatch
-from kvq.runtime.kernels import store_kv_reference
+from kvq.runtime.kernels import CpuOps, store_kv_reference
 from kvq.runtime.kernels.kv_cache_layout import dequantize_kv, quantize_kv
 from kvq.runtime.kv_layout import GqaLayout
 from kvq.runtime.kv_pool import KVPool
@@ -30,7 +30,7 @@ def bound_layer(cache_dtype: torch.dtype) -> tuple[KVPool, PagedAttention]:
     """A one-layer pool, NaN in every page but the zero page, bound to a layer as the engine binds it."""
     pool = KVPool(GqaLayout(HKV, D, cache_dtype), 1, NUM_PAGES, PAGE, CPU)
     pool.storage[:, :, : pool.zero_page] = float("nan")
-    layer = PagedAttention(HQ, HKV, D)
+    layer = PagedAttention(HQ, HKV, D, CpuOps.choose())
     scales = [{"k_scale": K_SCALE, "v_scale": V_SCALE}]
     layer.bind(pool.layer_caches(scales, require_kv_scales=True, where="test")[0])
     return pool, layer

@@ -1,5 +1,6 @@
-"""The engine on CPU under KVQ_CPU_ISA: every INT4 Linear runs the chosen path, the engine logs it once,
-all paths give the same greedy tokens on the tiny model, and a bad choice is a one-line user error."""
+"""The engine on CPU under each CPU path (--cpu-isa, else $KVQ_CPU_ISA): every INT4 Linear runs the chosen
+path, the engine logs it once, all paths give the same greedy tokens on the tiny model, the choice is made
+once at load (the setting over the environment), and a bad choice is a one-line user error."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels import CPU_ISA_ENV, describe_cpu_path, resolve_cpu_isa
+from kvq.runtime.kernels import CPU_ISA_ENV, CpuOps, describe_cpu_path
 from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 from kvq.runtime.layers.linear import Int4Linear
 from kvq.runtime.sampling import SamplingParams
@@ -24,7 +25,7 @@ def test_every_int4_linear_runs_the_chosen_path(int4_checkpoint, cpu_isa: str, c
     with caplog.at_level(logging.INFO, logger="kvq"):
         engine = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB"))
     logged = [r.getMessage() for r in caplog.records if "CPU W4A16 path" in r.getMessage()]
-    assert logged == [describe_cpu_path(cpu_isa)]
+    assert logged == [describe_cpu_path(CpuOps.choose(cpu_isa))]
     layer = engine.model.layers[0]
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     assert all(isinstance(lin, Int4Linear) for lin in linears)
@@ -41,7 +42,7 @@ def test_the_w4a8_kernel_is_logged_once(int4_checkpoint, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="kvq"):
         Engine(config)
     logged = [r.getMessage() for r in caplog.records if "CPU W4A16 path" in r.getMessage()]
-    assert logged == [describe_cpu_path(resolve_cpu_isa(), "w4a8")]
+    assert logged == [describe_cpu_path(CpuOps.choose(), "w4a8")]
     assert f"INT4 as W4A8 (and an INT8 lm_head as W8A8) on the {w4a8_path()} kernel" in logged[0]
 
 
@@ -49,20 +50,35 @@ def test_a_bad_choice_is_one_line(tiny_checkpoint, monkeypatch) -> None:
     monkeypatch.setenv(CPU_ISA_ENV, "avx9")
     result = run_kvq("generate", str(tiny_checkpoint("llama", "bf16")), "hi", "--max-tokens", "2")
     assert_one_line_error(
-        result, "KVQ_CPU_ISA is 'avx9'", "expected one of auto, amx, avx512bf16, avx512, avx2, scalar, torch"
+        result, "$KVQ_CPU_ISA) is 'avx9'", "pick one of auto, amx, avx512bf16, avx512, avx2, scalar, torch"
     )
 
 
-def test_the_isa_is_read_as_the_environment_says_now(monkeypatch) -> None:
-    """`cpu_isa_env` (read at every C op) follows os.environ's sets and deletes, as os.environ.get does."""
-    from kvq.runtime.kernels.cpu.isa import cpu_isa_env
+def test_a_bad_flag_is_one_line(tiny_checkpoint) -> None:
+    path = str(tiny_checkpoint("llama", "bf16"))
+    result = run_kvq("generate", path, "hi", "--max-tokens", "2", "--cpu-isa", "avx9")
+    assert_one_line_error(result, "--cpu-isa", "avx9", "avx512bf16")
 
-    monkeypatch.setenv(CPU_ISA_ENV, "avx2")
-    assert cpu_isa_env() == "avx2"
-    monkeypatch.setenv(CPU_ISA_ENV, "Torch ")
-    assert cpu_isa_env() == "Torch "
-    monkeypatch.delenv(CPU_ISA_ENV)
-    assert cpu_isa_env() is None
+
+@pytest.mark.skipif(CpuOps.choose("auto").level is None, reason="kvq's C ops are not built")
+def test_the_path_is_chosen_once_at_load(int4_checkpoint, monkeypatch) -> None:
+    """EngineConfig.cpu_isa wins over $KVQ_CPU_ISA; the environment is read at load only: every layer, weight
+    and KV cache holds the engine's `CpuOps`, and a later change of the variable changes nothing."""
+    monkeypatch.setenv(CPU_ISA_ENV, "scalar")
+    model = str(int4_checkpoint("llama"))
+    in_torch = Engine(EngineConfig(model=model, kv_memory="4MiB", cpu_isa=" Torch"))
+    from_env = Engine(EngineConfig(model=model, kv_memory="4MiB"))
+    assert in_torch.config.cpu_isa == "torch" and in_torch.model.cpu_ops == CpuOps("torch", None)
+    assert from_env.model.cpu_ops == CpuOps("scalar", 0)
+    for engine in (in_torch, from_env):
+        layer, ops = engine.model.layers[0], engine.model.cpu_ops
+        assert layer.input_layernorm.ops is ops and layer.self_attn.attn.kv.cpu_ops is ops
+        assert layer.self_attn.qkv_proj.weight.cpu_isa == (None if ops.isa == "torch" else ops.isa)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    before = from_env.generate([PROMPT], params)[0].token_ids
+    monkeypatch.setenv(CPU_ISA_ENV, "avx9")  # read at load only: no error now, the same path
+    assert from_env.generate([PROMPT], params)[0].token_ids == before
+    assert from_env.model.cpu_ops.level == 0
 
 
 @needs_amx

@@ -12,7 +12,7 @@ import torch
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.decode_plan import DecodePlan, linear_call, model_blocker
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels import CPU_ISA_ENV
+from kvq.runtime.kernels import CPU_ISA_ENV, CpuOps
 from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
 from kvq.runtime.layers.linear import DenseLinear
@@ -99,15 +99,22 @@ def test_plans_are_made_once_per_batch_size_and_kept(int4_checkpoint) -> None:
     assert all(isinstance(p, DecodePlan) for p in kept.values())
 
 
-def test_an_env_change_remakes_the_plans(int4_checkpoint, monkeypatch) -> None:
+def test_the_torch_path_decodes_eagerly_and_the_environment_is_read_once(
+    int4_checkpoint, monkeypatch
+) -> None:
+    """--cpu-isa torch turns the C ops, and so the plans, off; $KVQ_CPU_ISA changed after load changes
+    neither the plans nor the tokens (the path is chosen once)."""
     planned, _ = _engines(str(int4_checkpoint("llama")))
+    in_torch = Engine(EngineConfig(model=str(int4_checkpoint("llama")), kv_memory="4MiB", cpu_isa="torch"))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     first = planned.generate(PROMPTS[:1], params)[0].token_ids
     plans = planned.runner.decode_plans
     assert plans.blocker is None and list(plans.plans) == [1]
     monkeypatch.setenv(CPU_ISA_ENV, "torch")
     assert planned.generate(PROMPTS[:1], params)[0].token_ids == first
-    assert plans.blocker == "the C small ops are off" and not plans.plans
+    assert plans.blocker is None and list(plans.plans) == [1]
+    in_torch.generate(PROMPTS[:1], params)
+    assert in_torch.runner.decode_plans.blocker == "the C small ops are off"
 
 
 def test_new_kv_caches_remake_the_plans(int4_checkpoint) -> None:
@@ -145,7 +152,8 @@ def test_models_no_plan_can_run_decode_eagerly(tiny_checkpoint, int4_checkpoint,
 def test_a_linear_without_a_c_call_runs_itself_into_the_buffer() -> None:
     """A bias (or torch's GEMM) has no single C call: the plan's entry is the Linear itself, copied."""
     g = torch.Generator().manual_seed(0)
-    linear = DenseLinear(torch.randn(24, 64, generator=g).bfloat16(), torch.randn(24, generator=g).bfloat16())
+    weight, bias = torch.randn(24, 64, generator=g).bfloat16(), torch.randn(24, generator=g).bfloat16()
+    linear = DenseLinear(weight, bias, CpuOps.choose())
     x, y = torch.randn(3, 64, generator=g).bfloat16(), torch.empty(3, 24, dtype=torch.bfloat16)
     assert linear.call(x, y) is None
     fn, args = linear_call(linear, x, y)

@@ -1,8 +1,8 @@
 """DenseLinear on CPU bf16 off the amx path (there decode batches take kvq's AMX GEMM:
-tests/runtime/kernels/test_dense_amx.py): one row goes through torch's own GEMV (`linear_one_row_cpu`),
-more rows through oneDNN on a blocked copy of the weight made at the first batch (`prepack_cpu_bf16`); both
-equal the fp32 product within bf16 rounding, batches equal F.linear bit for bit, and the oneDNN switch is
-left as it was."""
+tests/runtime/kernels/test_dense_amx.py): one row goes through kvq's GEMV on every native path
+(`gemv_dense`; torch's GEMM on the torch path), more rows through oneDNN on a blocked copy of the weight
+made at the first batch (`prepack_cpu_bf16`); both equal the fp32 product within bf16 rounding, batches
+equal F.linear bit for bit, and torch's oneDNN switch is never touched."""
 
 import subprocess
 import sys
@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV
-from kvq.runtime.layers.linear import DenseLinear, linear_one_row_cpu, prepack_cpu_bf16
+from kvq.runtime.kernels.cpu.ops import CpuOps
+from kvq.runtime.layers.linear import FP8, DenseLinear, Fp8Linear, StoredLinear, prepack_cpu_bf16
+from tests.runtime.cpu_isa import CPU_ISAS
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +34,7 @@ def test_dense_bf16_rows_equal_the_fp32_product(num_rows: int, out_features: int
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
     x = torch.randn(num_rows, in_features, generator=g).to(torch.bfloat16)
-    layer = DenseLinear(weight, bias)
+    layer = DenseLinear(weight, bias, CpuOps.choose())
     assert layer.is_cpu_bf16 and not layer.is_amx
     y = layer(x)
     assert y.dtype == torch.bfloat16 and y.shape == (num_rows, out_features)
@@ -41,31 +43,47 @@ def test_dense_bf16_rows_equal_the_fp32_product(num_rows: int, out_features: int
     assert (y.float() - expected).abs().max().item() <= 2e-2 * scale  # bf16 output rounding, K-long sums
 
 
-@pytest.mark.parametrize("enabled_before", [True, False])
-def test_one_row_gemv_restores_the_onednn_switch(enabled_before: bool) -> None:
-    weight = torch.randn(40, 64).to(torch.bfloat16)
-    x = torch.randn(1, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize(("out_features", "in_features"), [(7, 96), (130, 577), (49, 1000)])
+def test_one_row_is_kvqs_gemv_on_a_native_path(isa: str, out_features: int, in_features: int) -> None:
+    """One bf16 row on a native path: kvq's GEMV (fp32 sums rounded once: within half a bf16 step of the
+    fp32 product, but for the sums' own rounding), as one C call in a decode plan too; the torch path keeps
+    torch's GEMM. oneDNN's switch stays as it was, on or off, and FP8 weights' rows take the same GEMV."""
+    g = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, in_features, generator=g).to(torch.bfloat16)[1:2, :]  # a row of a batch
+    layer = DenseLinear(weight, None, CpuOps.choose(isa))
+    assert layer.gemv_isa == (None if isa == "torch" else isa)
     was = torch._C._get_mkldnn_enabled()
-    try:
-        torch._C._set_mkldnn_enabled(enabled_before)
-        y = linear_one_row_cpu(x, weight)
-        assert torch._C._get_mkldnn_enabled() is enabled_before
-    finally:
-        torch._C._set_mkldnn_enabled(was)
-    expected = _reference(x, weight)
-    assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
-
-
-def test_one_row_gemv_restores_the_switch_when_the_matmul_raises() -> None:
-    was = torch._C._get_mkldnn_enabled()
-    with pytest.raises(RuntimeError):
-        linear_one_row_cpu(torch.randn(1, 5).to(torch.bfloat16), torch.randn(4, 6).to(torch.bfloat16))
-    assert torch._C._get_mkldnn_enabled() is was
+    for enabled in (True, False):
+        torch._C._set_mkldnn_enabled(enabled)
+        try:
+            y = layer(x)
+            assert torch._C._get_mkldnn_enabled() is enabled
+        finally:
+            torch._C._set_mkldnn_enabled(was)
+        expected = _reference(x, weight)
+        bound = expected.abs() * 2**-8 + 1e-5 * in_features * expected.abs().max()
+        assert y.dtype == torch.bfloat16 and bool(((y.float() - expected).abs() <= bound).all())
+    out = torch.empty(1, out_features, dtype=torch.bfloat16)
+    call = layer.call(x.contiguous(), out)
+    assert (call is None) == (isa == "torch")
+    if call is not None:
+        call[0](*call[1])
+        assert torch.equal(out, y)
+    scale = torch.ones(1, 1)
+    fp8 = Fp8Linear(
+        StoredLinear(FP8, {"weight": weight.to(torch.float8_e4m3fn), "weight_scale": scale}),
+        None,
+        CpuOps.choose(isa),
+    )
+    from_fp8 = weight.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(fp8(x), DenseLinear(from_fp8, None, CpuOps.choose(isa))(x))
 
 
 def test_fp32_weights_take_f_linear_unchanged() -> None:
     weight, x = torch.randn(9, 16), torch.randn(1, 16)
-    layer = DenseLinear(weight, None)
+    layer = DenseLinear(weight, None, CpuOps.choose())
     assert not layer.is_cpu_bf16
     assert torch.equal(layer(x), F.linear(x, weight))
 
@@ -86,7 +104,7 @@ def test_batches_run_a_weight_blocked_once_and_equal_f_linear(out_features: int,
 def _check_blocked_once(out_features: int, in_features: int) -> None:
     g = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
-    layer = DenseLinear(weight, None)
+    layer = DenseLinear(weight, None, CpuOps.choose())
     y1 = layer(torch.randn(1, in_features, generator=g).to(torch.bfloat16))
     assert layer.packed is None and y1.shape == (1, out_features)  # batch 1: the plain weight only
     assert layer.tensors() == [weight]
@@ -101,9 +119,10 @@ def _check_blocked_once(out_features: int, in_features: int) -> None:
 
 _AVX2_PROBE = """
 import torch, torch.nn.functional as F
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.layers.linear import DenseLinear, onednn_prepack_available
 weight = torch.randn(48, 64).bfloat16()
-layer = DenseLinear(weight, None)
+layer = DenseLinear(weight, None, CpuOps.choose())
 x = torch.randn(4, 64).bfloat16()
 print(onednn_prepack_available(), torch.equal(layer(x), F.linear(x, weight)), layer.packed is None)
 """

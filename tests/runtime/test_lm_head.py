@@ -9,7 +9,7 @@ import torch
 from kvq.formats.pack_quantized import quantize_pack_int4
 from kvq.runtime.config import LM_HEAD_GROUP_SIZE, EngineConfig
 from kvq.runtime.engine import Engine
-from kvq.runtime.kernels import w4a16_reference
+from kvq.runtime.kernels import CpuOps, w4a16_reference
 from kvq.runtime.kernels.cpu.w4a8 import NativeW8A8, w4a8_path, w4a8_reference, w8a8_reference
 from kvq.runtime.kernels.cpu.w8a16 import W8A16Weight, quantize_int8_rows, w8a16_reference
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
@@ -114,11 +114,11 @@ def test_int8_copy_is_w8a8_only_where_the_kernel_takes_k() -> None:
     gen = torch.Generator().manual_seed(1)
     for hidden, w8a8 in ((64, True), (96, True), (48, False)):  # K a multiple of 32, else W8A16
         dense = torch.randn(50, hidden, generator=gen).bfloat16()
-        copy = int8_copy(dense, int8_activations=True)
+        copy = int8_copy(dense, CpuOps.choose(), int8_activations=True)
         assert isinstance(copy.weight, NativeW8A8) == w8a8
         x = torch.randn(3, hidden, generator=gen).bfloat16()
         assert copy.matmul(x).shape == (3, 50) and copy.matmul(x[None]).shape == (1, 3, 50)
-    assert isinstance(int8_copy(dense).weight, W8A16Weight)  # W4A16 mode: always W8A16
+    assert isinstance(int8_copy(dense, CpuOps.choose()).weight, W8A16Weight)  # W4A16 mode: always W8A16
 
 
 def test_auto_is_int8_for_a_tied_lm_head_on_cpu(smollm2, tiny_checkpoint) -> None:

@@ -24,9 +24,9 @@ Public API
   calls on bare tensors, checked and dispatched at every call.
 Prepared weights and KV caches carry the backend they were made for; the bare-tensor calls resolve it
 per call. Either way it comes from `backend=`, else $KVQ_KERNELS (auto|torch|triton), else the device.
-On CPU, W4A16 weights also carry the path chosen at prepare by `resolve_cpu_isa` ($KVQ_CPU_ISA:
-auto|amx|avx512bf16|avx512|avx2|scalar|torch; `describe_cpu_path` says which runs, for logs and
-benchmarks).
+On CPU, the engine chooses its kernels once, at load: `CpuOps.choose(EngineConfig.cpu_isa)` (else
+$KVQ_CPU_ISA: auto|amx|avx512bf16|avx512|avx2|scalar|torch; `describe_cpu_path` says which runs, for logs
+and benchmarks); W4A16 weights and KV caches carry that choice, and the layers call its methods.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 
 from kvq.runtime.kernels.backend import KVQ_KERNELS_ENV, resolve_backend
 from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV, resolve_cpu_isa
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.kernels.cpu.path import describe_cpu_path
 from kvq.runtime.kernels.fused_moe import fused_moe_reference, fused_moe_torch
 from kvq.runtime.kernels.paged.attention import (
@@ -55,6 +56,7 @@ from kvq.runtime.kernels.w4a16 import (
 
 __all__ = [
     "CPU_ISA_ENV",
+    "CpuOps",
     "KVQ_KERNELS_ENV",
     "PagedDecodePlan",
     "PagedKVCache",
@@ -82,12 +84,14 @@ def prepare_w4a16(
     *,
     backend: str | None = None,
     int8_activations: bool = False,
+    cpu_ops: CpuOps | None = None,
 ) -> W4A16Weight:
     """Check a pack-quantized weight and ready it for the backend chosen for its device (once, at load);
-    int8_activations: on CPU, for the W4A8 kernel (`cpu.w4a8`, where it runs; stacked experts too)."""
+    on CPU for the engine's kernels (`cpu_ops`; None: `CpuOps.choose()`), with int8_activations for the
+    W4A8 kernel (`cpu.w4a8`, where it runs; stacked experts too)."""
     check_w4a16_tensors(weight_packed, weight_scale, group_size)
     if resolve_backend(weight_packed.device, backend) == "torch":
-        return prepare_w4a16_torch(weight_packed, weight_scale, group_size, int8_activations)
+        return prepare_w4a16_torch(weight_packed, weight_scale, group_size, int8_activations, cpu_ops)
     return compressed_tensors_weight("triton", weight_packed, weight_scale, group_size)
 
 

@@ -17,8 +17,8 @@ import torch
 
 from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
 from kvq.formats.shapes import GROUP_SIZES
-from kvq.runtime.kernels.cpu.isa import resolve_cpu_isa
 from kvq.runtime.kernels.cpu.linear import NativeW4A16, native_scale, w4a16_native
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.kernels.cpu.w4a8 import NativeW4A8, w4a8_path
 
 LAYOUT_COMPRESSED_TENSORS = "compressed-tensors"
@@ -149,23 +149,34 @@ def compressed_tensors_weight(
 
 
 def prepare_w4a16_torch(
-    weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int, int8_activations: bool = False
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int,
+    int8_activations: bool = False,
+    cpu_ops: CpuOps | None = None,
 ) -> W4A16Weight:
-    """Torch-path weight on CPU: for the native kernel of $KVQ_CPU_ISA (kept as loaded) or repacked for
-    the CPU int4 op (KVQ_CPU_ISA=torch, or no native path); with int8_activations, in the W4A8 kernel's
-    layout (where one runs: `w4a8_path`; stacked experts too); kept as loaded on other devices."""
+    """Torch-path weight on CPU: for the native kernel of the engine's CPU path (`cpu_ops`; None:
+    `CpuOps.choose()`), kept as loaded, or repacked for the CPU int4 op (path torch, or no native one);
+    with int8_activations, in the W4A8 kernel's layout (where one runs: `w4a8_path`; stacked experts
+    too); kept as loaded on other devices."""
     loaded = compressed_tensors_weight("torch", weight_packed, weight_scale, group_size)
     if weight_packed.device.type != "cpu":
         return loaded
-    if int8_activations and w4a8_path() is not None:
-        w4a8 = NativeW4A8(weight_packed.contiguous(), weight_scale, group_size)
-        return replace(loaded, layout=LAYOUT_W4A8_CPU, weight_packed=None, weight_scale=None, native=w4a8)
-    isa = resolve_cpu_isa()
+    ops = CpuOps.choose() if cpu_ops is None else cpu_ops
+    w4a8 = w4a8_path(ops.isa) if int8_activations else None
+    if w4a8 is not None:
+        native_w4a8 = NativeW4A8(weight_packed.contiguous(), weight_scale, group_size, w4a8)
+        return replace(
+            loaded, layout=LAYOUT_W4A8_CPU, weight_packed=None, weight_scale=None, native=native_w4a8
+        )
+    isa = ops.isa
     if isa != "torch":
         assert loaded.weight_packed is not None
         scale = native_scale(weight_scale)
         native = (
-            NativeW4A16(loaded.weight_packed, scale, group_size, isa) if weight_packed.dim() == 2 else None
+            NativeW4A16(loaded.weight_packed, scale, group_size, isa, ops.scratch)
+            if weight_packed.dim() == 2
+            else None
         )
         return replace(loaded, layout=LAYOUT_NATIVE_CPU, weight_scale=scale, cpu_isa=isa, native=native)
     stacked_packed = weight_packed.reshape(-1, *weight_packed.shape[-2:])

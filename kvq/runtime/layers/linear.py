@@ -17,8 +17,9 @@ from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
 from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
 from kvq.runtime.kernels.cpu.dense import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
-from kvq.runtime.kernels.cpu.isa import Call
-from kvq.runtime.kernels.cpu.linear import gemm_dense_call
+from kvq.runtime.kernels.cpu.isa import NATIVE_ISAS, Call
+from kvq.runtime.kernels.cpu.linear import gemm_dense_call, gemv_dense, gemv_dense_call
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.kernels.cpu.w4a8 import NativeW8A8, w4a8_path, w8a8_chunk
 from kvq.runtime.kernels.cpu.w8a16 import W8A16Weight, prepare_w8a16, quantize_int8_rows, w8a16_linear
 
@@ -78,32 +79,40 @@ class Linear:
 
 class DenseLinear(Linear):
     """A dense weight. On CPU in bf16: where the CPU path is amx, up to `DENSE_AMX_MAX_ROWS` bf16 rows
-    (decode) through kvq's AMX GEMM straight from the weight (`dense_amx_matmul`); elsewhere one row
-    through torch's own GEMV (`linear_one_row_cpu`); other batches through oneDNN on a copy of the weight
-    blocked for it once, at the first such batch (`prepack_cpu_bf16`), not at every call; resident from
-    then on (`tensors` counts it)."""
+    (decode) through kvq's AMX GEMM straight from the weight (`dense_amx_matmul`); elsewhere, on a native
+    path, one row through kvq's GEMV (`gemv_dense`; on the torch path, F.linear); other batches through
+    oneDNN on a copy of the weight blocked for it once, at the first such batch (`prepack_cpu_bf16`), not
+    at every call; resident from then on (`tensors` counts it)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: CpuOps) -> None:
         self.weight, self.bias = weight, bias  # [N, K]
         self.is_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.packable = self.is_cpu_bf16 and onednn_prepack_available()
         self.packed: torch.Tensor | None = None  # oneDNN's blocked copy, made at the first batch
-        self.is_amx = dense_amx_applies(weight)  # a contiguous bf16 CPU weight where the path is amx
+        self.is_amx = dense_amx_applies(weight, ops.isa)  # a contiguous bf16 CPU weight on the amx path
+        # one row: kvq's GEMV on a native path (a contiguous bf16 CPU weight)
+        self.gemv_isa = (
+            ops.isa if self.is_cpu_bf16 and weight.is_contiguous() and ops.isa in NATIVE_ISAS else None
+        )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_amx and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DENSE_AMX_MAX_ROWS:
             return dense_amx_matmul(x, self.weight)
-        if self.is_cpu_bf16 and x.shape[0] == 1:
-            return linear_one_row_cpu(x, self.weight)
-        if not self.packable:
+        if self.gemv_isa is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1:
+            return gemv_dense(self.gemv_isa, x, self.weight)
+        if not self.packable or x.numel() == x.shape[-1]:  # one row on the torch path: no blocked copy
             return F.linear(x, self.weight)
         if self.packed is None:
             self.packed = prepack_cpu_bf16(self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
-        if self.is_amx and self.bias is None and x.shape[0] <= DENSE_AMX_MAX_ROWS:
+        if self.bias is not None:
+            return None
+        if self.is_amx and x.shape[0] <= DENSE_AMX_MAX_ROWS:
             return gemm_dense_call(x, self.weight, y)  # dense_amx_matmul's
+        if self.gemv_isa is not None and x.shape[0] == 1:
+            return gemv_dense_call(self.gemv_isa, x, self.weight, y)
         return None
 
     def tensors(self) -> list[torch.Tensor]:
@@ -133,29 +142,20 @@ def prepack_cpu_bf16(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
 
-def linear_one_row_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear of one bf16 row `[1, K]` on CPU through torch's own GEMV, not oneDNN: on AVX-512 BF16 CPUs
-    oneDNN's matmul copies the whole weight into a blocked buffer at every call, which made a BF16 decode
-    step ~1.8x slower (SmolLM2, BENCHMARKS "kvq bench decode"); elsewhere torch takes its own path anyway.
-    The switch is process-wide for the length of the call (decode runs one forward at a time)."""
-    was_enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return F.linear(x, weight)
-    finally:
-        torch._C._set_mkldnn_enabled(was_enabled)
-
-
 class Fp8Linear(Linear):
     """FP8 weight dequantized to the activation dtype at every call: memory as stored, slower."""
 
-    def __init__(self, stored: StoredLinear, bias: torch.Tensor | None) -> None:
+    def __init__(self, stored: StoredLinear, bias: torch.Tensor | None, ops: CpuOps) -> None:
         self.stored, self.bias = stored, bias
+        self.gemv_isa = ops.isa if ops.isa in NATIVE_ISAS else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.stored.dense(x.dtype)
-        if x.shape[0] == 1 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-            return linear_one_row_cpu(x, weight)  # as DenseLinear: no oneDNN weight copy per call
+        is_row = (
+            x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        )
+        if is_row and self.gemv_isa is not None:
+            return gemv_dense(self.gemv_isa, x, weight)  # as DenseLinear: no oneDNN weight copy per call
         return F.linear(x, weight)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -181,12 +181,16 @@ class Int4Linear(Linear):
         return self.weight.tensors() + ([self.bias] if self.bias is not None else [])
 
 
-def int4_copy(weight: torch.Tensor, group_size: int, int8_activations: bool = False) -> Int4Linear:
+def int4_copy(
+    weight: torch.Tensor, group_size: int, ops: CpuOps, int8_activations: bool = False
+) -> Int4Linear:
     """A W4A16 runtime copy of a dense weight `[N, K]`: symmetric round-to-nearest INT4 groups, the
     arithmetic of `kvq compress` (compressed-tensors'), prepared for the kernels on weight's device (for the
     W4A8 kernel with int8_activations, as a checkpoint's INT4 Linears under int4_compute "w4a8")."""
     weight_packed, weight_scale = quantize_pack_int4(weight, group_size)
-    prepared = prepare_w4a16(weight_packed, weight_scale, group_size, int8_activations=int8_activations)
+    prepared = prepare_w4a16(
+        weight_packed, weight_scale, group_size, int8_activations=int8_activations, cpu_ops=ops
+    )
     return Int4Linear(prepared, None)
 
 
@@ -219,15 +223,16 @@ class Int8Linear(Linear):
 
 
 def int8_copy(
-    weight: torch.Tensor, int8_activations: bool = False, dense: DenseLinear | None = None
+    weight: torch.Tensor, ops: CpuOps, int8_activations: bool = False, dense: DenseLinear | None = None
 ) -> Int8Linear:
     """An INT8 runtime copy of a dense weight `[N, K]`: symmetric round-to-nearest INT8 rows, one scale per
     row (`kernels.cpu.w8a16.quantize_int8_rows`), on weight's device. With int8_activations (int4_compute
     "w4a8"), W8A8 where its kernel runs (a CPU path with one, K a multiple of 32; the scales in bf16, as
     W4A8 reads its own), else W8A16. `dense`: the weight's own resident Linear, for large batches."""
-    if int8_activations and weight.device.type == "cpu" and w4a8_path() and w8a8_chunk(weight.shape[1]):
-        return Int8Linear(NativeW8A8(*quantize_int8_rows(weight, torch.bfloat16)), dense)
-    return Int8Linear(prepare_w8a16(*quantize_int8_rows(weight)), dense)
+    path = w4a8_path(ops.isa) if int8_activations and weight.device.type == "cpu" else None
+    if path is not None and w8a8_chunk(weight.shape[1]):
+        return Int8Linear(NativeW8A8(*quantize_int8_rows(weight, torch.bfloat16), path=path), dense)
+    return Int8Linear(prepare_w8a16(*quantize_int8_rows(weight), ops.isa), dense)
 
 
 class ConcatLinear(Linear):
@@ -275,13 +280,14 @@ def build_linear(
     is_reference: bool,
     fp8_weights: str,
     int4_compute: str = "w4a16",
+    cpu_ops: CpuOps,
 ) -> Linear:
     """A ready-to-run Linear from stored parts (merged when possible).
 
     Reference mode (fp32 activations) dequantizes everything to dense fp32; otherwise dense weights are
     cast to `dtype`, FP8 stays FP8 (or becomes `dtype` with fp8_weights="bf16"), INT4 is prepared once
     for the kernel (on CPU: repacked for `_weight_int4pack_mm_for_cpu`, no dense copy; int4_compute
-    "w4a8": for the W4A8 kernel).
+    "w4a8": for the W4A8 kernel), all for the engine's CPU kernels `cpu_ops`.
     """
     merged = merge_stored(parts)
     if merged is None:
@@ -294,17 +300,19 @@ def build_linear(
                     is_reference=is_reference,
                     fp8_weights=fp8_weights,
                     int4_compute=int4_compute,
+                    cpu_ops=cpu_ops,
                 )  # fmt: skip
                 for p in parts
             ]
         )
     bias = None if merged.bias is None else merged.bias.to(device=device, dtype=dtype)
     if is_reference or merged.kind == DENSE or (merged.kind == FP8 and fp8_weights == "bf16"):
-        return DenseLinear(merged.dense(dtype).to(device), bias)
+        return DenseLinear(merged.dense(dtype).to(device), bias, cpu_ops)
     if merged.kind == FP8:
         tensors = {k: v.to(device) for k, v in merged.tensors.items()}
-        return Fp8Linear(StoredLinear(FP8, tensors, merged.block, names=merged.names), bias)
+        return Fp8Linear(StoredLinear(FP8, tensors, merged.block, names=merged.names), bias, cpu_ops)
     t = merged.tensors
     packed, scale = t["weight_packed"].to(device), t["weight_scale"].to(device)
-    weight = prepare_w4a16(packed, scale, merged.group_size, int8_activations=int4_compute == "w4a8")
+    is_w4a8 = int4_compute == "w4a8"
+    weight = prepare_w4a16(packed, scale, merged.group_size, int8_activations=is_w4a8, cpu_ops=cpu_ops)
     return Int4Linear(weight, bias)

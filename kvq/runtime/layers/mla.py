@@ -26,7 +26,6 @@ from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from kvq.runtime.layers.dsa_indexer import Indexer, Selection, SharedSelection
-from kvq.runtime.layers.norm import RMSNorm
 from kvq.runtime.layers.rotary import RotaryEmbedding
 from kvq.runtime.loader import WeightLoader
 
@@ -69,8 +68,9 @@ class MLAttention:
                 [(self.q_lora_rank, hidden), latent],
                 bias,
             )
-            weight = loader.tensor(f"{prefix}.q_a_layernorm.weight", (self.q_lora_rank,))
-            self.q_lora_norm = RMSNorm(weight, LORA_NORM_EPS)
+            self.q_lora_norm = loader.rms_norm(
+                f"{prefix}.q_a_layernorm.weight", self.q_lora_rank, LORA_NORM_EPS
+            )
             self.q_b_proj = loader.linear([f"{prefix}.q_b_proj"], [(q_rows, self.q_lora_rank)], split=ROWS)
         else:
             self.qkv_a_proj = loader.linear(
@@ -79,8 +79,9 @@ class MLAttention:
                 bias,
                 split=[ROWS, None],
             )
-        weight = loader.tensor(f"{prefix}.kv_a_layernorm.weight", (self.kv_lora_rank,))
-        self.kv_a_layernorm = RMSNorm(weight, LORA_NORM_EPS)
+        self.kv_a_layernorm = loader.rms_norm(
+            f"{prefix}.kv_a_layernorm.weight", self.kv_lora_rank, LORA_NORM_EPS
+        )
         kv_b_rows = heads * (self.nope_dim + self.v_dim)
         kv_b = loader.stored_linear(f"{prefix}.kv_b_proj", (kv_b_rows, self.kv_lora_rank), split=ROWS)
         self.kv_b = kv_b.dense(loader.dtype).to(loader.device)  # [H * (nope + v), R]

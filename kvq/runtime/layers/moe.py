@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels import fused_moe_w4a16, prepare_w4a16
+from kvq.runtime.kernels import CpuOps, fused_moe_w4a16, prepare_w4a16
 from kvq.runtime.layers.linear import INT4, Linear, StoredLinear, build_linear, merge_stored
 
 
@@ -61,6 +61,7 @@ def build_experts(
     is_reference: bool,
     fp8_weights: str,
     int4_compute: str = "w4a16",
+    cpu_ops: CpuOps,
 ) -> Experts:
     """Stack all-INT4 experts for the fused kernel (on CPU under int4_compute "w4a8", in the W4A8 kernel's
     layout); otherwise build one Linear pair per expert."""
@@ -80,6 +81,7 @@ def build_experts(
                 stack(stored, "weight_scale"),
                 group_size,
                 int8_activations=int8_activations,
+                cpu_ops=cpu_ops,
             )
             for stored in (merged, down)
         )
@@ -93,6 +95,7 @@ def build_experts(
             is_reference=is_reference,
             fp8_weights=fp8_weights,
             int4_compute=int4_compute,
+            cpu_ops=cpu_ops,
         )
 
     return LoopExperts([build(parts) for parts in gate_up], [build([d]) for d in down])

@@ -1,31 +1,31 @@
 """RMSNorm (Llama, GLM, MLA) and LayerNorm (GLM-5's DSA indexer). RMSNorm is torch's fused rms_norm,
 which normalizes in fp32 and rounds once (transformers rounds the normalized value, then the product
 with the weight: a bf16 rounding step apart; equal in fp32). On CPU, bf16 rows go through kvq's C op
-(`kernels/cpu_ops.py`: the same rounding, one call instead of ~8 eager ops), with the residual add
-fused in `add_norm`. Imports torch and kvq.runtime.kernels.cpu.ops."""
+(the engine's `CpuOps.rms_norm`: the same rounding, one call instead of ~8 eager ops), with the residual
+add fused in `add_norm`. Imports torch and kvq.runtime.kernels.cpu.ops."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels.cpu.ops import native_ops_apply, rms_norm_native
+from kvq.runtime.kernels.cpu.ops import CpuOps
 
 
 class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        self.weight, self.eps = weight, eps  # [H]
+    def __init__(self, weight: torch.Tensor, eps: float, ops: CpuOps) -> None:
+        self.weight, self.eps, self.ops = weight, eps, ops  # [H]; the engine's CPU kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x * rsqrt(mean(x^2) + eps) * weight, in fp32 inside, rounded once to x.dtype."""
-        if self.weight.dtype == x.dtype and native_ops_apply(x):
-            return rms_norm_native(x, self.weight, self.eps)[0]
+        if self.weight.dtype == x.dtype and self.ops.applies(x):
+            return self.ops.rms_norm(x, self.weight, self.eps)[0]
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(s), s) for s = x + residual (rounded to x.dtype first, as torch's add)."""
-        if self.weight.dtype == x.dtype and residual.is_contiguous() and native_ops_apply(x):
-            return rms_norm_native(x, self.weight, self.eps, residual)
+        if self.weight.dtype == x.dtype and residual.is_contiguous() and self.ops.applies(x):
+            return self.ops.rms_norm(x, self.weight, self.eps, residual)
         total = x + residual
         return self(total), total
 

@@ -5,7 +5,7 @@ Rotate-half (Llama the whole head, GLM-4.5 the first half: partial_rotary_factor
 `apply_rotary_pos_emb_interleave`, which also writes the rotated pairs de-interleaved (evens, then odds).
 Frequencies and the cos/sin scaling come from transformers' rope initializers, so every rope type it
 knows (default, llama3, yarn with its attention factor, ...) gives the same tables. Rotate-half on CPU
-bf16 runs kvq's C op (`kernels/cpu_ops.py`, the same rounding). Imports torch, transformers and
+bf16 runs kvq's C op (the engine's `CpuOps.rotary`, the same rounding). Imports torch, transformers and
 kvq.runtime.kernels.cpu.ops.
 """
 
@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvq.errors import KvqError
-from kvq.runtime.kernels.cpu.ops import rotary_applies, rotary_native
+from kvq.runtime.kernels.cpu.ops import CpuOps
 
 
 def _default_inv_freq(config: PretrainedConfig, rotary_dim: int) -> torch.Tensor:
@@ -32,9 +32,11 @@ class RotaryEmbedding:
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device,
+        ops: CpuOps,
         *,
         is_interleaved: bool = False,
     ) -> None:
+        self.ops = ops  # the engine's CPU kernels
         params = config.rope_parameters or {}
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         rope_type = params.get("rope_type", "default")
@@ -68,8 +70,8 @@ class RotaryEmbedding:
     def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Heads `[T, H, D]` (q and k heads side by side) rotated, in x.dtype."""
         cos, sin_signed = cos_sin
-        if not self.is_interleaved and rotary_applies(x, cos, sin_signed):  # CPU bf16: one C call
-            return rotary_native(x, cos, sin_signed, self.rotary_dim)
+        if not self.is_interleaved and self.ops.rotary_applies(x, cos, sin_signed):  # CPU bf16: one C call
+            return self.ops.rotary(x, cos, sin_signed, self.rotary_dim)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         if self.is_interleaved:  # sin_signed holds plain sin here
             x1, x2 = rot[..., 0::2], rot[..., 1::2]

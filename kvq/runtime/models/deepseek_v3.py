@@ -28,6 +28,7 @@ class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
             self.max_positions,
             loader.dtype,
             loader.device,
+            loader.cpu_ops,
             is_interleaved=is_interleaved,
         )
 

@@ -26,6 +26,7 @@ class GlmMoeDsaForCausalLM(DeepseekV3ForCausalLM):
             self.max_positions,
             loader.dtype,
             loader.device,
+            loader.cpu_ops,
             is_interleaved=True,
         )
 

@@ -21,10 +21,8 @@ from kvq.runtime.config import LM_HEAD_GROUP_SIZE, lm_head_mode
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS
 from kvq.runtime.kernels import PagedKVCache
-from kvq.runtime.kernels.cpu.ops import silu_and_mul
 from kvq.runtime.layers.attention import PagedAttention
 from kvq.runtime.layers.linear import DenseLinear, Linear, int4_copy, int8_copy
-from kvq.runtime.layers.norm import RMSNorm
 from kvq.runtime.layers.rotary import RotaryEmbedding
 from kvq.runtime.loader import WeightLoader
 
@@ -92,14 +90,14 @@ class Attention:
         self.o_proj = loader.linear([f"{prefix}.o_proj"], [(hidden, heads * d)], split=COLS)
         self.q_norm = self.k_norm = None
         if getattr(config, "use_qk_norm", False):  # GLM-4.5 option: RMSNorm per head before rotary
-            self.q_norm = RMSNorm(loader.tensor(f"{prefix}.q_norm.weight", (d,)), config.rms_norm_eps)
-            self.k_norm = RMSNorm(loader.tensor(f"{prefix}.k_norm.weight", (d,)), config.rms_norm_eps)
+            self.q_norm = loader.rms_norm(f"{prefix}.q_norm.weight", d, config.rms_norm_eps)
+            self.k_norm = loader.rms_norm(f"{prefix}.k_norm.weight", d, config.rms_norm_eps)
         self.kv_scales = {
             name: local_heads_scale(loader.optional(f"{prefix}.{name}"), tp, kv_heads)
             for name in ("k_scale", "v_scale")
         }
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, loader.cpu_ops)
 
     def bind_kv(self, kv: PagedKVCache) -> None:
         """The layer's cache object over the engine's KV pool (`GqaLayout`)."""
@@ -139,10 +137,10 @@ class MLP:
             split=ROWS,
         )
         self.down_proj = loader.linear([f"{prefix}.down_proj"], [(hidden, intermediate)], split=COLS)
-        self.tp, self.is_partial = loader.tp, is_partial
+        self.tp, self.is_partial, self.ops = loader.tp, is_partial, loader.cpu_ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        y = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         return y if self.is_partial else self.tp.all_reduce(y)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -159,10 +157,10 @@ class DecoderLayer:
         mlp: FeedForward,
     ) -> None:
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(loader.tensor(f"{prefix}.input_layernorm.weight", (hidden,)), eps)
+        self.input_layernorm = loader.rms_norm(f"{prefix}.input_layernorm.weight", hidden, eps)
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(
-            loader.tensor(f"{prefix}.post_attention_layernorm.weight", (hidden,)), eps
+        self.post_attention_layernorm = loader.rms_norm(
+            f"{prefix}.post_attention_layernorm.weight", hidden, eps
         )
         self.mlp = mlp
 
@@ -208,22 +206,27 @@ class LlamaForCausalLM:
             self.layers.append(
                 DecoderLayer(config, prefix, loader, attention, self.make_mlp(f"{prefix}.mlp", i, loader))
             )
-        self.norm = RMSNorm(loader.tensor("model.norm.weight", (hidden,)), config.rms_norm_eps)
+        self.norm = loader.rms_norm("model.norm.weight", hidden, config.rms_norm_eps)
+        self.cpu_ops = loader.cpu_ops  # the CPU kernels it was built for (its decode plans call them)
         if config.tie_word_embeddings:
             loader.optional("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
-            self.lm_head: Linear = DenseLinear(self.embed_tokens, None)
+            self.lm_head: Linear = DenseLinear(self.embed_tokens, None, loader.cpu_ops)
         else:
             self.lm_head = loader.linear(["lm_head"], [(vocab, hidden)], split=ROWS)
         self.lm_head_mode = lm_head_mode(loader.config, config.tie_word_embeddings)
         int8_activations = loader.config.int4_compute == "w4a8"
         if isinstance(self.lm_head, DenseLinear) and self.lm_head_mode == "int4":
-            self.lm_head = int4_copy(self.lm_head.weight, LM_HEAD_GROUP_SIZE, int8_activations)
+            self.lm_head = int4_copy(
+                self.lm_head.weight, LM_HEAD_GROUP_SIZE, loader.cpu_ops, int8_activations
+            )
         elif isinstance(self.lm_head, DenseLinear) and self.lm_head_mode == "int8":
             dense = self.lm_head if config.tie_word_embeddings else None  # resident anyway: the embedding
-            self.lm_head = int8_copy(self.lm_head.weight, int8_activations, dense)
+            self.lm_head = int8_copy(self.lm_head.weight, loader.cpu_ops, int8_activations, dense)
 
     def make_rotary(self, loader: WeightLoader) -> RotaryEmbedding:
-        return RotaryEmbedding(self.config, self.head_dim, self.max_positions, loader.dtype, loader.device)
+        return RotaryEmbedding(
+            self.config, self.head_dim, self.max_positions, loader.dtype, loader.device, loader.cpu_ops
+        )
 
     def make_attention(self, prefix: str, layer_idx: int, loader: WeightLoader) -> SelfAttention:
         return Attention(self.config, prefix, loader, self.rotary)

@@ -21,7 +21,6 @@ from kvq.runtime.distributed.shard import ROWS
 from kvq.runtime.layers.dsa_indexer import Indexer
 from kvq.runtime.layers.linear import Linear
 from kvq.runtime.layers.mla import MLAttention
-from kvq.runtime.layers.norm import RMSNorm
 from kvq.runtime.loader import WeightLoader
 from kvq.runtime.models.glm4_moe import MoE
 from kvq.runtime.models.llama import MLP, DecoderLayer, FeedForward, LlamaForCausalLM, SelfAttention
@@ -53,13 +52,13 @@ class MultiTokenPredictor:
         self.embed_tokens = model.embed_tokens
         if loader.has(f"{prefix}.embed_tokens.weight"):  # DeepSeek-V3 stores a copy; GLM-5 shares the model's
             self.embed_tokens = loader.tensor(f"{prefix}.embed_tokens.weight", (vocab, hidden), split=ROWS)
-        self.enorm = RMSNorm(loader.tensor(f"{prefix}.enorm.weight", (hidden,)), eps)
-        self.hnorm = RMSNorm(loader.tensor(f"{prefix}.hnorm.weight", (hidden,)), eps)
+        self.enorm = loader.rms_norm(f"{prefix}.enorm.weight", hidden, eps)
+        self.hnorm = loader.rms_norm(f"{prefix}.hnorm.weight", hidden, eps)
         self.eh_proj = loader.linear([f"{prefix}.eh_proj"], [(hidden, 2 * hidden)])
         self.layer = DecoderLayer(
             config, prefix, loader, self._attention(prefix, loader), self._mlp(prefix, loader)
         )
-        self.shared_head_norm = RMSNorm(loader.tensor(f"{prefix}.shared_head.norm.weight", (hidden,)), eps)
+        self.shared_head_norm = loader.rms_norm(f"{prefix}.shared_head.norm.weight", hidden, eps)
         self.head: Linear | None = None  # None: the model's lm_head
         head = f"{prefix}.shared_head.head"
         if loader.has(f"{head}.weight") or loader.has(f"{head}.weight_packed"):

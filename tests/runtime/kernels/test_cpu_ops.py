@@ -1,7 +1,8 @@
 """kvq's C ops for the small ops of a CPU decode step (`kernels/cpu_ops.py`) against the torch ops they
 replace: RMSNorm (with and without the fused residual add), SiLU-and-mul, rotary, the KV store (bf16 and
 FP8 pages, every bf16 value) and the greedy argmax, on odd widths and row counts; and the switch that
-turns them off (KVQ_CPU_ISA=torch) or away (non-bf16, non-contiguous). The decode attention's tests are
+turns them off (the torch path) or away (non-bf16, non-contiguous), each through a `CpuOps` as an engine
+chooses it. The decode attention's tests are
 in test_cpu_attention.py."""
 
 from __future__ import annotations
@@ -14,19 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from kvq.runtime.kernels.cpu import ops as cpu_ops
-from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV
-from kvq.runtime.kernels.cpu.ops import (
-    argmax_finite,
-    native_ops_apply,
-    rms_norm_native,
-    silu_mul_applies,
-    silu_mul_native,
-    store_applies,
-    store_kv_native,
-)
+from kvq.runtime.kernels.cpu.ops import WIDEST, CpuOps, argmax_finite
 from kvq.runtime.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.skipif(cpu_ops._ext is None, reason="kvq's CPU extension is not built")
+OPS = CpuOps.choose("auto")  # the widest level this CPU runs
 SHAPES = [(1, 576), (7, 577), (64, 1024), (3, 5), (33, 1536)]  # (rows, width): widths off the 16 lanes
 
 
@@ -40,9 +33,17 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def silu_mul_c(ops: CpuOps, gate_up: torch.Tensor) -> torch.Tensor:
+    """The C SiLU-and-mul at any size (`CpuOps.silu_and_mul` hands large ones to torch)."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    fn, args = ops.silu_mul_call(gate_up, out)
+    fn(*args)
+    return out
+
+
 def vector_level_runs() -> list[str]:
-    """The KVQ_CPU_ISA values that hold the C ops to each vector level this CPU runs: `scalar` (the
-    baseline) first, then `avx2` where it runs, then `auto` (the widest)."""
+    """The CPU paths that hold the C ops to each vector level this CPU runs: `scalar` (the baseline)
+    first, then `avx2` where it runs, then `auto` (the widest)."""
     from kvq.runtime.kernels.cpu.isa import runnable_isas
 
     return ["scalar"] + [isa for isa in ("avx2", "auto") if isa == "auto" or isa in runnable_isas()]
@@ -59,17 +60,17 @@ def test_rms_norm_equals_torch(rows: int, width: int) -> None:
     x = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
     residual = torch.randn(rows, width, generator=gen).bfloat16()
     weight = (torch.rand(width, generator=gen) * 2).bfloat16()
-    out, same = rms_norm_native(x, weight, 1e-5)
+    out, same = OPS.rms_norm(x, weight, 1e-5)
     expected = F.rms_norm(x, (width,), weight, 1e-5)
     assert same is x
     # the fp32 sum of squares is added in another order than torch's: at most one bf16 step, rarely
     assert int(_bf16_ulps(out, expected).max()) <= 1
     assert int((out != expected).sum()) <= max(2, out.numel() // 1000)
-    out, total = rms_norm_native(x, weight, 1e-6, residual)
+    out, total = OPS.rms_norm(x, weight, 1e-6, residual)
     assert torch.equal(total, x + residual)  # torch's bf16 add, bit for bit
     assert int(_bf16_ulps(out, F.rms_norm(x + residual, (width,), weight, 1e-6)).max()) <= 1
     with torch_threads(3):  # rows over the W4A16 pool (from 8,192 elements): each row's bits unchanged
-        threaded = rms_norm_native(x, weight, 1e-6, residual)
+        threaded = OPS.rms_norm(x, weight, 1e-6, residual)
     assert torch.equal(threaded[0], out) and torch.equal(threaded[1], total)
 
 
@@ -81,7 +82,7 @@ def test_rounding_keeps_nan_and_inf_as_torch_does() -> None:
     residual = torch.zeros_like(x)
     residual[3, 20] = float("nan")
     weight = torch.ones(40).bfloat16()
-    out, total = rms_norm_native(x, weight, 1e-6, residual)
+    out, total = OPS.rms_norm(x, weight, 1e-6, residual)
     expected_total = x + residual
     assert torch.equal(total.isnan(), expected_total.isnan())
     assert torch.equal(total[~total.isnan()], expected_total[~expected_total.isnan()])
@@ -89,7 +90,7 @@ def test_rounding_keeps_nan_and_inf_as_torch_does() -> None:
     gate_up = torch.randn(3, 64).bfloat16()
     gate_up[0, 5], gate_up[1, 40], gate_up[2, 7] = float("nan"), float("inf"), float("inf")
     gate, up = gate_up.chunk(2, dim=-1)
-    out, expected = silu_mul_native(gate_up), F.silu(gate) * up
+    out, expected = silu_mul_c(OPS, gate_up), F.silu(gate) * up
     assert torch.equal(out.isnan(), expected.isnan())
     assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
 
@@ -99,25 +100,25 @@ def test_silu_mul_equals_torch(rows: int, width: int) -> None:
     gen = torch.Generator().manual_seed(rows + width)
     gate_up = (torch.randn(rows, 2 * width, generator=gen) * 4).bfloat16()
     gate, up = gate_up.chunk(2, dim=-1)
-    out = silu_mul_native(gate_up)
+    out = silu_mul_c(OPS, gate_up)
     expected = F.silu(gate) * up
     assert out.shape == (rows, width)
     assert int(_bf16_ulps(out, expected).max()) <= 1  # expf vs torch's vectorized exp: rarely a step
     assert int((out != expected).sum()) <= max(2, out.numel() // 1000)
     with torch_threads(3):
-        assert torch.equal(silu_mul_native(gate_up), out)
+        assert torch.equal(silu_mul_c(OPS, gate_up), out)
 
 
-def test_which_tensors_take_the_c_ops(monkeypatch) -> None:
+def test_which_tensors_take_the_c_ops() -> None:
     x = torch.randn(4, 64).bfloat16()
-    assert native_ops_apply(x)
-    assert not native_ops_apply(x.float())  # fp32 (the reference mode) stays in torch
-    assert not native_ops_apply(x.t())  # not contiguous
-    assert silu_mul_applies(torch.zeros(2, 2 * 1536).bfloat16())  # a decode step's few rows: C
-    assert not silu_mul_applies(torch.zeros(32, 2 * 1536).bfloat16())  # a batch: torch's vectorized exp
-    monkeypatch.setenv(CPU_ISA_ENV, "torch")
-    assert not native_ops_apply(x)
-    norm = RMSNorm(torch.ones(64).bfloat16(), 1e-5)
+    assert OPS.applies(x)
+    assert not OPS.applies(x.float())  # fp32 (the reference mode) stays in torch
+    assert not OPS.applies(x.t())  # not contiguous
+    assert OPS.silu_mul_applies(torch.zeros(2, 2 * 1536).bfloat16())  # a decode step's few rows: C
+    assert not OPS.silu_mul_applies(torch.zeros(32, 2 * 1536).bfloat16())  # a batch: torch's vectorized exp
+    off = CpuOps.choose("torch")
+    assert off.level is None and not off.applies(x) and off.describe_level() == "torch"
+    norm = RMSNorm(torch.ones(64).bfloat16(), 1e-5, off)
     assert torch.equal(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5))  # the torch op itself
     normed, total = norm.add_norm(x, x)
     assert torch.equal(total, x + x) and torch.equal(normed, F.rms_norm(x + x, (64,), norm.weight, 1e-5))
@@ -161,20 +162,14 @@ def test_rotary_equals_torch(num_tokens: int, rotary_dim: int) -> None:
 
     config = LlamaConfig(head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     config.rope_parameters["partial_rotary_factor"] = rotary_dim / 64
-    rotary = RotaryEmbedding(config, 64, 256, torch.bfloat16, torch.device("cpu"))
+    rotary = RotaryEmbedding(config, 64, 256, torch.bfloat16, torch.device("cpu"), OPS)
+    in_torch = RotaryEmbedding(config, 64, 256, torch.bfloat16, torch.device("cpu"), CpuOps.choose("torch"))
     qkv = torch.randn(num_tokens, 13 * 64, generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
     heads = qkv[:, : 12 * 64].view(num_tokens, 12, 64)  # the q/k heads of a qkv row: a strided view
     cos_sin = rotary.at(torch.arange(num_tokens) * 17)
-    assert cpu_ops.rotary_applies(heads, *cos_sin)
-    out = rotary(heads, cos_sin)
-    cpu_ops._enabled.cache_clear()
-    ext, cpu_ops._ext = cpu_ops._ext, None  # the torch ops, for comparison
-    try:
-        expected = rotary(heads, cos_sin)
-    finally:
-        cpu_ops._ext = ext
-        cpu_ops._enabled.cache_clear()
-    assert torch.equal(out, expected)
+    assert OPS.rotary_applies(heads, *cos_sin)
+    assert not in_torch.ops.rotary_applies(heads, *cos_sin)
+    assert torch.equal(rotary(heads, cos_sin), in_torch(heads, cos_sin))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -194,8 +189,8 @@ def test_store_writes_the_bytes_torch_writes(cache_dtype: torch.dtype) -> None:
     pool = torch.zeros(2, 6, page_size, num_kv_heads, head_dim, dtype=cache_dtype)
     scales = torch.tensor([[0.5, 0.01, 2.0], [1.0, 0.03, 0.25]])
     slots = torch.tensor([5, 0, -1, 7, 23, 12, 13, 2, 9], dtype=torch.int32)  # one skipped
-    assert store_applies(k, v, pool[0], slots)
-    store_kv_native(k, v, pool[0], pool[1], scales, slots)
+    assert OPS.store_applies(k, v, pool[0], slots)
+    OPS.store_kv(k, v, pool[0], pool[1], scales, slots)
     expected = torch.zeros_like(pool)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -218,18 +213,16 @@ def test_store_quantizes_every_bf16_value_as_torch_does(v_scale: float) -> None:
     v = every.flip(0).view(256, 1, 256)
     pool = torch.zeros(2, 16, 16, 1, 256, dtype=torch.float8_e4m3fn)
     scales = torch.tensor([[1.0], [v_scale]])
-    store_kv_native(k, v, pool[0], pool[1], scales, torch.arange(256, dtype=torch.int32))
+    OPS.store_kv(k, v, pool[0], pool[1], scales, torch.arange(256, dtype=torch.int32))
     for i, x in enumerate((k, v)):
         expected = quantize_kv(x, torch.float8_e4m3fn, scales[i][:, None])
         assert torch.equal(pool[i].view(256, 1, 256).view(torch.uint8), expected.view(torch.uint8))
 
 
-def test_every_vector_level_gives_the_same_bits(monkeypatch) -> None:
+def test_every_vector_level_gives_the_same_bits() -> None:
     """RMSNorm (with the residual), SiLU-and-mul, rotary, the FP8 store and the argmax built for the
-    baseline, AVX2 and AVX-512 (KVQ_CPU_ISA=scalar / avx2 / auto hold the level) give the same bits,
-    on widths off the vector steps."""
-    from kvq.runtime.kernels.cpu.ops import rotary_native
-
+    baseline, AVX2 and AVX-512 (the scalar / avx2 / auto paths hold the level) give the same bits, on
+    widths off the vector steps."""
     runs = vector_level_runs()
     gen = torch.Generator().manual_seed(11)
     x, residual = (torch.randn(2, 33, 577, generator=gen) * 3).bfloat16()
@@ -242,18 +235,19 @@ def test_every_vector_level_gives_the_same_bits(monkeypatch) -> None:
     logits = torch.randn(7, 1000, generator=gen)
     outs: dict[str, list[torch.Tensor]] = {}
     for isa in runs:
-        monkeypatch.setenv(CPU_ISA_ENV, isa)
+        ops = CpuOps.choose(isa)
+        assert ops.level is not None
         pool = torch.zeros(2, 4, 4, 3, 72, dtype=torch.float8_e4m3fn)
-        store_kv_native(kv[:, :3], kv[:, 3:], pool[0], pool[1], scales, slots)
+        ops.store_kv(kv[:, :3], kv[:, 3:], pool[0], pool[1], scales, slots)
         outs[isa] = [
-            *rms_norm_native(x, weight, 1e-5, residual),
-            silu_mul_native(gate_up),
-            rotary_native(heads, cos, sin_signed, 64),
+            *ops.rms_norm(x, weight, 1e-5, residual),
+            silu_mul_c(ops, gate_up),
+            ops.rotary(heads, cos, sin_signed, 64),
             pool.view(torch.uint8),
-            *argmax_finite(logits),
-            *argmax_finite(logits.bfloat16()),
+            *argmax_finite(logits, ops.level),
+            *argmax_finite(logits.bfloat16(), ops.level),
         ]
-    assert cpu_ops.vector_level() == cpu_ops._ext.vector_level(2)  # auto: the widest this CPU runs
+    assert OPS.level == WIDEST  # auto: the widest (the C side lowers it to what this CPU runs)
     for isa in runs[1:]:
         for got, want in zip(outs[isa], outs["scalar"], strict=True):
             assert torch.equal(got, want), isa

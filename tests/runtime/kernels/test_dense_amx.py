@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kvq.runtime.kernels.cpu.dense import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
 from kvq.runtime.kernels.cpu.isa import CPU_ISA_ENV
 from kvq.runtime.kernels.cpu.linear import gemm_dense
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.layers.linear import DenseLinear
 from tests.runtime.cpu_isa import needs_amx
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
@@ -72,7 +73,7 @@ def test_bad_shapes_are_refused() -> None:
 def test_dense_linear_takes_it_for_decode_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(11)
     weight, bias = _random((300, 576), gen), _random((300,), gen)
-    layer = DenseLinear(weight, bias)
+    layer = DenseLinear(weight, bias, CpuOps.choose())
     assert layer.is_amx
     for num_rows in (1, 8, DENSE_AMX_MAX_ROWS):
         x = _random((num_rows, 576), gen)
@@ -85,4 +86,4 @@ def test_dense_linear_takes_it_for_decode_batches(monkeypatch: pytest.MonkeyPatc
     x = _random((DENSE_AMX_MAX_ROWS + 1, 576), gen)
     assert torch.equal(layer.matmul(x), F.linear(x, weight))  # more rows: oneDNN (prefill)
     monkeypatch.setenv(CPU_ISA_ENV, "avx512bf16")
-    assert not DenseLinear(weight, bias).is_amx  # another path chosen: torch's GEMMs
+    assert not DenseLinear(weight, bias, CpuOps.choose()).is_amx  # another path chosen: torch's GEMMs

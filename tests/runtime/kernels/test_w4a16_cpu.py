@@ -24,6 +24,7 @@ from kvq.runtime.kernels.cpu.isa import (
     runnable_isas,
 )
 from kvq.runtime.kernels.cpu.linear import (
+    DenseScratch,
     NativeW4A16,
     dense_from_rows,
     dequantize,
@@ -218,7 +219,7 @@ def test_without_the_extension_auto_is_the_torch_op() -> None:
         "try:\n"
         "    resolve_cpu_isa('avx2')\n"
         "except KvqError as e:\n"
-        "    assert 'not built' in str(e) and 'KVQ_CPU_ISA=torch' in str(e), e\n"
+        "    assert 'not built' in str(e) and '--cpu-isa torch' in str(e), e\n"
         "else:\n"
         "    raise AssertionError('no error')\n"
     )
@@ -289,7 +290,7 @@ def test_prefill_batches_run_the_decompressed_weight_through_torch(monkeypatch, 
     for dot, first in (("vnni", DENSE_FROM_ROWS), ("bf16", VDPBF16PS_DENSE_FROM_ROWS)):
         monkeypatch.setenv(CPU_DOT_ENV, dot)
         assert dense_from_rows("avx512bf16") == first
-        linear = NativeW4A16(packed, native_scale(scale), 128, "avx512bf16")
+        linear = NativeW4A16(packed, native_scale(scale), 128, "avx512bf16", DenseScratch())
         for rows in (first - 1, first, 130):
             x = torch.randn(rows, 384, generator=gen).bfloat16()
             y = linear(x)

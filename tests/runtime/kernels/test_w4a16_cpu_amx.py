@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvq.runtime.kernels.cpu.isa import AMX_DENSE_FROM_ROWS, AMX_FROM_ROWS, DENSE_CHUNK_ELEMENTS
-from kvq.runtime.kernels.cpu.linear import NativeW4A16, native_scale, w4a16_native
+from kvq.runtime.kernels.cpu.linear import DenseScratch, NativeW4A16, native_scale, w4a16_native
 from tests.runtime.cpu_isa import needs_amx
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, bf16_weight, random_w4a16
 
@@ -80,7 +80,7 @@ def test_amx_runs_tiles_for_bf16_batches_only() -> None:
     is: ~224.94 (bf16: 225)."""
     packed = torch.full((20, 4), -1, dtype=torch.int32)  # every nibble 15: q = 7; N = 20, K = 32
     scale = torch.full((20, 1), 1.00222)
-    linear = NativeW4A16(packed, scale, 32, "amx")
+    linear = NativeW4A16(packed, scale, 32, "amx", DenseScratch())
     tiles, scaled = 224.4375, 224.4375 * 1.00222
     for num_rows, dtype, expected in (
         (1, torch.bfloat16, scaled),
@@ -132,7 +132,7 @@ def test_amx_prefill_batches(monkeypatch: pytest.MonkeyPatch, chunk_elements: in
     monkeypatch.setattr("kvq.runtime.kernels.cpu.linear.DENSE_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(5)
     packed, scale = random_w4a16(200, 384, 128, gen)
-    linear = NativeW4A16(packed, native_scale(scale), 128, "amx")
+    linear = NativeW4A16(packed, native_scale(scale), 128, "amx", DenseScratch())
     weight = bf16_weight(packed, scale, 128)
     for num_rows in (64, AMX_DENSE_FROM_ROWS - 1, AMX_DENSE_FROM_ROWS, 300):
         x = torch.randn(num_rows, 384, generator=gen).bfloat16()

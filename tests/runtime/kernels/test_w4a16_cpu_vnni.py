@@ -13,6 +13,7 @@ from kvq.errors import KvqError
 from kvq.formats.pack_quantized import pack_int4
 from kvq.runtime.kernels.cpu.isa import CPU_DOT_ENV, bf16_dot, resolve_cpu_isa, runnable_isas
 from kvq.runtime.kernels.cpu.linear import native_scale, w4a16_native
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.kernels.cpu.path import describe_cpu_path
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, bf16_weight, random_w4a16
 
@@ -156,9 +157,9 @@ def test_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bf16_dot() == ("vnni" if is_intel else "bf16")
     monkeypatch.setenv(CPU_DOT_ENV, "bf16")
     assert bf16_dot() == "bf16"
-    assert "(bf16 activations on vdpbf16ps)" in describe_cpu_path("avx512bf16")
+    assert "(bf16 activations on vdpbf16ps)" in describe_cpu_path(CpuOps.choose("avx512bf16"))
     monkeypatch.setenv(CPU_DOT_ENV, "vnni")
-    assert "(bf16 activations on AVX-512 VNNI integer sums)" in describe_cpu_path("avx512bf16")
+    assert "(bf16 activations on AVX-512 VNNI integer sums)" in describe_cpu_path(CpuOps.choose("avx512bf16"))
     monkeypatch.setenv(CPU_DOT_ENV, "int8")
     with pytest.raises(KvqError, match=r"\$KVQ_CPU_DOT is 'int8'; expected vnni, bf16 or unset"):
         resolve_cpu_isa("avx512bf16")

@@ -178,19 +178,22 @@ static inline void store_y4(const Job *job, int64_t m, int64_t n, __m128 v) {
 }
 #endif
 
-/* A W8A16 call (see _w8a16.h): int8 weights [N, K] with one scale per row. */
+/* A W8A16 call (see _w8a16.h): int8 weights [N, K] with one scale per row; or a dense bf16 GEMV
+   (gemv_dense: `w16` set, M = 1, no scale). */
 typedef struct {
     int isa, x_dtype, scale_dtype, y_dtype;
     int64_t M, K, N;
     const void *x;
     const int8_t *w;
-    const void *scale;
+    const uint16_t *w16; /* bf16 weights [N, K] instead of w (one activation row) */
+    const void *scale;   /* NULL: 1 */
     void *y;
     float *xp; /* activations in fp32, [M, K] */
 } W8Job;
 
 static inline void w8_store(const W8Job *job, int64_t m, int64_t n, float dot) {
-    store_f32(job->y, job->y_dtype, m * job->N + n, dot * load_f32(job->scale, job->scale_dtype, n));
+    float scale = job->scale == NULL ? 1.0f : load_f32(job->scale, job->scale_dtype, n);
+    store_f32(job->y, job->y_dtype, m * job->N + n, dot * scale);
 }
 
 static inline int isa_lanes(int isa) { return isa >= ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 0; }
@@ -350,6 +353,7 @@ static void scalar_rows(const Job *job, int64_t n0, int64_t n1) {
 #define VI_AND(a, b) _mm256_and_si256(a, b)
 #define VI_SRLI(v, i) _mm256_srli_epi32(v, i)
 #define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define V_LOAD_W16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 TARGET static inline float hsum_avx2(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -389,6 +393,7 @@ TARGET static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
 #undef VI_AND
 #undef VI_SRLI
 #undef V_LOAD_I8
+#undef V_LOAD_W16
 
 #define ISA avx512
 #define TARGET TARGET_AVX512
@@ -417,6 +422,7 @@ TARGET static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
 #define VI_LOAD_FIRST(p, n) _mm512_maskz_loadu_epi32((1u << (n)) - 1u, (const void *)(p))
 #define VI_SRLI(v, i) _mm512_srli_epi32(v, i)
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define V_LOAD_W16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 TARGET static inline __m256 half_sum_avx512(__m512 v) { /* the two 256-bit halves added */
     __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
     return _mm256_add_ps(_mm512_castps512_ps256(v), high);
@@ -686,6 +692,7 @@ static PyMethodDef methods[] = {
     {"gemm", gemm, METH_VARARGS, "y = x @ dequantize(weight_packed, weight_scale)^T (see the module source)."},
     {"gemm_w8", gemm_w8, METH_VARARGS, "y = x @ (w * scale[:, None])^T for int8 w (see _w8a16.h)."},
     {"gemm_dense", gemm_dense, METH_VARARGS, "y = x @ w^T for bf16 w on AMX tiles (see _dense_amx.h)."},
+    {"gemv_dense", gemv_dense, METH_VARARGS, "y = x @ w^T for one bf16 row x and a bf16 w (see _w8a16.h)."},
     {"dequantize", dequantize, METH_VARARGS, "out = bf16(q * scale), the weight as bf16 (see _linear_dequant.h)."},
 #ifdef KVQ_X86
     {"gemm_w4a8", gemm_w4a8, METH_VARARGS, "y = x @ (q * scale)^T with x as int8 per chunk (see _w4a8.h)."},

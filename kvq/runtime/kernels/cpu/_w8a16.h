@@ -10,17 +10,22 @@
    ~9x avx512bf16's loops on the SmolLM2 lm_head at 32 rows), fewer rows as avx512bf16.
 
    gemm_w8(isa, threads, x, x_dtype, M, K, w, scale, scale_dtype, N, y, y_dtype) takes addresses and dtype
-   codes; the caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu/w8a16.py). */
+   codes; the caller checks shapes, dtypes and contiguity (kvq/runtime/kernels/cpu/w8a16.py).
+
+   gemv_dense(isa, threads, x, K, w, N, y) is the same GEMV over a dense bf16 weight [N, K] and one bf16 row
+   x [1, K] into bf16 y [1, N] (no scale): a BF16 Linear's decode row without torch's GEMM dispatch (oneDNN
+   copies the whole weight into a blocked buffer at every such call on AVX-512 BF16 CPUs). */
 
 /* The reference: per output, a plain fp32 sum in k order, then times the row's scale. */
 static void w8_scalar_rows(const W8Job *job, int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < job->M; m++)
         for (int64_t n = n0; n < n1; n++) {
-            const int8_t *w = job->w + n * job->K;
             const float *x = job->xp + m * job->K;
             float sum = 0.0f;
             for (int64_t k = 0; k < job->K; k++)
-                sum += (float)w[k] * x[k];
+                sum += (job->w16 != NULL ? load_f32(job->w16, DTYPE_BF16, n * job->K + k)
+                                         : (float)job->w[n * job->K + k]) *
+                       x[k];
             w8_store(job, m, n, sum);
         }
 }
@@ -148,6 +153,42 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
 #else
     status = w8_run(threads, &job);
 #endif
+    pthread_mutex_unlock(&call_lock);
+    Py_END_ALLOW_THREADS;
+    if (status < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *gemv_dense(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, threads;
+    unsigned long long x, w, y;
+    long long K, N;
+    if (!PyArg_ParseTuple(args, "iiKLKLK", &isa, &threads, &x, &K, &w, &N, &y))
+        return NULL;
+    if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
+        return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (N < 0 || K <= 0)
+        return PyErr_Format(PyExc_ValueError, "bad shape N=%lld K=%lld", N, K);
+    if (N == 0)
+        Py_RETURN_NONE;
+    W8Job job = {
+        .isa = isa >= ISA_AVX512 ? ISA_AVX512 : isa, /* one row: the AVX-512 GEMV on every AVX-512 path */
+        .x_dtype = DTYPE_BF16,
+        .scale_dtype = DTYPE_F32,
+        .y_dtype = DTYPE_BF16,
+        .M = 1,
+        .K = K,
+        .N = N,
+        .x = (const void *)(uintptr_t)x,
+        .w16 = (const uint16_t *)(uintptr_t)w,
+        .y = (void *)(uintptr_t)y,
+    };
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&call_lock);
+    status = w8_run(threads, &job);
     pthread_mutex_unlock(&call_lock);
     Py_END_ALLOW_THREADS;
     if (status < 0)

@@ -1,5 +1,6 @@
 /* One ISA's W8A16 kernels, included by _linear.c once per ISA after _linear_simd.h, with its macros
-   (ISA, TARGET, L, VF, V_*) plus V_LOAD_I8(p): L int8 weights as fp32 lanes.
+   (ISA, TARGET, L, VF, V_*) plus V_LOAD_I8(p): L int8 weights as fp32 lanes, and V_LOAD_W16(p): L bf16
+   weights as fp32 lanes (exact).
 
    gemv (M = 1): per row, a dot of its int8 weights with the fp32 activations in 4 accumulators, the
    scalar tail after the vector part, times the row's scale. gemm (M >= 2): per tile of 4 rows, the
@@ -10,22 +11,38 @@
 #define W8_TILE_K 1024 /* inputs per fp32 tile: 4 rows x 4 KiB, in L1 */
 #define W8_M_BLOCK 64  /* activation rows per pass over a tile */
 
-TARGET static float W8_FN(w8_dot)(const int8_t *w, const float *x, int64_t K) {
+/* sum_k w[k] * x[k] in fp32 over one weight row, int8 (is_bf16 0) or bf16 (1), each weight widened exactly:
+   4 accumulators, then one, then the scalar tail. Inlined into w8_dot and w16_dot, where is_bf16 is a
+   constant and the loads are one kind. */
+TARGET static inline __attribute__((always_inline)) float W8_FN(row_dot)(const void *w, int is_bf16,
+                                                                         const float *x, int64_t K) {
+    const int8_t *w8 = (const int8_t *)w;
+    const uint16_t *w16 = (const uint16_t *)w;
+#define W8_LOAD(k) (is_bf16 ? V_LOAD_W16(w16 + (k)) : V_LOAD_I8(w8 + (k)))
     VF a0 = V_ZERO(), a1 = V_ZERO(), a2 = V_ZERO(), a3 = V_ZERO();
     int64_t k = 0;
     for (; k + 4 * L <= K; k += 4 * L) {
-        __builtin_prefetch(w + k + GEMV_PREFETCH_BYTES, 0, 3); /* as the W4A16 GEMVs (_linear.c) */
-        a0 = V_FMA(V_LOAD_I8(w + k), V_LOADU(x + k), a0);
-        a1 = V_FMA(V_LOAD_I8(w + k + L), V_LOADU(x + k + L), a1);
-        a2 = V_FMA(V_LOAD_I8(w + k + 2 * L), V_LOADU(x + k + 2 * L), a2);
-        a3 = V_FMA(V_LOAD_I8(w + k + 3 * L), V_LOADU(x + k + 3 * L), a3);
+        /* as the W4A16 GEMVs (_linear.c): GEMV_PREFETCH_BYTES ahead of the bytes read */
+        __builtin_prefetch((const char *)w + k * (is_bf16 ? 2 : 1) + GEMV_PREFETCH_BYTES, 0, 3);
+        a0 = V_FMA(W8_LOAD(k), V_LOADU(x + k), a0);
+        a1 = V_FMA(W8_LOAD(k + L), V_LOADU(x + k + L), a1);
+        a2 = V_FMA(W8_LOAD(k + 2 * L), V_LOADU(x + k + 2 * L), a2);
+        a3 = V_FMA(W8_LOAD(k + 3 * L), V_LOADU(x + k + 3 * L), a3);
     }
     for (; k + L <= K; k += L)
-        a0 = V_FMA(V_LOAD_I8(w + k), V_LOADU(x + k), a0);
+        a0 = V_FMA(W8_LOAD(k), V_LOADU(x + k), a0);
+#undef W8_LOAD
     float sum = V_HSUM(V_ADD(V_ADD(a0, a1), V_ADD(a2, a3)));
     for (; k < K; k++)
-        sum += (float)w[k] * x[k];
+        sum += (is_bf16 ? load_f32(w16, DTYPE_BF16, k) : (float)w8[k]) * x[k];
     return sum;
+}
+
+TARGET static float W8_FN(w8_dot)(const int8_t *w, const float *x, int64_t K) { return W8_FN(row_dot)(w, 0, x, K); }
+
+/* w8_dot for a bf16 weight row (gemv_dense). */
+TARGET static float W8_FN(w16_dot)(const uint16_t *w, const float *x, int64_t K) {
+    return W8_FN(row_dot)(w, 1, x, K);
 }
 
 /* out[r] += x0 . tile row r, out[4 + r] += x1 . tile row r (x1 NULL: one row), tile rows K floats apart. */
@@ -62,6 +79,11 @@ TARGET static void W8_FN(w8_tile_dot)(const float *x0, const float *x1, const fl
 /* Rows n0..n1 of y: gemv for one activation row, else tiles of 4 rows x W8_TILE_K inputs in fp32. */
 TARGET static void W8_FN(w8_run)(const W8Job *job, int64_t n0, int64_t n1) {
     const int64_t K = job->K;
+    if (job->w16 != NULL) { /* gemv_dense: one row */
+        for (int64_t n = n0; n < n1; n++)
+            w8_store(job, 0, n, W8_FN(w16_dot)(job->w16 + n * K, job->xp, K));
+        return;
+    }
     if (job->M == 1) {
         for (int64_t n = n0; n < n1; n++)
             w8_store(job, 0, n, W8_FN(w8_dot)(job->w + n * K, job->xp, K));

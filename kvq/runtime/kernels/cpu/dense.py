@@ -19,16 +19,17 @@ DENSE_AMX_MAX_ROWS = 32  # one pass of two 16-row activation tiles (amx_pairs_de
 _AMX_K_MULTIPLE = 32  # inputs per AMX tile
 
 
-def dense_amx_applies(weight: torch.Tensor) -> bool:
+def dense_amx_applies(weight: torch.Tensor, isa: str | None = None) -> bool:
     """Whether `dense_amx_matmul` can run this weight: a contiguous bf16 CPU `[N, K]` with K a multiple of
-    32, on a machine and build whose CPU path is amx (decided once, at load, as the W4A16 path is)."""
+    32, where the CPU path `isa` (None: `resolve_cpu_isa()`) is amx (decided once, at load, as the W4A16
+    path is)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.is_contiguous()
         and weight.shape[1] % _AMX_K_MULTIPLE == 0
-        and resolve_cpu_isa() == "amx"
+        and (resolve_cpu_isa() if isa is None else isa) == "amx"
     )
 
 

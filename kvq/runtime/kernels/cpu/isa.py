@@ -1,6 +1,6 @@
-"""Which CPU path runs: the ISA choice (`resolve_cpu_isa`: a `cpu_isa` setting, else $KVQ_CPU_ISA, else the
-best this CPU and build run), the C extension `_linear` as loaded, and the CPU's flags for messages.
-Imports torch and kvq.errors.
+"""Which CPU path runs: the ISA choice (`resolve_cpu_isa`: the `cpu_isa` setting, else $KVQ_CPU_ISA, else
+the best this CPU and build run; an engine resolves it once, `CpuOps.choose`), the C extension `_linear` as
+loaded, and the CPU's flags for messages. Imports torch, kvq.errors and kvq.runtime.config (the choices).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from types import ModuleType
 import torch
 
 from kvq.errors import KvqError
+from kvq.runtime.config import CPU_ISA_CHOICES
 
 CPU_ISA_ENV = "KVQ_CPU_ISA"
 CPU_DOT_ENV = "KVQ_CPU_DOT"  # how avx512bf16 multiplies bf16 activations: vnni or bf16 (unset: by CPU vendor)
-CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
 NATIVE_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
 AUTO_ISAS = NATIVE_ISAS[:4]  # auto's order of preference ("scalar" is the reference, never auto's)
 BF16_DOT_ISAS = ("amx", "avx512bf16")  # the paths whose bf16 activations go as $KVQ_CPU_DOT says (`bf16_dot`)
@@ -50,19 +50,6 @@ except ImportError:  # built without a C compiler
     _ext = None
 
 
-_ENVIRON_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None  # CPython's bytes dict
-_ENV_KEY = CPU_ISA_ENV.encode()
-
-
-def cpu_isa_env() -> str | None:
-    """$KVQ_CPU_ISA as set now. The C ops read it at every call (~300 a decode step), and os.environ.get
-    costs ~1.5 us in Python-level encoding; on POSIX CPython this reads os.environ's own bytes dict."""
-    if _ENVIRON_DATA is None:
-        return os.environ.get(CPU_ISA_ENV)
-    raw = _ENVIRON_DATA.get(_ENV_KEY)
-    return None if raw is None else raw.decode(errors="surrogateescape")
-
-
 def runnable_isas() -> tuple[str, ...]:
     """The native paths this build can run on this CPU, e.g. ('scalar', 'avx2'); () without the extension."""
     return tuple(_ext.isas()) if _ext is not None else ()
@@ -75,9 +62,9 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
     "scalar" (the C reference) is never chosen by auto. Raises `KvqError` for an unknown choice or a path
     this CPU or build cannot run.
     """
-    raw = choice if choice is not None else cpu_isa_env() or "auto"
+    raw = choice if choice is not None else os.environ.get(CPU_ISA_ENV) or "auto"
     value = raw.strip().lower() or "auto"
-    source = "cpu_isa=" if choice is not None else f"${CPU_ISA_ENV}"
+    source = "--cpu-isa" if choice is not None else f"${CPU_ISA_ENV}"
     if value not in CPU_ISA_CHOICES:
         raise KvqError(f"{source} is {raw!r}; expected one of {', '.join(CPU_ISA_CHOICES)}")
     runnable = runnable_isas()
@@ -87,7 +74,7 @@ def resolve_cpu_isa(choice: str | None = None) -> str:
         if _ext is None:
             raise KvqError(
                 f"{source} is {value!r} but kvq's CPU kernel (kvq.runtime.kernels.cpu._linear) is not built: "
-                f"reinstall kvq where a C compiler is available, or set {CPU_ISA_ENV}=torch"
+                f"reinstall kvq where a C compiler is available, or pass --cpu-isa torch"
             )
         raise KvqError(
             f"{source} is {value!r} but this CPU cannot run it ({cpu_flags()}); "

@@ -1,5 +1,5 @@
 """The native CPU W4A16 kernel: which path runs (`KVQ_CPU_ISA`) and the launchers over the C extension
-(the W8A16 and dense BF16 entries' too, `gemm_w8`, `gemm_dense`).
+(the W8A16 and dense BF16 entries' too: `gemm_w8`, `gemm_dense` on AMX tiles, `gemv_dense` for one row).
 
 `_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
 `w4a16.py`) with AMX (avx512bf16, but batches of at least `AMX_FROM_ROWS` bf16 rows through AMX tiles
@@ -41,12 +41,20 @@ class NativeW4A16:
 
     __slots__ = (
         "weight_packed", "weight_scale", "group_size", "isa", "_isa_code", "_few_rows_code",
-        "_dense_from_rows", "_ptrs", "_scale_code",
+        "_dense_from_rows", "_ptrs", "_scale_code", "scratch",
     )  # fmt: skip
 
-    def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int, isa: str):
+    def __init__(
+        self,
+        weight_packed: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_size: int,
+        isa: str,
+        scratch: DenseScratch,
+    ):
         self.weight_packed, self.weight_scale = weight_packed, weight_scale  # keep the addresses valid
         self.group_size, self.isa, self._isa_code = group_size, isa, _ISA_CODES[isa]
+        self.scratch = scratch  # the engine's, shared by its weights (`dense_matmul`)
         self._few_rows_code = _ISA_CODES[_few_rows_isa(isa)]
         self._dense_from_rows = dense_from_rows(isa)
         self._ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
@@ -58,7 +66,7 @@ class NativeW4A16:
             return w4a16_native(x, self.weight_packed, self.weight_scale, self.group_size, self.isa)
         num_rows = x.shape[0]
         if num_rows >= self._dense_from_rows and x.dtype == torch.bfloat16:
-            return dense_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
+            return dense_matmul(x, self.weight_packed, self.weight_scale, self.group_size, self.scratch)
         code = self._isa_code if num_rows >= AMX_FROM_ROWS else self._few_rows_code
         y = torch.empty((num_rows, self.weight_packed.shape[0]), dtype=x.dtype)
         return _gemm(code, x, *self._ptrs, self._scale_code, self.group_size, y)
@@ -109,7 +117,18 @@ def w4a16_native(
     return _gemm(code, x, *ptrs, scale_code, group_size, y)
 
 
-_dense_scratch: torch.Tensor | None = None
+class DenseScratch:
+    """A bf16 buffer that `dense_matmul` decompresses weights into, grown to the largest chunk asked for and
+    reused: one per engine (its `CpuOps`), shared by all its weights (one forward runs at a time)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.bfloat16)
+
+    def take(self, numel: int) -> torch.Tensor:
+        """The first `numel` elements of the buffer (grown first where it is smaller)."""
+        if self.buffer.numel() < numel:
+            self.buffer = torch.empty(numel, dtype=torch.bfloat16)
+        return self.buffer[:numel]
 
 
 def dequantize(
@@ -125,24 +144,25 @@ def dequantize(
 
 
 def dense_matmul(
-    x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int,
+    scratch: DenseScratch,
 ) -> torch.Tensor:
     """x bf16 `[M, K]` @ bf16(q * scale)^T through torch's BF16 GEMM, the weight decompressed in chunks of
-    output rows into one reused buffer (never a whole bf16 copy of a large weight)."""
-    global _dense_scratch
+    output rows into `scratch` (never a whole bf16 copy of a large weight)."""
     (num_rows, in_features), out_features = x.shape, weight_packed.shape[0]
     rows_per_chunk = max(1, min(out_features, DENSE_CHUNK_ELEMENTS // in_features))
-    need = rows_per_chunk * in_features
-    if _dense_scratch is None or _dense_scratch.numel() < need:
-        _dense_scratch = torch.empty(need, dtype=torch.bfloat16)
+    buffer = scratch.take(rows_per_chunk * in_features)
     if rows_per_chunk == out_features:
-        w = _dense_scratch[:need].view(out_features, in_features)
+        w = buffer.view(out_features, in_features)
         dequantize(weight_packed, weight_scale, group_size, "avx512bf16", w)
         return torch.nn.functional.linear(x, w)
     y = torch.empty(num_rows, out_features, dtype=x.dtype)
     for n0 in range(0, out_features, rows_per_chunk):
         n1 = min(out_features, n0 + rows_per_chunk)
-        w = _dense_scratch[: (n1 - n0) * in_features].view(n1 - n0, in_features)
+        w = buffer[: (n1 - n0) * in_features].view(n1 - n0, in_features)
         dequantize(weight_packed[n0:n1], weight_scale[n0:n1], group_size, "avx512bf16", w)
         y[:, n0:n1] = torch.nn.functional.linear(x, w)
     return y
@@ -179,6 +199,25 @@ def gemm_w8(
         weight.data_ptr(), weight_scale.data_ptr(), _DTYPE_CODES[weight_scale.dtype], out_features,
         y.data_ptr(), _DTYPE_CODES[y.dtype],
     )  # fmt: skip
+
+
+def gemv_dense(isa: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 `[1, N]` = one bf16 row x `[1, K]` @ weight^T for a contiguous bf16 weight `[N, K]` on native path
+    `isa` (its GEMV: fp32 sums, rounded once; AVX-512's on every AVX-512 path). The decode row of a dense
+    BF16 Linear: torch's GEMM dispatch sends it to oneDNN, which on AVX-512 BF16 CPUs copies the whole
+    weight into a blocked buffer at every call (~2x the time of this GEMV on SmolLM2's lm_head, Zen 4)."""
+    y = torch.empty((1, weight.shape[0]), dtype=torch.bfloat16)
+    fn, args = gemv_dense_call(isa, x.contiguous(), weight, y)
+    fn(*args)
+    return y
+
+
+def gemv_dense_call(isa: str, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> Call:
+    """`gemv_dense`'s C call into contiguous bf16 y `[1, N]` (x contiguous)."""
+    assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
+    (out_features, in_features), threads = weight.shape, torch.get_num_threads()
+    args = (x.data_ptr(), in_features, weight.data_ptr(), out_features, y.data_ptr())
+    return _ext.gemv_dense, (_ISA_CODES[isa], threads, *args)
 
 
 def gemm_dense(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:

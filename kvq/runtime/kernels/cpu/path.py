@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from kvq.runtime.kernels.cpu.isa import BF16_DOT_ISAS, bf16_dot, cpu_flags
-from kvq.runtime.kernels.cpu.ops import describe_level
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 
 
-def describe_cpu_path(isa: str, int4_compute: str = "w4a16") -> str:
+def describe_cpu_path(ops: CpuOps, int4_compute: str = "w4a16") -> str:
     """One line for logs and benchmarks: the CPU's features, the W4A16 path that runs (amx: dense BF16
     Linears' decode batches too, `cpu.dense`), the W4A8 kernel with int4_compute "w4a8", and the vector
-    level of the C small ops (attention, norms, rotary, store, argmax) under the same $KVQ_CPU_ISA."""
+    level of the C small ops (attention, norms, rotary, store) on the same path."""
+    isa = ops.isa
     path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
     if isa in BF16_DOT_ISAS:
         dot = "AVX-512 VNNI integer sums" if bf16_dot() == "vnni" else "vdpbf16ps"
@@ -18,6 +19,5 @@ def describe_cpu_path(isa: str, int4_compute: str = "w4a16") -> str:
     if isa == "amx":
         path += " (dense BF16 decode batches on AMX tiles too)"
     if int4_compute == "w4a8":
-        path += f"; INT4 as W4A8 (and an INT8 lm_head as W8A8) on the {w4a8_path()} kernel"
-    ops = describe_level()
-    return f"CPU W4A16 path: {path}, small ops: {ops} (CPU: {cpu_flags()})"
+        path += f"; INT4 as W4A8 (and an INT8 lm_head as W8A8) on the {w4a8_path(isa)} kernel"
+    return f"CPU W4A16 path: {path}, small ops: {ops.describe_level()} (CPU: {cpu_flags()})"

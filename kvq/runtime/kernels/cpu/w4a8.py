@@ -28,11 +28,11 @@ def w4a8_runnable() -> tuple[str, ...]:
     return tuple(name for name, ok in zip(W4A8_PATHS, _ext.w4a8_paths(), strict=True) if ok)
 
 
-def w4a8_path() -> str | None:
-    """The kernel `int4_compute="w4a8"` runs, by the CPU path ($KVQ_CPU_ISA): vnni on an AVX-512 one where
-    the CPU has VNNI, else avx2 on any SIMD one (a held avx2 path stands for a CPU without AVX-512);
-    None on scalar and torch."""
-    isa, runnable = resolve_cpu_isa(), w4a8_runnable()
+def w4a8_path(isa: str | None = None) -> str | None:
+    """The kernel `int4_compute="w4a8"` runs on CPU path `isa` (None: `resolve_cpu_isa()`): vnni on an
+    AVX-512 one where the CPU has VNNI, else avx2 on any SIMD one (a held avx2 path stands for a CPU
+    without AVX-512); None on scalar and torch."""
+    isa, runnable = resolve_cpu_isa() if isa is None else isa, w4a8_runnable()
     if isa in ("amx", "avx512bf16", "avx512") and "vnni" in runnable:
         return "vnni"
     return "avx2" if isa in ("amx", "avx512bf16", "avx512", "avx2") and "avx2" in runnable else None

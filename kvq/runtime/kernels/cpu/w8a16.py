@@ -62,8 +62,9 @@ class W8A16Weight:
         return self.weight.shape[1]
 
 
-def prepare_w8a16(weight: torch.Tensor, weight_scale: torch.Tensor) -> W8A16Weight:
-    """Check an int8 weight and its row scales and pick the path for its device (once, at load)."""
+def prepare_w8a16(weight: torch.Tensor, weight_scale: torch.Tensor, isa: str | None = None) -> W8A16Weight:
+    """Check an int8 weight and its row scales and pick the path for its device (once, at load): on CPU,
+    `isa` (None: `resolve_cpu_isa()`)."""
     if weight.dtype != torch.int8 or weight.dim() != 2:
         raise TypeError(f"weight must be int8 [N, K], got {weight.dtype} {tuple(weight.shape)}")
     if tuple(weight_scale.shape) != (weight.shape[0],) or not weight_scale.is_floating_point():
@@ -71,7 +72,10 @@ def prepare_w8a16(weight: torch.Tensor, weight_scale: torch.Tensor) -> W8A16Weig
             f"weight_scale must be a float [N] = [{weight.shape[0]}], got {weight_scale.dtype} "
             f"{tuple(weight_scale.shape)}"
         )
-    isa = resolve_cpu_isa() if weight.device.type == "cpu" else None
+    if weight.device.type != "cpu":
+        isa = None
+    elif isa is None:
+        isa = resolve_cpu_isa()
     return W8A16Weight(weight.contiguous(), weight_scale.float().contiguous(), isa)
 
 

@@ -5,9 +5,9 @@ in `kv_cache_layout`; out `[B, Hq, D]` in q.dtype; softmax(q.k * sm_scale) over 
 cached tokens (a sequence of length 0 gives zeros). This file holds the reference (the spec, one
 sequence at a time) and the torch path (all sequences at once, over a `PagedKVCache` and a
 `PagedDecodePlan`: the per-step index work every layer shares), which hands bf16 queries on CPU to kvq's C
-op (`cpu.ops.decode_attention_native`: bf16 or FP8 pages read in place, fp32 inside); the Triton
+op (the kv's `cpu_ops.decode_attention`: bf16 or FP8 pages read in place, fp32 inside); the Triton
 flash-decoding kernel is in `triton/paged_attention.py`.
-Imports torch and kvq.runtime.kernels.cpu.ops.
+Imports torch and kvq.runtime.kernels.paged.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvq.formats.fp8_e4m3 import fp8_bits_to
-from kvq.runtime.kernels.cpu.ops import decode_attention_native, native_attention_applies
 from kvq.runtime.kernels.kv_cache_layout import check_kv_cache, dequantize_kv, is_fp8, per_head_scale
 
 if TYPE_CHECKING:
@@ -195,9 +194,10 @@ def paged_decode_attention_torch(
     """
     check_decode_queries(q, block_tables, seq_lens, kv.k_cache)
     _, page_size, num_kv_heads, head_dim = kv.k_cache.shape
-    if native_attention_applies(q, kv.k_cache, block_tables, seq_lens):  # CPU bf16 queries: one C call
+    ops = kv.cpu_ops
+    if ops.attention_applies(q, kv.k_cache, block_tables, seq_lens):  # CPU bf16 queries: one C call
         sm_scale = default_sm_scale(head_dim) if sm_scale is None else sm_scale
-        return decode_attention_native(
+        return ops.decode_attention(
             q, kv.k_cache, kv.v_cache, kv.stacked_scales, block_tables, seq_lens, sm_scale
         )
     num_seqs, num_heads, _ = q.shape

@@ -13,6 +13,7 @@ import torch
 
 from kvq.formats.fp8_e4m3 import FP8_BITS_SCALE
 from kvq.runtime.kernels.backend import Backend, resolve_backend
+from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.kernels.kv_cache_layout import check_kv_cache, kv_slot_rows, per_head_scale
 
 
@@ -27,6 +28,7 @@ class PagedKVPages:
     k_scale: torch.Tensor  # fp32 [Hkv] (an expanded view, stride 0, for a per-tensor scale)
     v_scale: torch.Tensor
     backend: Backend
+    cpu_ops: CpuOps  # on CPU, the engine's C ops (the store and decode attention where they apply)
     stamps: torch.Tensor | None = None  # int64 [num_slots] (stride L): the checked pool's slot stamps
 
     @classmethod
@@ -38,8 +40,10 @@ class PagedKVPages:
         v_scale: torch.Tensor | float | None = None,
         *,
         backend: str | None = None,
+        cpu_ops: CpuOps | None = None,
     ) -> Self:
-        """Check the caches, make scales (per tensor or per head; None = 1) fp32 `[Hkv]`, pick the backend."""
+        """Check the caches, make scales (per tensor or per head; None = 1) fp32 `[Hkv]`, pick the backend
+        (and the CPU kernels: None, `CpuOps.choose()`; a layer binds its engine's, `PagedAttention.bind`)."""
         _, num_kv_heads, _ = check_kv_cache(k_cache, v_cache)
         return cls(
             k_cache,
@@ -47,6 +51,7 @@ class PagedKVPages:
             per_head_scale(k_scale, num_kv_heads, k_cache.device, "k_scale"),
             per_head_scale(v_scale, num_kv_heads, k_cache.device, "v_scale"),
             resolve_backend(k_cache.device, backend),
+            CpuOps.choose() if cpu_ops is None else cpu_ops,
         )
 
     @cached_property

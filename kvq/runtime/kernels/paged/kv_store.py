@@ -1,10 +1,10 @@
 """KV store: write new K/V `[T, Hkv, D]` into their page slots, quantizing to FP8 with the layer's scales.
 
 Reference (the spec) and the torch path (over a `PagedKVCache`: K and V with one row copy when they are
-the halves of one tensor, as in the engine's pool; bf16 K/V on CPU: kvq's C op, `cpu.ops.store_kv_native`,
+the halves of one tensor, as in the engine's pool; bf16 K/V on CPU: kvq's C op, the kv's `cpu_ops.store_kv`,
 the same bytes, and the checked pool's slot stamps in the same pass); the Triton kernel is in
 `triton/kv_store.py`. Layout and scale conventions:
-`kv_cache_layout`. Imports torch, kvq.runtime.kernels.cpu.ops and kvq.runtime.kernels.integrity.
+`kv_cache_layout`. Imports torch, kvq.runtime.kernels.paged and kvq.runtime.kernels.integrity.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvq.runtime.kernels.cpu.ops import store_applies, store_kv_native
 from kvq.runtime.kernels.integrity.stamp_check import write_stamps
 from kvq.runtime.kernels.kv_cache_layout import (
     check_kv_cache,
@@ -86,8 +85,10 @@ def store_kv_torch(
     pages (`kv.stamps`), each written slot's stamp (`write_stamps`; in the C call, the same pass)."""
     check_new_kv(k, v, slot_mapping, kv.k_cache)
     stamps = kv.stamps if slot_stamps is not None else None
-    if store_applies(k, v, kv.k_cache, slot_mapping):  # CPU bf16: one C call, the same bytes
-        store_kv_native(k, v, kv.k_cache, kv.v_cache, kv.stacked_scales, slot_mapping, stamps, slot_stamps)
+    if kv.cpu_ops.store_applies(k, v, kv.k_cache, slot_mapping):  # CPU bf16: one C call, the same bytes
+        kv.cpu_ops.store_kv(
+            k, v, kv.k_cache, kv.v_cache, kv.stacked_scales, slot_mapping, stamps, slot_stamps
+        )
         return
     if stamps is not None and slot_stamps is not None:
         write_stamps(stamps, slot_mapping, slot_stamps)
