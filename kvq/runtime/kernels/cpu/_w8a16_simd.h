@@ -14,7 +14,7 @@
 /* sum_k w[k] * x[k] in fp32 over one weight row, int8 (is_bf16 0) or bf16 (1), each weight widened exactly:
    4 accumulators, then one, then the scalar tail. Inlined into w8_dot and w16_dot, where is_bf16 is a
    constant and the loads are one kind. */
-TARGET static inline __attribute__((always_inline)) float W8_FN(row_dot)(const void *w, int is_bf16,
+TARGET static inline __attribute__((always_inline)) float W8_FN(dot_row)(const void *w, int is_bf16,
                                                                          const float *x, int64_t K) {
     const int8_t *w8 = (const int8_t *)w;
     const uint16_t *w16 = (const uint16_t *)w;
@@ -38,11 +38,13 @@ TARGET static inline __attribute__((always_inline)) float W8_FN(row_dot)(const v
     return sum;
 }
 
-TARGET static float W8_FN(w8_dot)(const int8_t *w, const float *x, int64_t K) { return W8_FN(row_dot)(w, 0, x, K); }
+TARGET static float W8_FN(w8_dot)(const int8_t *w, const float *x, int64_t K) {
+    return W8_FN(dot_row)(w, 0, x, K);
+}
 
 /* w8_dot for a bf16 weight row (gemv_dense). */
 TARGET static float W8_FN(w16_dot)(const uint16_t *w, const float *x, int64_t K) {
-    return W8_FN(row_dot)(w, 1, x, K);
+    return W8_FN(dot_row)(w, 1, x, K);
 }
 
 /* out[r] += x0 . tile row r, out[4 + r] += x1 . tile row r (x1 NULL: one row), tile rows K floats apart. */
