@@ -10,8 +10,8 @@ trap 'rm -rf "$out"' EXIT
 suffix=$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 include=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 ${CC:-cc} -O1 -fPIC -shared -std=gnu11 -pthread -ffp-contract=off -Wno-psabi -DKVQ_SIMDE_CHECK -I"$include" \
-    kvq/runtime/kernels/cpu/_linear.c -o "$out/_w4a16_cpu$suffix"
-$PY - "$out/_w4a16_cpu$suffix" "$@" <<'PYTHON'
+    kvq/runtime/kernels/cpu/_linear.c -o "$out/_linear$suffix"
+$PY - "$out/_linear$suffix" "$@" <<'PYTHON'
 import importlib.util
 import os
 import sys
