@@ -16,9 +16,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvq import __version__
 from kvq.calibrate.calibration_config import CalibrationConfig
-from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.layer_stream import embed, meta_model, run_layers
 from kvq.calibrate.mtp_stream import run_mtp_layers
+from kvq.calibrate.observed_kv import ObservedKV, layer_tensor_names, observed_kv
 from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.samples import CalibrationSamples, build_samples
 from kvq.calibrate.scales import layer_scales
@@ -43,7 +43,7 @@ LayerDone = Callable[[int], None]
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    layout: KVLayout
+    layout: ObservedKV
     samples: CalibrationSamples
     recorder: KvRecorder
     scales: dict[str, torch.Tensor]  # tensor name (as stored, with the weight prefix) -> bf16 scale
@@ -61,7 +61,7 @@ def calibrate(
     ckpt = Checkpoint.open(path)
     model = text_model(ckpt.config, str(ckpt.root / CONFIG_NAME))
     lm = ckpt.under(model.weight_prefix)  # the language model, in transformers' tensor names
-    layout = kv_layout(model.fields, model.at)
+    layout = observed_kv(model.fields, model.at)
     check_run(layout, config, str(ckpt.root / CONFIG_NAME))
     layer_names = layer_tensor_names(lm, layout.num_layers)
     samples = calibration_samples(ckpt.root, config)
@@ -90,7 +90,7 @@ def prepare_to_write(root: Path) -> None:
         recover(root, UNIT_FILES)
 
 
-def check_run(layout: KVLayout, config: CalibrationConfig, where: str) -> None:
+def check_run(layout: ObservedKV, config: CalibrationConfig, where: str) -> None:
     """Reject settings the model cannot take: too long samples, per-head scales for a one-latent cache."""
     if layout.max_positions and config.seq_len > layout.max_positions:
         raise KvqError(
@@ -137,7 +137,7 @@ def stored_mtp_layers(ckpt: Checkpoint, fields: dict) -> range:
 def measure_kv(
     ckpt: Checkpoint,
     model: TextModel,
-    layout: KVLayout,
+    layout: ObservedKV,
     layer_names: list[list[str]],
     input_ids: torch.Tensor,
     dtype: torch.dtype,
@@ -156,7 +156,7 @@ def measure_kv(
 
 
 def run_record(
-    layout: KVLayout,
+    layout: ObservedKV,
     config: CalibrationConfig,
     samples: CalibrationSamples,
     recorder: KvRecorder,

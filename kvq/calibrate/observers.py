@@ -5,7 +5,7 @@
 a real cache would store them; the recorder keeps a running max of |K| and |V| per KV head (over every
 sample ever seen, never the last batch alone) and returns the states unchanged, caching nothing. For
 MLA models the latent is recorded instead: `kv_c` from a forward hook on `kv_a_layernorm` and `k_pe` from
-the rope part of the key states. Imports torch and kvq.calibrate.kv_layout.
+the rope part of the key states. Imports torch and kvq.calibrate.observed_kv.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from kvq.calibrate.kv_layout import KVLayout
+from kvq.calibrate.observed_kv import ObservedKV
 
 
 class KvRecorder:
     """Per layer, per observed tensor (`k`/`v` or `kv_c`/`k_pe`): a running amax per KV head, fp32."""
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: ObservedKV) -> None:
         self.layout = layout
         self.amax: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [num_kv_heads] fp32
         self.num_tokens: dict[int, int] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq.calibrate.kv_layout import KVLayout
+from kvq.calibrate.observed_kv import ObservedKV
 from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 
 SCALE_DTYPE = torch.bfloat16
@@ -28,7 +28,7 @@ def amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.tensor(torch.finfo(SCALE_DTYPE).eps, dtype=SCALE_DTYPE), scale)
 
 
-def cached_amax(layout: KVLayout, observed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def cached_amax(layout: ObservedKV, observed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-KV-head amax `[H_kv]` of what the K and V scales must cover, from one layer's observations."""
     if layout.is_mla:
         latent = torch.maximum(observed["kv_c"], observed["k_pe"])  # [1]
@@ -37,7 +37,7 @@ def cached_amax(layout: KVLayout, observed: dict[str, torch.Tensor]) -> tuple[to
 
 
 def layer_scales(
-    layout: KVLayout, strategy: str, layer_idx: int, observed: dict[str, torch.Tensor]
+    layout: ObservedKV, strategy: str, layer_idx: int, observed: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """`{k_scale name: tensor, v_scale name: tensor}` of one layer for `strategy` (tensor | attn_head)."""
     k_amax, v_amax = cached_amax(layout, observed)

@@ -20,10 +20,10 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from kvq.calibrate.calibrate_checkpoint import DTYPES, calibration_samples, check_run
-from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
 from kvq.calibrate.layer_stream import StreamState, embed, layer_inputs, meta_model
 from kvq.calibrate.layer_weights import load_layer_weights
 from kvq.calibrate.memory import limit_primitive_cache, release_freed
+from kvq.calibrate.observed_kv import ObservedKV, layer_tensor_names, observed_kv
 from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.samples import CalibrationSamples
 from kvq.checkpoint.header import ShardHeader, read_header
@@ -55,7 +55,7 @@ class GptqJob:
     settings: GptqSettings
     config: GptqConfig
     samples: CalibrationSamples
-    layout: KVLayout
+    layout: ObservedKV
     text: TextModel  # config.json's language model (its fields, the prefix of its tensor names)
     lm: Checkpoint  # the source's language-model tensors, in transformers' names
     model: PreTrainedModel  # on the meta device
@@ -86,7 +86,7 @@ def prepare_gptq(
     ckpt = Checkpoint.open(src)
     where = str(ckpt.root / CONFIG_NAME)
     text = text_model(ckpt.config, where)
-    layout = kv_layout(text.fields, text.at)
+    layout = observed_kv(text.fields, text.at)
     calibration = config.calibration
     check_run(layout, calibration, where)
     samples = calibration_samples(ckpt.root, calibration)

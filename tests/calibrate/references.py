@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from kvq.calibrate.kv_layout import KVLayout
+from kvq.calibrate.observed_kv import ObservedKV
 from kvq.checkpoint.dense import read_dense
 from kvq.checkpoint.reader import Checkpoint
 from kvq.checkpoint.write import save_safetensors_atomic, write_json_atomic
 
 
 def cache_amax(
-    model_dir: Path, input_ids: torch.Tensor, layout: KVLayout
+    model_dir: Path, input_ids: torch.Tensor, layout: ObservedKV
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Per layer, per KV head amax of what transformers caches (`k`, `v`; MLA: `kv_c`, `k_pe`)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
@@ -29,7 +29,7 @@ def cache_amax(
 
 
 def model_cache_amax(
-    model: PreTrainedModel, input_ids: torch.Tensor, layout: KVLayout
+    model: PreTrainedModel, input_ids: torch.Tensor, layout: ObservedKV
 ) -> dict[int, dict[str, torch.Tensor]]:
     """`cache_amax` of a model already in memory."""
     amax: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(layout.num_layers)}

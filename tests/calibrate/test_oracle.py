@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvq.calibrate.calibrate_checkpoint import load_tokenizer, measure_kv
-from kvq.calibrate.kv_layout import KVLayout, kv_layout, layer_tensor_names
+from kvq.calibrate.observed_kv import ObservedKV, layer_tensor_names, observed_kv
 from kvq.calibrate.observers import KvRecorder
 from kvq.calibrate.samples import build_samples
 from kvq.calibrate.scales import layer_scales
@@ -43,17 +43,17 @@ def sample_ids(model_dir: Path, num_samples: int = 4, seq_len: int = 64) -> torc
 
 def streamed(
     model_dir: Path, input_ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> tuple[KVLayout, KvRecorder]:
+) -> tuple[ObservedKV, KvRecorder]:
     ckpt = Checkpoint.open(model_dir)
     model = text_model(ckpt.config, "config.json")
-    layout = kv_layout(model.fields, model.at)
+    layout = observed_kv(model.fields, model.at)
     lm = ckpt.under(model.weight_prefix)
     names = layer_tensor_names(lm, layout.num_layers)
     return layout, measure_kv(lm, model, layout, names, input_ids, dtype)
 
 
 def all_scales(
-    layout: KVLayout, strategy: str, amax: dict[int, dict[str, torch.Tensor]]
+    layout: ObservedKV, strategy: str, amax: dict[int, dict[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for i in range(layout.num_layers):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvq.calibrate.kv_layout import KVLayout, kv_layout
+from kvq.calibrate.observed_kv import ObservedKV, observed_kv
 from kvq.calibrate.scales import amax_to_scale, layer_scales
 
-GQA = KVLayout("gqa", num_layers=2, num_kv_heads=3, head_dim=64, max_positions=128)
-MLA = KVLayout(
+GQA = ObservedKV("gqa", num_layers=2, num_kv_heads=3, head_dim=64, max_positions=128)
+MLA = ObservedKV(
     "mla",
     num_layers=2,
     num_kv_heads=1,
@@ -48,7 +48,7 @@ def test_mla_scale_covers_the_whole_latent_entry() -> None:
 
 
 def test_layout_from_config() -> None:
-    gqa = kv_layout(
+    gqa = observed_kv(
         {
             "num_hidden_layers": 4,
             "num_attention_heads": 8,
@@ -59,7 +59,7 @@ def test_layout_from_config() -> None:
         "c: ",
     )
     assert (gqa.kind, gqa.num_kv_heads, gqa.head_dim, gqa.observed) == ("gqa", 2, 64, ("k", "v"))
-    mla = kv_layout(
+    mla = observed_kv(
         {
             "num_hidden_layers": 4,
             "num_attention_heads": 8,

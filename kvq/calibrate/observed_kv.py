@@ -23,7 +23,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class ObservedKV:
     """The cached tensors of one model: GQA (`k`, `v` per KV head) or MLA (`kv_c` + `k_pe` latent)."""
 
     kind: str  # "gqa" or "mla"
@@ -45,14 +45,14 @@ class KVLayout:
         return ("kv_c", "k_pe") if self.is_mla else ("k", "v")
 
 
-def kv_layout(config: dict, at: str) -> KVLayout:
+def observed_kv(config: dict, at: str) -> ObservedKV:
     """The KV layout of the language model whose config.json fields are `config` (`kvq.checkpoint.
     kv_cache_spec` reads them); `at` starts error messages ("path/config.json: text_config.")."""
     spec = kv_cache_spec(config, at)
     max_positions = int(config.get("max_position_embeddings") or 0)
     if spec.is_mla:
         nope = positive_int(config, "qk_nope_head_dim", at, "it splits the MLA key into k_nope and k_pe")
-        return KVLayout(
+        return ObservedKV(
             "mla",
             spec.num_layers,
             1,
@@ -62,7 +62,7 @@ def kv_layout(config: dict, at: str) -> KVLayout:
             spec.qk_rope_head_dim,
             nope,
         )
-    return KVLayout("gqa", spec.num_layers, spec.num_kv_heads, spec.head_dim, max_positions)
+    return ObservedKV("gqa", spec.num_layers, spec.num_kv_heads, spec.head_dim, max_positions)
 
 
 def layer_tensor_names(ckpt: Checkpoint, num_layers: int) -> list[list[str]]:
