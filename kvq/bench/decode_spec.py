@@ -6,11 +6,12 @@ The fixture (`kvq.fixtures` size "bench", BF16, one MTP layer; random weights) a
 a predicting-well draft, as a trained MTP layer is; the random one drafts noise). Contenders at concurrency
 1: no speculation, the random MTP layer and the fitted one, each drafting K tokens; fp32 reference mode (the
 fit's greedy tokens are fp32's). Decode tok/s by (N - 1) / (t(N) - t(1)) as in `kvq bench decode`,
-contenders taking turns, median; each turn on an engine of its own, freed before the next is built (one
-model resident at a time). From the engine's counters over the last N-token run: acceptance, target
-forwards (prefill and verification steps of the model) per token, and per decode step the milliseconds of
-the model's forward (one position, or K + 1 verified) and of the MTP layer's. Built once under
-`kvq.paths.cache_dir()/bench`. Imports torch and kvq.runtime, kvq.fixtures inside the builders.
+contenders taking turns, each turn on an engine of its own, freed before the next is built (one model
+resident at a time). From the engine's counters over each turn's N-token run: acceptance, target forwards
+(prefill and verification steps of the model) per token, and per decode step the milliseconds of the
+model's forward (one position, or K + 1 verified) and of the MTP layer's; times are medians over the
+turns. Built once under `kvq.paths.cache_dir()/bench`. Imports torch and kvq.runtime, kvq.fixtures inside
+the builders.
 """
 
 from __future__ import annotations
@@ -170,17 +171,20 @@ def run_spec_bench(config: SpecBenchConfig, paths: dict[str, Path]) -> SpecBench
         PLAIN: (paths["random"], None),
         **{f"mtp K={k}, {kind} MTP layer": (paths[kind], "mtp") for kind in ("random", "fitted")},
     }
-    tok_s_runs: dict[str, list[float]] = {name: [] for name in contenders}
-    result = SpecBenchResult(config=asdict(config))
+    turns: dict[str, list[tuple[float, SpecRun]]] = {name: [] for name in contenders}
     for _ in range(config.repeats):
         for name, (path, speculative) in contenders.items():
-            tok_s, result.runs[name] = one_turn(path, config, speculative)
-            tok_s_runs[name].append(tok_s)
+            turns[name].append(one_turn(path, config, speculative))
             gc.collect()  # the engine's weights go before the next contender's load
-    for name, run in result.runs.items():
-        run.tok_s_runs = tok_s_runs[name]
-        run.tok_s = statistics.median(tok_s_runs[name])
-        run.speedup = run.tok_s / statistics.median(tok_s_runs[PLAIN])
+    result = SpecBenchResult(config=asdict(config))
+    for name, runs in turns.items():  # counts are the same every turn (greedy); times: their medians
+        result.runs[name] = run = runs[-1][1]
+        run.tok_s_runs = [tok_s for tok_s, _ in runs]
+        run.tok_s = statistics.median(run.tok_s_runs)
+        run.target_forward_ms = statistics.median(r.target_forward_ms for _, r in runs)
+        run.mtp_ms = statistics.median(r.mtp_ms for _, r in runs)
+    for run in result.runs.values():
+        run.speedup = run.tok_s / result.runs[PLAIN].tok_s
     return result
 
 
