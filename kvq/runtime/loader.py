@@ -24,7 +24,7 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS, Index, dense_index, fp8_indexes, int4_indexes
 from kvq.runtime.kernels import CpuOps
-from kvq.runtime.layers.linear import DENSE, FP8, INT4, Linear, StoredLinear, build_linear
+from kvq.runtime.layers.linear import DENSE, FP8, INT4, Linear, LinearForms, StoredLinear, build_linear
 from kvq.runtime.layers.moe import Experts, build_experts
 from kvq.runtime.layers.norm import RMSNorm
 
@@ -55,6 +55,14 @@ class WeightLoader:
         self.dtype, self.device = config.activation_dtype, config.torch_device
         self.tp = tp or TpGroup.single()
         self.cpu_ops = CpuOps.choose(config.cpu_isa)  # the CPU kernels every layer is built for, once
+        self.forms = LinearForms(
+            self.dtype,
+            self.device,
+            self.cpu_ops,
+            config.is_reference,
+            config.fp8_weights,
+            config.int4_compute,
+        )
         self.read_bytes = 0  # stored bytes this rank read: `kvq plan --tp N`'s weights per GPU
         self.block = block_size(ckpt)
         self.used: set[str] = set()
@@ -191,15 +199,7 @@ class WeightLoader:
         parts = [
             self.stored_linear(p, s, bias, sp) for p, s, sp in zip(prefixes, shapes, splits, strict=True)
         ]
-        return build_linear(
-            parts,
-            self.dtype,
-            self.device,
-            is_reference=self.config.is_reference,
-            fp8_weights=self.config.fp8_weights,
-            int4_compute=self.config.int4_compute,
-            cpu_ops=self.cpu_ops,
-        )
+        return build_linear(parts, self.forms)
 
     def experts(self, prefix: str, num_experts: int, hidden: int, intermediate: int) -> Experts:
         """Routed experts `{prefix}.{e}.{gate,up,down}_proj` (per-expert 2-D tensors on disk); under tensor
@@ -215,16 +215,7 @@ class WeightLoader:
             self.stored_linear(f"{prefix}.{e}.down_proj", (hidden, intermediate), split=COLS)
             for e in range(num_experts)
         ]
-        return build_experts(
-            gate_up,
-            down,
-            self.dtype,
-            self.device,
-            is_reference=self.config.is_reference,
-            fp8_weights=self.config.fp8_weights,
-            int4_compute=self.config.int4_compute,
-            cpu_ops=self.cpu_ops,
-        )
+        return build_experts(gate_up, down, self.forms)
 
     def _int4(
         self, prefix: str, shape: tuple[int, int], bias: torch.Tensor | None, split: str | None

@@ -12,6 +12,8 @@ slot rows (FP8 pages are read by `kvq.formats.fp8_e4m3.fp8_bits_to`). Imports to
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
@@ -95,3 +97,78 @@ def kv_slot_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor |
         return k_cache.as_strided((2, num_pages * page_size, row), (distance, row, 1))
     except RuntimeError:
         return None
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[int, int, int]:
+    """(page_size, num_kv_heads, head_dim) after checking shapes, dtypes, devices (ValueError/TypeError)."""
+    page_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_decode_queries(q, block_tables, seq_lens, k_cache)
+    return page_size, num_kv_heads, head_dim
+
+
+def check_decode_queries(
+    q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor
+) -> None:
+    """q, block_tables and seq_lens against a cache already checked (ValueError/TypeError)."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}, expected [B, Hq, {head_dim}] with Hq a multiple of "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    num_seqs = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or tuple(seq_lens.shape) != (num_seqs,):
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} must be "
+            f"[{num_seqs}, max_pages] and [{num_seqs}]"
+        )
+    if block_tables.is_floating_point() or seq_lens.is_floating_point() or not q.is_floating_point():
+        raise TypeError(
+            f"block_tables and seq_lens must be integer and q float, got {block_tables.dtype}, "
+            f"{seq_lens.dtype}, {q.dtype}"
+        )
+    if not (q.device == block_tables.device == seq_lens.device == k_cache.device):
+        raise ValueError(
+            f"q, block_tables, seq_lens and the caches must share a device, got {q.device}, "
+            f"{block_tables.device}, {seq_lens.device}, {k_cache.device}"
+        )
+
+
+def default_sm_scale(head_dim: int) -> float:
+    """1 / sqrt(head_dim), the softmax scale when none is given."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_store_inputs(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> tuple[int, int, int]:
+    """(page_size, num_kv_heads, head_dim) after checking shapes, dtypes, devices (ValueError/TypeError)."""
+    page_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_new_kv(k, v, slot_mapping, k_cache)
+    return page_size, num_kv_heads, head_dim
+
+
+def check_new_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """The new tokens' k, v and slot_mapping against a cache already checked (ValueError/TypeError)."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    expected = (slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1, num_kv_heads, head_dim)
+    if slot_mapping.dim() != 1 or k.shape != expected or v.shape != expected:
+        raise ValueError(
+            f"k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be "
+            f"[T, {num_kv_heads}, {head_dim}], [T, {num_kv_heads}, {head_dim}] and [T]"
+        )
+    if slot_mapping.is_floating_point() or not k.is_floating_point() or not v.is_floating_point():
+        raise TypeError(
+            f"slot_mapping must be integer and k, v float, got {slot_mapping.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not (k.device == v.device == slot_mapping.device == k_cache.device):
+        raise ValueError(
+            f"k, v, slot_mapping and the caches must share a device, got {k.device}, {v.device}, "
+            f"{slot_mapping.device}, {k_cache.device}"
+        )

@@ -66,6 +66,7 @@ class W4A16Weight:
     int4pack: torch.Tensor | None = None
     scales_and_zeros: torch.Tensor | None = None
     cpu_isa: str | None = None
+    cpu_dot: str | None = None  # avx512bf16 / amx: how bf16 activations multiply (`CpuOps.dot`)
     native: NativeW4A16 | NativeW4A8 | None = None
 
     @property
@@ -174,11 +175,13 @@ def prepare_w4a16_torch(
         assert loaded.weight_packed is not None
         scale = native_scale(weight_scale)
         native = (
-            NativeW4A16(loaded.weight_packed, scale, group_size, isa, ops.scratch)
+            NativeW4A16(loaded.weight_packed, scale, group_size, isa, ops.scratch, ops.dot)
             if weight_packed.dim() == 2
             else None
         )
-        return replace(loaded, layout=LAYOUT_NATIVE_CPU, weight_scale=scale, cpu_isa=isa, native=native)
+        return replace(
+            loaded, layout=LAYOUT_NATIVE_CPU, weight_scale=scale, cpu_isa=isa, cpu_dot=ops.dot, native=native
+        )
     stacked_packed = weight_packed.reshape(-1, *weight_packed.shape[-2:])
     stacked_scale = weight_scale.reshape(-1, *weight_scale.shape[-2:])
     pairs = [to_int4pack_cpu(p, s) for p, s in zip(stacked_packed, stacked_scale, strict=True)]
@@ -211,7 +214,7 @@ def w4a16_linear_torch(x: torch.Tensor, w: W4A16Weight, expert: int | None = Non
         assert w.weight_packed is not None and w.weight_scale is not None and w.cpu_isa is not None
         packed = w.weight_packed if expert is None else w.weight_packed[expert]
         scale = w.weight_scale if expert is None else w.weight_scale[expert]
-        return w4a16_native(x, packed, scale, w.group_size, w.cpu_isa)
+        return w4a16_native(x, packed, scale, w.group_size, w.cpu_isa, dot=w.cpu_dot)
     if w.layout == LAYOUT_COMPRESSED_TENSORS:
         assert w.weight_packed is not None and w.weight_scale is not None
         packed = w.weight_packed if expert is None else w.weight_packed[expert]

@@ -54,5 +54,5 @@ class PagedAttention:
             batch.context_lens,
             self.sm_scale,
             max_seq_len=batch.max_context_len,
-            plan=batch.decode_plan,
+            plan=batch.decode_plan if kv.backend == "torch" else None,  # the torch path's index work
         )

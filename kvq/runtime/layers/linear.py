@@ -272,47 +272,42 @@ def merge_stored(parts: list[StoredLinear]) -> StoredLinear | None:
     return StoredLinear(first.kind, tensors, first.block, first.group_size, bias, names)
 
 
-def build_linear(
-    parts: list[StoredLinear],
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    is_reference: bool,
-    fp8_weights: str,
-    int4_compute: str = "w4a16",
-    cpu_ops: CpuOps,
-) -> Linear:
-    """A ready-to-run Linear from stored parts (merged when possible).
+@dataclass(frozen=True)
+class LinearForms:
+    """How stored Linears become runnable ones, one per engine (`WeightLoader.forms`, from `EngineConfig`):
+    the activation `dtype` and `device`; reference mode (everything dense fp32); FP8 weights "per-use" or
+    "bf16"; INT4 as "w4a16" or "w4a8"; the engine's CPU kernels."""
+
+    dtype: torch.dtype
+    device: torch.device
+    cpu_ops: CpuOps
+    is_reference: bool = False
+    fp8_weights: str = "per-use"
+    int4_compute: str = "w4a16"
+
+    @property
+    def is_w4a8(self) -> bool:
+        return self.int4_compute == "w4a8"
+
+
+def build_linear(parts: list[StoredLinear], forms: LinearForms) -> Linear:
+    """A ready-to-run Linear from stored parts (merged when possible), in `forms`.
 
     Reference mode (fp32 activations) dequantizes everything to dense fp32; otherwise dense weights are
-    cast to `dtype`, FP8 stays FP8 (or becomes `dtype` with fp8_weights="bf16"), INT4 is prepared once
-    for the kernel (on CPU: repacked for `_weight_int4pack_mm_for_cpu`, no dense copy; int4_compute
-    "w4a8": for the W4A8 kernel), all for the engine's CPU kernels `cpu_ops`.
+    cast to the activation dtype, FP8 stays FP8 (or becomes that dtype with fp8_weights "bf16"), INT4 is
+    prepared once for the kernel (on CPU: for the engine's path; int4_compute "w4a8": the W4A8 kernel).
     """
     merged = merge_stored(parts)
     if merged is None:
-        return ConcatLinear(
-            [
-                build_linear(
-                    [p],
-                    dtype,
-                    device,
-                    is_reference=is_reference,
-                    fp8_weights=fp8_weights,
-                    int4_compute=int4_compute,
-                    cpu_ops=cpu_ops,
-                )  # fmt: skip
-                for p in parts
-            ]
-        )
+        return ConcatLinear([build_linear([p], forms) for p in parts])
+    dtype, device, ops = forms.dtype, forms.device, forms.cpu_ops
     bias = None if merged.bias is None else merged.bias.to(device=device, dtype=dtype)
-    if is_reference or merged.kind == DENSE or (merged.kind == FP8 and fp8_weights == "bf16"):
-        return DenseLinear(merged.dense(dtype).to(device), bias, cpu_ops)
+    if forms.is_reference or merged.kind == DENSE or (merged.kind == FP8 and forms.fp8_weights == "bf16"):
+        return DenseLinear(merged.dense(dtype).to(device), bias, ops)
     if merged.kind == FP8:
         tensors = {k: v.to(device) for k, v in merged.tensors.items()}
-        return Fp8Linear(StoredLinear(FP8, tensors, merged.block, names=merged.names), bias, cpu_ops)
+        return Fp8Linear(StoredLinear(FP8, tensors, merged.block, names=merged.names), bias, ops)
     t = merged.tensors
     packed, scale = t["weight_packed"].to(device), t["weight_scale"].to(device)
-    is_w4a8 = int4_compute == "w4a8"
-    weight = prepare_w4a16(packed, scale, merged.group_size, int8_activations=is_w4a8, cpu_ops=cpu_ops)
+    weight = prepare_w4a16(packed, scale, merged.group_size, int8_activations=forms.is_w4a8, cpu_ops=ops)
     return Int4Linear(weight, bias)

@@ -179,7 +179,7 @@ class MLAttention:
             batch.context_lens,
             self.scale,
             max_seq_len=batch.max_context_len,
-            plan=batch.decode_plan,
+            plan=batch.decode_plan if kv.backend == "torch" else None,  # the torch path's index work
             token_indices=selection.token_indices,
         )  # [B, H, R]
         return torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]

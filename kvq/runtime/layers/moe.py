@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels import CpuOps, fused_moe_w4a16, prepare_w4a16
-from kvq.runtime.layers.linear import INT4, Linear, StoredLinear, build_linear, merge_stored
+from kvq.runtime.kernels import W4A16Weight, fused_moe_w4a16, prepare_w4a16
+from kvq.runtime.layers.linear import INT4, Linear, LinearForms, StoredLinear, build_linear, merge_stored
+
+WEIGHT_KEYS = ("weight_packed", "weight_scale")
 
 
 class Experts:
@@ -52,50 +54,24 @@ class LoopExperts(Experts):
         return [t for layer in (*self.gate_up, *self.down) for t in layer.tensors()]
 
 
-def build_experts(
-    gate_up: list[list[StoredLinear]],
-    down: list[StoredLinear],
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    is_reference: bool,
-    fp8_weights: str,
-    int4_compute: str = "w4a16",
-    cpu_ops: CpuOps,
-) -> Experts:
+def build_experts(gate_up: list[list[StoredLinear]], down: list[StoredLinear], forms: LinearForms) -> Experts:
     """Stack all-INT4 experts for the fused kernel (on CPU under int4_compute "w4a8", in the W4A8 kernel's
     layout); otherwise build one Linear pair per expert."""
     merged = [merge_stored(parts) for parts in gate_up]
     group_sizes = {s.group_size for s in (*merged, *down) if s is not None and s.kind == INT4}
     is_all_int4 = all(s is not None and s.kind == INT4 and s.bias is None for s in (*merged, *down))
-    if is_all_int4 and len(group_sizes) == 1 and not is_reference:
+    if is_all_int4 and len(group_sizes) == 1 and not forms.is_reference:
         group_size = group_sizes.pop()
 
-        def stack(stored: list, key: str) -> torch.Tensor:
-            return torch.stack([s.tensors[key] for s in stored]).to(device)
-
-        int8_activations = int4_compute == "w4a8"
-        w13, w2 = (
-            prepare_w4a16(
-                stack(stored, "weight_packed"),
-                stack(stored, "weight_scale"),
-                group_size,
-                int8_activations=int8_activations,
-                cpu_ops=cpu_ops,
+        def prepare(stored: list) -> W4A16Weight:
+            packed, scale = (
+                torch.stack([s.tensors[k] for s in stored]).to(forms.device) for k in WEIGHT_KEYS
             )
-            for stored in (merged, down)
-        )
-        return Int4Experts(w13, w2)
+            return prepare_w4a16(
+                packed, scale, group_size, int8_activations=forms.is_w4a8, cpu_ops=forms.cpu_ops
+            )
 
-    def build(parts: list[StoredLinear]) -> Linear:
-        return build_linear(
-            parts,
-            dtype,
-            device,
-            is_reference=is_reference,
-            fp8_weights=fp8_weights,
-            int4_compute=int4_compute,
-            cpu_ops=cpu_ops,
-        )
-
-    return LoopExperts([build(parts) for parts in gate_up], [build([d]) for d in down])
+        return Int4Experts(prepare(merged), prepare(down))
+    return LoopExperts(
+        [build_linear(parts, forms) for parts in gate_up], [build_linear([d], forms) for d in down]
+    )

@@ -614,11 +614,11 @@ static PyObject *dot(PyObject *self, PyObject *unused) {
 
 static PyObject *gemm(PyObject *self, PyObject *args) {
     (void)self;
-    int isa, threads, x_dtype, scale_dtype, group, y_dtype;
+    int isa, threads, x_dtype, scale_dtype, group, y_dtype, vnni;
     unsigned long long x, packed, scale, y;
     long long M, K, N;
-    if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKi", &isa, &threads, &x, &x_dtype, &M, &K, &packed, &scale,
-                          &scale_dtype, &N, &group, &y, &y_dtype))
+    if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKip", &isa, &threads, &x, &x_dtype, &M, &K, &packed, &scale,
+                          &scale_dtype, &N, &group, &y, &y_dtype, &vnni))
         return NULL;
     if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
         return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
@@ -634,9 +634,8 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
                             y_dtype);
     if (M == 0 || N == 0)
         Py_RETURN_NONE;
-    int vnni = 0;
-    if (isa == ISA_AVX512BF16 && (vnni = vnni_wanted()) < 0)
-        return NULL;
+    if (isa != ISA_AVX512BF16)
+        vnni = 0; /* the caller's choice (`dot()` at load), for avx512bf16's bf16 activations only */
     Job job = {
         .isa = isa,
         .vnni = vnni,

@@ -20,6 +20,7 @@ from kvq.runtime.kernels.cpu.isa import (
     _ISA_CODES,
     AMX_DENSE_FROM_ROWS,
     AMX_FROM_ROWS,
+    BF16_DOT_ISAS,
     DENSE_CHUNK_ELEMENTS,
     DENSE_FROM_ROWS,
     VDPBF16PS_DENSE_FROM_ROWS,
@@ -41,7 +42,7 @@ class NativeW4A16:
 
     __slots__ = (
         "weight_packed", "weight_scale", "group_size", "isa", "_isa_code", "_few_rows_code",
-        "_dense_from_rows", "_ptrs", "_scale_code", "scratch",
+        "_dense_from_rows", "_ptrs", "_scale_code", "scratch", "_vnni",
     )  # fmt: skip
 
     def __init__(
@@ -51,25 +52,29 @@ class NativeW4A16:
         group_size: int,
         isa: str,
         scratch: DenseScratch,
+        dot: str | None = None,
     ):
+        """`dot`: how bf16 activations multiply on avx512bf16 / amx (`bf16_dot`; None: asked now)."""
         self.weight_packed, self.weight_scale = weight_packed, weight_scale  # keep the addresses valid
         self.group_size, self.isa, self._isa_code = group_size, isa, _ISA_CODES[isa]
         self.scratch = scratch  # the engine's, shared by its weights (`dense_matmul`)
-        self._few_rows_code = _ISA_CODES[_few_rows_isa(isa)]
-        self._dense_from_rows = dense_from_rows(isa)
+        dot = dot_of(isa) if dot is None else dot
+        self._few_rows_code, self._vnni = _ISA_CODES[_few_rows_isa(isa)], int(dot == "vnni")
+        self._dense_from_rows = dense_from_rows(isa, dot)
         self._ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
         self._scale_code = _DTYPE_CODES[weight_scale.dtype]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[M, K]` -> `[M, N]` in x.dtype."""
         if x.dtype not in _DTYPE_CODES or not x.is_contiguous():  # an error or a copy: the general path
-            return w4a16_native(x, self.weight_packed, self.weight_scale, self.group_size, self.isa)
+            dot = "vnni" if self._vnni else "bf16"
+            return w4a16_native(x, self.weight_packed, self.weight_scale, self.group_size, self.isa, dot=dot)
         num_rows = x.shape[0]
         if num_rows >= self._dense_from_rows and x.dtype == torch.bfloat16:
             return dense_matmul(x, self.weight_packed, self.weight_scale, self.group_size, self.scratch)
         code = self._isa_code if num_rows >= AMX_FROM_ROWS else self._few_rows_code
         y = torch.empty((num_rows, self.weight_packed.shape[0]), dtype=x.dtype)
-        return _gemm(code, x, *self._ptrs, self._scale_code, self.group_size, y)
+        return _gemm(code, self._vnni, x, *self._ptrs, self._scale_code, self.group_size, y)
 
     def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
         """`self(x)`'s C call into y `[M, N]` (both contiguous, a native dtype), or None where `self(x)`
@@ -78,7 +83,12 @@ class NativeW4A16:
         if num_rows >= self._dense_from_rows and x.dtype == torch.bfloat16:
             return None
         code = self._isa_code if num_rows >= AMX_FROM_ROWS else self._few_rows_code
-        return _gemm_call(code, x, *self._ptrs, self._scale_code, self.group_size, y)
+        return _gemm_call(code, self._vnni, x, *self._ptrs, self._scale_code, self.group_size, y)
+
+
+def dot_of(isa: str) -> str | None:
+    """`bf16_dot()` on the paths it concerns (avx512bf16, amx: $KVQ_CPU_DOT, else by vendor), else None."""
+    return bf16_dot() if isa in BF16_DOT_ISAS else None
 
 
 def _few_rows_isa(isa: str) -> str:
@@ -86,10 +96,12 @@ def _few_rows_isa(isa: str) -> str:
     return "avx512bf16" if isa == "amx" else isa
 
 
-def dense_from_rows(isa: str) -> int | float:
-    """From how many bf16 rows `NativeW4A16` on `isa` runs `dense_matmul` instead (inf: never)."""
+def dense_from_rows(isa: str, dot: str | None = None) -> int | float:
+    """From how many bf16 rows `NativeW4A16` on `isa` (and `dot`; None: `bf16_dot()`) runs `dense_matmul`
+    instead (inf: never)."""
     if isa == "avx512bf16":
-        return VDPBF16PS_DENSE_FROM_ROWS if bf16_dot() == "bf16" else DENSE_FROM_ROWS
+        dot = bf16_dot() if dot is None else dot
+        return VDPBF16PS_DENSE_FROM_ROWS if dot == "bf16" else DENSE_FROM_ROWS
     return AMX_DENSE_FROM_ROWS if isa == "amx" else float("inf")
 
 
@@ -100,12 +112,14 @@ def w4a16_native(
     group_size: int,
     isa: str,
     out_dtype: torch.dtype | None = None,
+    dot: str | None = None,
 ) -> torch.Tensor:
     """y `[M, N]` in out_dtype (default x.dtype) = x `[M, K]` @ (q * scale)^T on path `isa` (fp32 sums;
     amx's AMX GEMM, bf16 x of at least `AMX_FROM_ROWS` rows: x @ bf16(q * scale)^T).
 
     `weight_packed` int32 `[N, K/8]`, `weight_scale` `[N, K/G]` from `native_scale` (both contiguous,
-    checked at prepare); x fp32, bf16 or fp16 (copied if not contiguous). Threads: torch.get_num_threads().
+    checked at prepare); x fp32, bf16 or fp16 (copied if not contiguous). `dot` as `NativeW4A16`'s (None:
+    asked now). Threads: torch.get_num_threads().
     """
     if x.dtype not in _DTYPE_CODES:
         raise TypeError(f"the CPU W4A16 kernel takes fp32, bf16 or fp16 activations, got {x.dtype}")
@@ -114,7 +128,8 @@ def w4a16_native(
     scale_code = _DTYPE_CODES[weight_scale.dtype]
     ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
     code = _ISA_CODES[isa if x.shape[0] >= AMX_FROM_ROWS else _few_rows_isa(isa)]
-    return _gemm(code, x, *ptrs, scale_code, group_size, y)
+    vnni = int((dot_of(isa) if dot is None else dot) == "vnni")
+    return _gemm(code, vnni, x, *ptrs, scale_code, group_size, y)
 
 
 class DenseScratch:
@@ -169,22 +184,37 @@ def dense_matmul(
 
 
 def _gemm(
-    isa_code: int, x: torch.Tensor, packed: int, scale: int, scale_code: int, group_size: int, y: torch.Tensor
+    isa_code: int,
+    vnni: int,
+    x: torch.Tensor,
+    packed: int,
+    scale: int,
+    scale_code: int,
+    group_size: int,
+    y: torch.Tensor,
 ) -> torch.Tensor:
     """The C call on contiguous x `[M, K]` into y `[M, N]` (dtypes checked by the caller)."""
-    fn, args = _gemm_call(isa_code, x, packed, scale, scale_code, group_size, y)
+    fn, args = _gemm_call(isa_code, vnni, x, packed, scale, scale_code, group_size, y)
     fn(*args)
     return y
 
 
 def _gemm_call(
-    isa_code: int, x: torch.Tensor, packed: int, scale: int, scale_code: int, group_size: int, y: torch.Tensor
+    isa_code: int,
+    vnni: int,
+    x: torch.Tensor,
+    packed: int,
+    scale: int,
+    scale_code: int,
+    group_size: int,
+    y: torch.Tensor,
 ) -> Call:
+    """vnni: avx512bf16's bf16 activations as VNNI integer sums (1) or vdpbf16ps pairs (0)."""
     assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
     (num_rows, in_features), out_features = x.shape, y.shape[1]
     x_code, y_code, threads = _DTYPE_CODES[x.dtype], _DTYPE_CODES[y.dtype], torch.get_num_threads()
     args = (x.data_ptr(), x_code, num_rows, in_features, packed, scale, scale_code, out_features)
-    return _ext.gemm, (isa_code, threads, *args, group_size, y.data_ptr(), y_code)
+    return _ext.gemm, (isa_code, threads, *args, group_size, y.data_ptr(), y_code, vnni)
 
 
 def gemm_w8(

@@ -17,11 +17,12 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from kvq.runtime.kernels.cpu.isa import Call, resolve_cpu_isa
-from kvq.runtime.kernels.cpu.linear import DenseScratch
+from kvq.runtime.kernels.cpu.linear import DenseScratch, dot_of
 
 _ext: ModuleType | None
 try:
@@ -42,11 +43,13 @@ class CpuOps:
     """The CPU kernels chosen once (`choose`): `isa`, the W4A16 path (`cpu.isa`), and `level`, the C small
     ops' vector level (0 the build's baseline, 1 AVX2 + F16C, 2 AVX-512 where the CPU has it; every level
     gives the same bits, so each can be run on one machine), or None where they are off and every op runs
-    in torch. `scratch`: the bf16 buffer that `NativeW4A16`'s batches decompress weights into, one per
-    engine."""
+    in torch. `dot`: how avx512bf16 and amx multiply bf16 activations (`cpu.isa.bf16_dot`: $KVQ_CPU_DOT,
+    else by vendor), None on the other paths. `scratch`: the bf16 buffer that `NativeW4A16`'s batches
+    decompress weights into, one per engine."""
 
     isa: str
     level: int | None
+    dot: str | None = None
     scratch: DenseScratch = field(default_factory=DenseScratch, compare=False, repr=False)
 
     @classmethod
@@ -54,7 +57,8 @@ class CpuOps:
         """The kernels for `cpu_isa` (None: $KVQ_CPU_ISA, else auto; see `resolve_cpu_isa`, which raises
         `KvqError` for a path this CPU or build cannot run)."""
         isa = resolve_cpu_isa(cpu_isa)
-        return cls(isa, None if _ext is None or isa == "torch" else VECTOR_LEVELS.get(isa, WIDEST))
+        level = None if _ext is None or isa == "torch" else VECTOR_LEVELS.get(isa, WIDEST)
+        return cls(isa, level, dot_of(isa))
 
     def describe_level(self) -> str:
         """The C ops' level on this CPU, for the CPU path's log line: e.g. 'AVX2 C ops', or 'torch'."""
@@ -178,24 +182,10 @@ class CpuOps:
             and slot_mapping.is_contiguous()
         )
 
-    def store_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scales: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        stamps: torch.Tensor | None = None,
-        slot_stamps: torch.Tensor | None = None,
-    ) -> None:
-        """In place: k, v `[T, Hkv, D]` (`store_applies`) into their slots (negative: skipped); FP8 pages
-        get `quantize_kv`'s bytes (x / scale, clamped, nearest even). scales fp32 contiguous `[2, Hkv]`.
-        With `stamps` (the layer's int64 `[num_slots]`, any stride) and `slot_stamps` int64 contiguous
-        `[T]`: each written slot's stamp too (`kernels.integrity.stamp_check.write_stamps`), in the same
-        pass. `store_kv_call` is the call itself."""
-        fn, args = self.store_kv_call(k, v, k_cache, v_cache, scales, slot_mapping, stamps, slot_stamps)
-        fn(*args)
+    def store_kv(self, *args: Any) -> None:
+        """`store_kv_call(*args)` run: in place, k, v `[T, Hkv, D]` (`store_applies`) into their slots."""
+        fn, call_args = self.store_kv_call(*args)
+        fn(*call_args)
 
     def store_kv_call(
         self,
@@ -208,6 +198,11 @@ class CpuOps:
         stamps: torch.Tensor | None = None,
         slot_stamps: torch.Tensor | None = None,
     ) -> Call:
+        """The C store of k, v `[T, Hkv, D]` (`store_applies`) into their slots (negative: skipped); FP8 pages
+        get `quantize_kv`'s bytes (x / scale, clamped, nearest even). scales fp32 contiguous `[2, Hkv]`.
+        With `stamps` (the layer's int64 `[num_slots]`, any stride) and `slot_stamps` int64 contiguous
+        `[T]`: each written slot's stamp too (`kernels.integrity.stamp_check.write_stamps`), in the same
+        pass."""
         assert _ext is not None
         num_tokens, num_kv_heads, head_dim = k.shape
         stamp_args = (0, 0, 0)

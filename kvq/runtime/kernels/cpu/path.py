@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvq.runtime.kernels.cpu.isa import BF16_DOT_ISAS, bf16_dot, cpu_flags
+from kvq.runtime.kernels.cpu.isa import cpu_flags
 from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.kernels.cpu.w4a8 import w4a8_path
 
@@ -13,8 +13,8 @@ def describe_cpu_path(ops: CpuOps, int4_compute: str = "w4a16") -> str:
     level of the C small ops (attention, norms, rotary, store) on the same path."""
     isa = ops.isa
     path = "aten._weight_int4pack_mm_for_cpu" if isa == "torch" else f"kvq native {isa} kernel"
-    if isa in BF16_DOT_ISAS:
-        dot = "AVX-512 VNNI integer sums" if bf16_dot() == "vnni" else "vdpbf16ps"
+    if ops.dot is not None:
+        dot = "AVX-512 VNNI integer sums" if ops.dot == "vnni" else "vdpbf16ps"
         path += f" (bf16 activations on {dot})"
     if isa == "amx":
         path += " (dense BF16 decode batches on AMX tiles too)"

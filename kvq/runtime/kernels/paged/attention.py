@@ -12,13 +12,19 @@ Imports torch and kvq.runtime.kernels.paged.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvq.formats.fp8_e4m3 import fp8_bits_to
-from kvq.runtime.kernels.kv_cache_layout import check_kv_cache, dequantize_kv, is_fp8, per_head_scale
+from kvq.runtime.kernels.kv_cache_layout import (
+    check_attention_inputs,
+    check_decode_queries,
+    default_sm_scale,
+    dequantize_kv,
+    is_fp8,
+    per_head_scale,
+)
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
@@ -41,52 +47,6 @@ class PagedDecodePlan(NamedTuple):  # a tuple: made by every layer of a step fro
     context_slots: torch.Tensor
     attn_bias: torch.Tensor
     is_empty: torch.Tensor | None = None
-
-
-def check_attention_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> tuple[int, int, int]:
-    """(page_size, num_kv_heads, head_dim) after checking shapes, dtypes, devices (ValueError/TypeError)."""
-    page_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_decode_queries(q, block_tables, seq_lens, k_cache)
-    return page_size, num_kv_heads, head_dim
-
-
-def check_decode_queries(
-    q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor
-) -> None:
-    """q, block_tables and seq_lens against a cache already checked (ValueError/TypeError)."""
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
-        raise ValueError(
-            f"q has shape {tuple(q.shape)}, expected [B, Hq, {head_dim}] with Hq a multiple of "
-            f"num_kv_heads={num_kv_heads}"
-        )
-    num_seqs = q.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or tuple(seq_lens.shape) != (num_seqs,):
-        raise ValueError(
-            f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} must be "
-            f"[{num_seqs}, max_pages] and [{num_seqs}]"
-        )
-    if block_tables.is_floating_point() or seq_lens.is_floating_point() or not q.is_floating_point():
-        raise TypeError(
-            f"block_tables and seq_lens must be integer and q float, got {block_tables.dtype}, "
-            f"{seq_lens.dtype}, {q.dtype}"
-        )
-    if not (q.device == block_tables.device == seq_lens.device == k_cache.device):
-        raise ValueError(
-            f"q, block_tables, seq_lens and the caches must share a device, got {q.device}, "
-            f"{block_tables.device}, {seq_lens.device}, {k_cache.device}"
-        )
-
-
-def default_sm_scale(head_dim: int) -> float:
-    """1 / sqrt(head_dim), the softmax scale when none is given."""
-    return 1.0 / math.sqrt(head_dim)
 
 
 def paged_decode_attention_reference(

@@ -15,7 +15,8 @@ import torch
 
 from kvq.runtime.kernels.integrity.stamp_check import write_stamps
 from kvq.runtime.kernels.kv_cache_layout import (
-    check_kv_cache,
+    check_new_kv,
+    check_store_inputs,
     is_fp8,
     per_head_scale,
     quantize_kv,
@@ -23,35 +24,6 @@ from kvq.runtime.kernels.kv_cache_layout import (
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
-
-
-def check_store_inputs(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> tuple[int, int, int]:
-    """(page_size, num_kv_heads, head_dim) after checking shapes, dtypes, devices (ValueError/TypeError)."""
-    page_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_new_kv(k, v, slot_mapping, k_cache)
-    return page_size, num_kv_heads, head_dim
-
-
-def check_new_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """The new tokens' k, v and slot_mapping against a cache already checked (ValueError/TypeError)."""
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    expected = (slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1, num_kv_heads, head_dim)
-    if slot_mapping.dim() != 1 or k.shape != expected or v.shape != expected:
-        raise ValueError(
-            f"k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be "
-            f"[T, {num_kv_heads}, {head_dim}], [T, {num_kv_heads}, {head_dim}] and [T]"
-        )
-    if slot_mapping.is_floating_point() or not k.is_floating_point() or not v.is_floating_point():
-        raise TypeError(
-            f"slot_mapping must be integer and k, v float, got {slot_mapping.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if not (k.device == v.device == slot_mapping.device == k_cache.device):
-        raise ValueError(
-            f"k, v, slot_mapping and the caches must share a device, got {k.device}, {v.device}, "
-            f"{slot_mapping.device}, {k_cache.device}"
-        )
 
 
 def store_kv_reference(

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq.formats.fp8_e4m3 import fp8_bits_to
-from kvq.runtime.kernels.kv_cache_layout import is_fp8
-from kvq.runtime.kernels.paged.attention import default_sm_scale
+from kvq.runtime.kernels.kv_cache_layout import default_sm_scale, is_fp8
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.kv_pages import PagedKVPages

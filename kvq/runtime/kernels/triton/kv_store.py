@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 
 from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
-from kvq.runtime.kernels.kv_cache_layout import is_fp8
-from kvq.runtime.kernels.paged.kv_store import check_new_kv
+from kvq.runtime.kernels.kv_cache_layout import check_new_kv, is_fp8
 from kvq.runtime.kernels.triton.launch import is_interpreted, kernel_for, next_pow2
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.runtime.kernels.paged.attention import check_decode_queries, default_sm_scale
+from kvq.runtime.kernels.kv_cache_layout import check_decode_queries, default_sm_scale
 from kvq.runtime.kernels.triton.flash_decoding import online_softmax_step, plan_decode, store_slice
 from kvq.runtime.kernels.triton.launch import dot, next_pow2
 
