@@ -36,6 +36,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
 # the CPU kernel paths, fastest first (`kernels.cpu.isa`): auto picks the first this CPU and build run
 CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
+BACKEND_CHOICES = ("auto", "torch", "triton")  # the kernel backends (`kernels.backend`)
 SPECULATIVE_METHODS = ("mtp",)  # --speculative: drafts from the checkpoint's MTP (NextN) layers
 
 
@@ -118,6 +119,13 @@ class EngineConfig:
         "Default: $KVQ_CPU_ISA, else auto.",
         envvar="KVQ_CPU_ISA",
     )
+    kernels: str | None = option(
+        None,
+        "Kernel backend: auto (Triton for CUDA tensors where Triton is installed, else torch), torch or "
+        "triton (on CPU tensors Triton's interpreter: slow, for tests). Chosen once, at load. Default: "
+        "$KVQ_KERNELS, else auto.",
+        envvar="KVQ_KERNELS",
+    )
     kv_integrity: str = option(
         "off",
         "Checked KV pages: off (no checks, no cost); tags (before each step's attention, every page the "
@@ -167,6 +175,9 @@ class EngineConfig:
         self.dtype = check_dtype(self.dtype)
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         _choice("fp8_weights", self.fp8_weights, FP8_WEIGHT_MODES)
+        if self.kernels is not None:
+            self.kernels = self.kernels.strip().lower() or "auto"
+            _choice("kernels", self.kernels, BACKEND_CHOICES)
         if self.cpu_isa is not None:
             value, self.cpu_isa = self.cpu_isa, self.cpu_isa.strip().lower() or "auto"
             if self.cpu_isa not in CPU_ISA_CHOICES:

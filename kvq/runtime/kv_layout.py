@@ -17,7 +17,7 @@ import torch
 
 from kvq.checkpoint.kv_cache_spec import KvCacheSpec, heads_per_rank
 from kvq.errors import KvqError
-from kvq.runtime.kernels import PagedKVCache
+from kvq.runtime.kernels import CpuOps, PagedKVCache
 from kvq.runtime.kernels.kv_cache_layout import per_head_scale
 from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 
@@ -49,8 +49,11 @@ class KVLayout(Protocol):
         """Uninitialized storage `[L, C, num_pages, page_size, ...]` (`num_pages` counts the zero page)."""
         ...
 
-    def layer_cache(self, storage: torch.Tensor, scales: Scales) -> object:
-        """The cache object of one layer over its `storage[layer]`, with scales (None: 1.0) made ready."""
+    def layer_cache(
+        self, storage: torch.Tensor, scales: Scales, backend: str | None, cpu_ops: CpuOps | None
+    ) -> object:
+        """The cache object of one layer over its `storage[layer]`, with scales (None: 1.0) made ready, for
+        the engine's kernels (None: chosen now)."""
         ...
 
 
@@ -80,12 +83,14 @@ class GqaLayout:
         shape = (num_layers, 2, num_pages, page_size, self.num_kv_heads, self.head_dim)
         return torch.empty(shape, dtype=self.dtype, device=device)  # [L, 2, P + 1, page_size, Hkv, D]
 
-    def layer_cache(self, storage: torch.Tensor, scales: Scales) -> PagedKVCache:
+    def layer_cache(
+        self, storage: torch.Tensor, scales: Scales, backend: str | None, cpu_ops: CpuOps | None
+    ) -> PagedKVCache:
         k_scale, v_scale = (
             per_head_scale(_float(scales.get(name)), self.num_kv_heads, storage.device, name).contiguous()
             for name in self.scale_names
         )
-        return PagedKVCache.of(storage[0], storage[1], k_scale, v_scale)
+        return PagedKVCache.of(storage[0], storage[1], k_scale, v_scale, backend=backend, cpu_ops=cpu_ops)
 
 
 def _float(scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -132,7 +137,9 @@ class LatentLayout:
             return latent, None
         return latent, slots[..., self.latent_bytes :].view(self.index_dtype)
 
-    def layer_cache(self, storage: torch.Tensor, scales: Scales) -> PagedLatentCache:
+    def layer_cache(
+        self, storage: torch.Tensor, scales: Scales, backend: str | None, cpu_ops: CpuOps | None
+    ) -> PagedLatentCache:
         latent, index_keys = self.views(storage)
         k_scale = scales.get("k_scale")
         if k_scale is not None and k_scale.numel() != 1:
@@ -141,7 +148,7 @@ class LatentLayout:
                 "has no heads, so it takes one value per layer (kv_cache_scheme strategy tensor): "
                 "re-run `kvq calibrate` on the checkpoint"
             )
-        return PagedLatentCache.of(latent, self.kv_lora_rank, _float(k_scale), index_keys)
+        return PagedLatentCache.of(latent, self.kv_lora_rank, _float(k_scale), index_keys, backend=backend)
 
 
 def layout_for(spec: KvCacheSpec, dtype: torch.dtype, tp: int = 1) -> GqaLayout | LatentLayout:

@@ -16,6 +16,7 @@ import torch
 
 from kvq.checkpoint.kv_cache_spec import SLOT_STAMP_BYTES
 from kvq.errors import KvqError
+from kvq.runtime.kernels import CpuOps
 from kvq.runtime.kv_layout import KVLayout, Scales, slot_bytes
 
 logger = logging.getLogger("kvq")
@@ -39,13 +40,19 @@ class KVPool:
         page_size: int,
         device: torch.device,
         is_checked: bool = False,
+        *,
+        backend: str | None = None,
+        cpu_ops: CpuOps | None = None,
     ) -> None:
+        """`backend` and `cpu_ops`: the engine's kernels, which every layer's cache object carries (None:
+        chosen when the caches are made, `resolve_backend` / `CpuOps.choose`)."""
         if num_pages < 1:
             raise KvqError(
                 f"the KV budget holds no page of {page_size} tokens "
                 f"({page_bytes(layout, num_layers, page_size, is_checked)} bytes each); raise --kv-memory"
             )
         self.layout, self.num_layers = layout, num_layers
+        self.backend, self.cpu_ops = backend, cpu_ops
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, layout.dtype
         # One more page than handed out: `zero_page`, all zeros, which attention reads for slots past a
         # sequence's end. The others start empty (committed as written; read once written). All layers
@@ -141,7 +148,8 @@ class KVPool:
         stamps = None if self.stamps is None else self.stamps.view(-1, self.num_layers)  # [num_slots, L]
         self.caches = [
             replace(  # type: ignore[type-var]
-                self.layout.layer_cache(self.storage[i], s), stamps=None if stamps is None else stamps[:, i]
+                self.layout.layer_cache(self.storage[i], s, self.backend, self.cpu_ops),
+                stamps=None if stamps is None else stamps[:, i],
             )
             for i, s in enumerate(self._scales)
         ]

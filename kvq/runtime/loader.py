@@ -23,7 +23,7 @@ from kvq.formats.shapes import GROUP_SIZES
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.distributed.group import TpGroup
 from kvq.runtime.distributed.shard import COLS, ROWS, Index, dense_index, fp8_indexes, int4_indexes
-from kvq.runtime.kernels import CpuOps
+from kvq.runtime.kernels import CpuOps, resolve_backend
 from kvq.runtime.layers.linear import DENSE, FP8, INT4, Linear, LinearForms, StoredLinear, build_linear
 from kvq.runtime.layers.moe import Experts, build_experts
 from kvq.runtime.layers.norm import RMSNorm
@@ -55,10 +55,12 @@ class WeightLoader:
         self.dtype, self.device = config.activation_dtype, config.torch_device
         self.tp = tp or TpGroup.single()
         self.cpu_ops = CpuOps.choose(config.cpu_isa)  # the CPU kernels every layer is built for, once
+        self.backend = resolve_backend(self.device, config.kernels)  # Triton or torch, once
         self.forms = LinearForms(
             self.dtype,
             self.device,
             self.cpu_ops,
+            self.backend,
             config.is_reference,
             config.fp8_weights,
             config.int4_compute,

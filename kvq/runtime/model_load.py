@@ -92,7 +92,17 @@ def make_kv_pool(config: EngineConfig, loaded: LoadedModel) -> KVPool:
     is_checked = config.kv_integrity != "off"  # slot stamps only in a checked pool
     num_pages = config.kv_pool_bytes() // page_bytes(layout, len(layers), config.page_size, is_checked)
     num_pages = loaded.tp.min_int(min(num_pages, max_pages))
-    pool = KVPool(layout, len(layers), num_pages, config.page_size, config.torch_device, is_checked)
+    model = loaded.model
+    pool = KVPool(
+        layout,
+        len(layers),
+        num_pages,
+        config.page_size,
+        config.torch_device,
+        is_checked,
+        backend=model.backend,  # the kernels the weights were prepared for
+        cpu_ops=model.cpu_ops,
+    )
     pool.layer_caches(
         [a.kv_scales for a in layers], require_kv_scales=config.require_kv_scales, where=str(loaded.ckpt.root)
     )

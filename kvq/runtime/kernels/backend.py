@@ -1,7 +1,8 @@
 """Which kernel backend runs a call: the Triton kernels or the torch path.
 
-Order: an explicit `backend=` argument, else the `KVQ_KERNELS` environment variable (auto|torch|triton,
-read at every call), else auto = Triton for CUDA tensors when Triton imports, torch otherwise.
+Order: an explicit `backend=` argument (the engine's `EngineConfig.kernels`, resolved once at load),
+else the `KVQ_KERNELS` environment variable (auto|torch|triton), else auto = Triton for CUDA tensors when
+Triton imports, torch otherwise.
 Imports torch only; Triton is probed with `importlib.util.find_spec`, never imported here.
 """
 
@@ -14,10 +15,10 @@ from typing import Literal
 import torch
 
 from kvq.errors import KvqError
+from kvq.runtime.config import BACKEND_CHOICES
 
 Backend = Literal["torch", "triton"]
 KVQ_KERNELS_ENV = "KVQ_KERNELS"
-BACKEND_CHOICES = ("auto", "torch", "triton")
 
 
 def is_triton_installed() -> bool:

@@ -9,8 +9,6 @@ Imports torch and kvq.runtime.kernels.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from kvq.runtime.batch import ForwardBatch
@@ -35,8 +33,8 @@ class PagedAttention:
         return self.kv.v_scale
 
     def bind(self, kv: PagedKVCache) -> None:
-        """This layer's pages and scales, from the engine's KV pool, run by the engine's CPU kernels."""
-        self.kv = kv if kv.cpu_ops is self.ops else replace(kv, cpu_ops=self.ops)
+        """This layer's pages and scales, from the engine's KV pool (bound to the engine's kernels)."""
+        self.kv = kv
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch

@@ -275,12 +275,13 @@ def merge_stored(parts: list[StoredLinear]) -> StoredLinear | None:
 @dataclass(frozen=True)
 class LinearForms:
     """How stored Linears become runnable ones, one per engine (`WeightLoader.forms`, from `EngineConfig`):
-    the activation `dtype` and `device`; reference mode (everything dense fp32); FP8 weights "per-use" or
-    "bf16"; INT4 as "w4a16" or "w4a8"; the engine's CPU kernels."""
+    the activation `dtype` and `device`; the engine's kernels (CPU ones, and the backend: Triton or torch);
+    reference mode (everything dense fp32); FP8 weights "per-use" or "bf16"; INT4 as "w4a16" or "w4a8"."""
 
     dtype: torch.dtype
     device: torch.device
     cpu_ops: CpuOps
+    backend: str
     is_reference: bool = False
     fp8_weights: str = "per-use"
     int4_compute: str = "w4a16"
@@ -309,5 +310,7 @@ def build_linear(parts: list[StoredLinear], forms: LinearForms) -> Linear:
         return Fp8Linear(StoredLinear(FP8, tensors, merged.block, names=merged.names), bias, ops)
     t = merged.tensors
     packed, scale = t["weight_packed"].to(device), t["weight_scale"].to(device)
-    weight = prepare_w4a16(packed, scale, merged.group_size, int8_activations=forms.is_w4a8, cpu_ops=ops)
+    weight = prepare_w4a16(
+        packed, scale, merged.group_size, backend=forms.backend, int8_activations=forms.is_w4a8, cpu_ops=ops
+    )
     return Int4Linear(weight, bias)

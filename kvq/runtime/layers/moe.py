@@ -68,7 +68,12 @@ def build_experts(gate_up: list[list[StoredLinear]], down: list[StoredLinear], f
                 torch.stack([s.tensors[k] for s in stored]).to(forms.device) for k in WEIGHT_KEYS
             )
             return prepare_w4a16(
-                packed, scale, group_size, int8_activations=forms.is_w4a8, cpu_ops=forms.cpu_ops
+                packed,
+                scale,
+                group_size,
+                backend=forms.backend,
+                int8_activations=forms.is_w4a8,
+                cpu_ops=forms.cpu_ops,
             )
 
         return Int4Experts(prepare(merged), prepare(down))

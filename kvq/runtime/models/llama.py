@@ -207,7 +207,8 @@ class LlamaForCausalLM:
                 DecoderLayer(config, prefix, loader, attention, self.make_mlp(f"{prefix}.mlp", i, loader))
             )
         self.norm = loader.rms_norm("model.norm.weight", hidden, config.rms_norm_eps)
-        self.cpu_ops = loader.cpu_ops  # the CPU kernels it was built for (its decode plans call them)
+        # the kernels it was built for (its decode plans call the CPU ones; its KV pool takes both)
+        self.cpu_ops, self.backend = loader.cpu_ops, loader.backend
         if config.tie_word_embeddings:
             loader.optional("lm_head.weight")  # some tied checkpoints store a copy; the embedding is used
             self.lm_head: Linear = DenseLinear(self.embed_tokens, None, loader.cpu_ops)
