@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvq.runtime.kernels.cpu import ops as cpu_ops
-from kvq.runtime.kernels.cpu.ops import stamps_check_applies
+from kvq.runtime.kernels.integrity.cpu_calls import stamps_check_applies
 from kvq.runtime.kernels.integrity.stamp_check import (
     check_stamps,
     check_stamps_reference,

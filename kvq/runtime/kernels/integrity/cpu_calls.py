@@ -1,5 +1,6 @@
 """The integrity kernels' C calls on CPU (`cpu/_ops_stamps.h`): the step check and the write guard
-(`step_check`) and the sampled-bytes page hash (`page_check`), one call each. Exact integer arithmetic, so
+(`step_check`), the slot-stamp check (`stamp_check`) and the sampled-bytes page hash (`page_check`), one
+call each. Exact integer arithmetic, so
 the same values as the torch references wherever the extension is built, at any ISA. `*_applies` says when
 a C call runs (CPU tensors of the dtypes, shapes and layout it reads); anything else goes to the reference,
 which names what is wrong. Imports torch and the `_ops` extension only.
@@ -126,4 +127,51 @@ def sampled_page_hash_native(
         page_ids.data_ptr(), int(page_ids.dtype == torch.int64), page_ids.shape[0],
         offsets.data_ptr(), offsets.shape[0], coeffs.data_ptr(), out.data_ptr(),
     )  # fmt: skip
+    return out
+
+
+def stamps_check_applies(
+    stamps: torch.Tensor, block_tables: torch.Tensor, expected_writers: torch.Tensor, read_lens: torch.Tensor
+) -> bool:
+    """True when `check_stamps_native` runs (an exact compare: wherever the extension is built): CPU,
+    contiguous int64 stamps, writers and lengths of the shapes `kernels.integrity.stamp_check` takes, block
+    tables int32/int64 with unit inner stride."""
+    return (
+        _ext is not None
+        and stamps.device.type == "cpu"
+        and stamps.dim() == 3
+        and block_tables.dim() == 2
+        and stamps.dtype == expected_writers.dtype == read_lens.dtype == torch.int64
+        and block_tables.dtype in _INTEGER
+        and stamps.is_contiguous()
+        and expected_writers.is_contiguous()
+        and read_lens.is_contiguous()
+        and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1)
+        and tuple(expected_writers.shape) == tuple(block_tables.shape)
+        and tuple(read_lens.shape) == (block_tables.shape[0],)
+        and block_tables.device.type == expected_writers.device.type == read_lens.device.type == "cpu"
+    )
+
+
+def check_stamps_native(
+    stamps: torch.Tensor, block_tables: torch.Tensor, expected_writers: torch.Tensor, read_lens: torch.Tensor
+) -> torch.Tensor:
+    """`kernels.integrity.stamp_check.check_stamps_reference` as one C call (`stamps_check_applies`)."""
+    assert _ext is not None
+    num_rows, width = block_tables.shape
+    out = torch.empty(num_rows, dtype=torch.int64)
+    _ext.check_stamps(
+        stamps.data_ptr(),
+        stamps.shape[0],
+        stamps.shape[1],
+        stamps.shape[2],
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        int(block_tables.dtype == torch.int64),
+        expected_writers.data_ptr(),
+        read_lens.data_ptr(),
+        num_rows,
+        width,
+        out.data_ptr(),
+    )
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq.runtime.kernels.cpu.ops import check_stamps_native, stamps_check_applies
+from kvq.runtime.kernels.integrity.cpu_calls import check_stamps_native, stamps_check_applies
 from kvq.runtime.kernels.integrity.tensor_checks import check_tensors
 
 
