@@ -2,7 +2,7 @@
 token's K/V, and verified for every slot a step reads before the forward.
 
 Reference (the spec, also the torch path on every device) and the dispatch to the C op on CPU
-(`cpu/_ops_stamps.h`). Imports torch, kvq.runtime.kernels.cpu.ops and `tensor_checks` only.
+(`cpu/_ops_stamps.h`). Imports torch, `cpu_calls` and `tensor_checks` only.
 
 The pool keeps `stamps` int64 `[P + 1, page_size, L]`: each layer's stamp of each slot, side by side, so
 a slot's stamps are one contiguous read. A layer's store sees its column as `[num_slots]` (stride L).
