@@ -37,11 +37,21 @@ def make_tracker(mode: str, kv_pool: KVPool, num_checked_layers: int | None = No
     num_layers = kv_pool.num_layers if num_checked_layers is None else num_checked_layers
     stamps = kv_pool.stamps if num_layers == kv_pool.num_layers else kv_pool.stamps[..., :num_layers]
     if mode == "tags":
-        return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, stamps=stamps)
+        return TagTracker(
+            kv_pool.num_pages, kv_pool.page_size, kv_pool.device, stamps=stamps, backend=kv_pool.backend
+        )
     assert mode == "full", mode
     pool_bytes = kv_pool.page_bytes_view()[:num_layers]
     num_parts = pool_bytes.shape[1]
     sample = make_page_sample(
         num_layers, kv_pool.page_size, kv_pool.row_bytes, kv_pool.device, num_parts=num_parts
     )
-    return TagTracker(kv_pool.num_pages, kv_pool.page_size, kv_pool.device, pool_bytes, sample, stamps=stamps)
+    return TagTracker(
+        kv_pool.num_pages,
+        kv_pool.page_size,
+        kv_pool.device,
+        pool_bytes,
+        sample,
+        stamps=stamps,
+        backend=kv_pool.backend,
+    )

@@ -48,9 +48,11 @@ class TagTracker(PageLedger):
         pool_bytes: torch.Tensor | None = None,
         sample: PageSample | None = None,
         stamps: torch.Tensor | None = None,
+        backend: str | None = None,
     ) -> None:
         super().__init__(num_pages, page_size)
         self.device = device
+        self.backend = backend  # the pool's kernel backend, chosen at load (None: by the device, per check)
         self.stamps = stamps  # [P + 1, page_size, L] int64: the pool's slot stamps (None: not checked)
         self._slot_stamps: torch.Tensor | None = None  # [T]: what the last checked batch's writes stamp
         is_cpu = device.type == "cpu"
@@ -159,7 +161,9 @@ class TagTracker(PageLedger):
             tags.view(num_rows, width), lens, rows, positions,
         )  # fmt: skip
         page_writers = writers.view(num_rows, width) if self.stamps is not None else None
-        is_bad, write_tags, slot_stamps = check_step(inputs, self.page_size, page_writers)
+        is_bad, write_tags, slot_stamps = check_step(
+            inputs, self.page_size, page_writers, backend=self.backend
+        )
         findings = PageFindings(is_bad, write_tags, is_bad.any())
         if self.stamps is not None:
             assert page_writers is not None
@@ -294,7 +298,8 @@ class TagTracker(PageLedger):
 
     def _hash(self, pages: torch.Tensor) -> torch.Tensor:
         assert self.pool_bytes is not None and self.sample is not None
-        return sampled_page_hash(self.pool_bytes, pages, self.sample.offsets, self.sample.coeffs)
+        sample = self.sample
+        return sampled_page_hash(self.pool_bytes, pages, sample.offsets, sample.coeffs, backend=self.backend)
 
     def rehash(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sampled-bytes hash of `pages` now, the hash recorded after their sealing forward)."""
