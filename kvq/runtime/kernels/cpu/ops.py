@@ -1,14 +1,14 @@
 """The small ops of a CPU decode step in C (`_ops`): RMSNorm (optionally after the residual add),
 SiLU-and-mul, rotary, the paged KV store and decode attention, each one call instead of the 5-20 eager
-torch ops that cost more than the arithmetic at decode sizes; and the exact ones (the greedy sampler's
-argmax, the slot-stamp check). Same rounding steps as the torch ops they replace (fp32 inside; see
-`_ops.c`).
+torch ops that cost more than the arithmetic at decode sizes; and the greedy sampler's argmax, which is
+exact. Same rounding steps as the torch ops they replace (fp32 inside; see `_ops.c`). The integrity
+kernels' C calls are `kernels/integrity/cpu_calls.py`'s.
 
 `CpuOps` is the CPU kernels as an engine chose them, once, at load (`CpuOps.choose`: the `cpu_isa`
 setting, else $KVQ_CPU_ISA, else the best this CPU runs): the W4A16 path and the C ops' vector level, or
 the C ops off (`torch`, or the extension not built). Layers and KV caches hold the engine's `CpuOps` and
-call its methods; nothing on the decode path asks the environment again. The exact ops run in C wherever
-the extension is built, whatever the path: their answer does not depend on it.
+call its methods; nothing on the decode path asks the environment again. The argmax runs in C wherever
+the extension is built, whatever the path: its answer does not depend on it.
 Imports torch and kvq.runtime.kernels.cpu.
 """
 
