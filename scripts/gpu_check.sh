@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # GPU check of the kvq kernels: the gpu-marked kernel tests (W4A16, fused MoE, GQA and MLA latent decode
 # attention, KV store), the MLA engine on CUDA (tests/runtime/test_gpu_mla_engine.py: the fast path of the
-# tiny DeepSeek-V3 and GLM-5 against transformers' fp32 forward), then the kernel benchmark, whose table is
-# printed and written to RESULTS_DIR/kernel_bench.json. Needs a CUDA device, torch with CUDA and triton
-# (+ pytest, transformers); installs nothing; under 8 minutes (each step has a timeout).
+# tiny DeepSeek-V3 and GLM-5 against transformers' fp32 forward; tests/runtime/test_spec_fast_path.py:
+# --speculative mtp, its K + 1 verified rows through the Triton fused MoE and its MTP drafts through the
+# Triton latent decode, each token the plain engine's argmax within bf16 rounding), then the kernel
+# benchmark, whose table is printed and written to RESULTS_DIR/kernel_bench.json. Needs a CUDA device,
+# torch with CUDA and triton (+ pytest, transformers); installs nothing; under 9 minutes (each step has a
+# timeout).
 # Usage: scripts/gpu_check.sh RESULTS_DIR
 # Exit: 0 all good; 1 a test failed, a kernel mismatched its reference, a step errored or timed out;
 #       2 usage or no CUDA device; 3 an H100/H200 target was missed (numbers still written).
@@ -43,7 +46,8 @@ timeout 120 "$python" -m pytest -q -m gpu -p no:cacheprovider "${cpu_oracle_test
     || tests_status=$?
 
 engine_status=0
-timeout 180 "$python" -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_gpu_mla_engine.py \
+timeout 240 "$python" -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_gpu_mla_engine.py \
+    tests/runtime/test_spec_fast_path.py \
     --junitxml="$results_dir/mla_engine_gpu_tests.xml" 2>&1 | tee "$results_dir/mla_engine_gpu_tests.log" \
     || engine_status=$?
 
