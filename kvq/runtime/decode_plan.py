@@ -177,7 +177,7 @@ class DecodePlan:
             q = qk[:, :heads]
             sm_scale = attn.attn.sm_scale
             calls.append(
-                ops.decode_attention_call(q, kv.k_cache, kv.v_cache, scales, tables, lens, sm_scale, att)
+                ops.decode_attention_call(att, q, kv.k_cache, kv.v_cache, scales, tables, lens, sm_scale)
             )
             calls.append(linear_call(attn.o_proj, att.view(m, attn.q_size), o))
             add_norm(layer.post_attention_layernorm, h, o)

@@ -27,6 +27,7 @@ from kvq.runtime.kernels.cpu.isa import (
     Call,
     _ext,
     bf16_dot,
+    run,
 )
 
 
@@ -74,7 +75,8 @@ class NativeW4A16:
             return dense_matmul(x, self.weight_packed, self.weight_scale, self.group_size, self.scratch)
         code = self._isa_code if num_rows >= AMX_FROM_ROWS else self._few_rows_code
         y = torch.empty((num_rows, self.weight_packed.shape[0]), dtype=x.dtype)
-        return _gemm(code, self._vnni, x, *self._ptrs, self._scale_code, self.group_size, y)
+        run(_gemm_call(code, self._vnni, x, *self._ptrs, self._scale_code, self.group_size, y))
+        return y
 
     def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
         """`self(x)`'s C call into y `[M, N]` (both contiguous, a native dtype), or None where `self(x)`
@@ -129,7 +131,8 @@ def w4a16_native(
     ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
     code = _ISA_CODES[isa if x.shape[0] >= AMX_FROM_ROWS else _few_rows_isa(isa)]
     vnni = int((dot_of(isa) if dot is None else dot) == "vnni")
-    return _gemm(code, vnni, x, *ptrs, scale_code, group_size, y)
+    run(_gemm_call(code, vnni, x, *ptrs, scale_code, group_size, y))
+    return y
 
 
 class DenseScratch:
@@ -183,22 +186,6 @@ def dense_matmul(
     return y
 
 
-def _gemm(
-    isa_code: int,
-    vnni: int,
-    x: torch.Tensor,
-    packed: int,
-    scale: int,
-    scale_code: int,
-    group_size: int,
-    y: torch.Tensor,
-) -> torch.Tensor:
-    """The C call on contiguous x `[M, K]` into y `[M, N]` (dtypes checked by the caller)."""
-    fn, args = _gemm_call(isa_code, vnni, x, packed, scale, scale_code, group_size, y)
-    fn(*args)
-    return y
-
-
 def _gemm_call(
     isa_code: int,
     vnni: int,
@@ -209,7 +196,8 @@ def _gemm_call(
     group_size: int,
     y: torch.Tensor,
 ) -> Call:
-    """vnni: avx512bf16's bf16 activations as VNNI integer sums (1) or vdpbf16ps pairs (0)."""
+    """The C call on contiguous x `[M, K]` into y `[M, N]` (dtypes checked by the caller); vnni:
+    avx512bf16's bf16 activations as VNNI integer sums (1) or vdpbf16ps pairs (0)."""
     assert _ext is not None, "resolve_cpu_isa() picks a native path only when the extension is built"
     (num_rows, in_features), out_features = x.shape, y.shape[1]
     x_code, y_code, threads = _DTYPE_CODES[x.dtype], _DTYPE_CODES[y.dtype], torch.get_num_threads()
@@ -237,8 +225,7 @@ def gemv_dense(isa: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     BF16 Linear: torch's GEMM dispatch sends it to oneDNN, which on AVX-512 BF16 CPUs copies the whole
     weight into a blocked buffer at every call (~2x the time of this GEMV on SmolLM2's lm_head, Zen 4)."""
     y = torch.empty((1, weight.shape[0]), dtype=torch.bfloat16)
-    fn, args = gemv_dense_call(isa, x.contiguous(), weight, y)
-    fn(*args)
+    run(gemv_dense_call(isa, x.contiguous(), weight, y))
     return y
 
 
@@ -253,8 +240,7 @@ def gemv_dense_call(isa: str, x: torch.Tensor, weight: torch.Tensor, y: torch.Te
 def gemm_dense(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
     """The dense BF16 C call on AMX tiles (`_dense_cpu_amx.h`): contiguous bf16 x `[M, K]` into y `[M, N]`
     for a contiguous bf16 weight `[N, K]`, K a multiple of 32 (checked by the caller; amx runnable)."""
-    fn, args = gemm_dense_call(x, weight, y)
-    fn(*args)
+    run(gemm_dense_call(x, weight, y))
 
 
 def gemm_dense_call(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> Call:

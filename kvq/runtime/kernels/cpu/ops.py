@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvq.runtime.kernels.cpu.isa import Call, resolve_cpu_isa
+from kvq.runtime.kernels.cpu.isa import Call, resolve_cpu_isa, run
 from kvq.runtime.kernels.cpu.linear import DenseScratch, dot_of
 
 _ext: ModuleType | None
@@ -84,8 +84,7 @@ class CpuOps:
         weight bf16 `[H]`; residual (optional) like x."""
         out = torch.empty_like(x)
         total = None if residual is None else torch.empty_like(x)
-        fn, args = self.rms_norm_call(x, weight, eps, out, residual, total)
-        fn(*args)
+        run(self.rms_norm_call(x, weight, eps, out, residual, total))
         return out, x if total is None else total
 
     def rms_norm_call(
@@ -119,8 +118,7 @@ class CpuOps:
             gate, up = gate_up.chunk(2, dim=-1)
             return torch.nn.functional.silu(gate) * up
         out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
-        fn, args = self.silu_mul_call(gate_up, out)
-        fn(*args)
+        run(self.silu_mul_call(gate_up, out))
         return out
 
     def silu_mul_call(self, gate_up: torch.Tensor, out: torch.Tensor) -> Call:
@@ -152,8 +150,7 @@ class CpuOps:
         the qkv projection) with bf16 cos, sin_signed `[T, 1, R]` contiguous -> contiguous `[T, H, D]`, as
         `RotaryEmbedding.__call__` computes it in torch (`rotary_applies` says when)."""
         out = torch.empty(x.shape, dtype=x.dtype)
-        fn, args = self.rotary_call(x, cos, sin_signed, rotary_dim, out)
-        fn(*args)
+        run(self.rotary_call(x, cos, sin_signed, rotary_dim, out))
         return out
 
     def rotary_call(
@@ -184,8 +181,7 @@ class CpuOps:
 
     def store_kv(self, *args: Any) -> None:
         """`store_kv_call(*args)` run: in place, k, v `[T, Hkv, D]` (`store_applies`) into their slots."""
-        fn, call_args = self.store_kv_call(*args)
-        fn(*call_args)
+        run(self.store_kv_call(*args))
 
     def store_kv_call(
         self,
@@ -248,30 +244,15 @@ class CpuOps:
             and q.shape[-1] <= 512
         )
 
-    def decode_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scales: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        sm_scale: float,
-    ) -> torch.Tensor:
-        """Paged decode attention (`paged/attention.py`'s contract) in C, reading bf16 or FP8 pages
-        directly (FP8: bytes to fp32 in AVX-512 or F16C registers or, at level 0, in arithmetic, the
-        per-head scales on the query and the output; no bf16 copy of the pages), the (sequence, KV head)
-        pairs over torch.get_num_threads() threads of the W4A16 kernel's pool. q bf16 `[B, Hq, D]`
-        (`attention_applies`), scales fp32 contiguous `[2, Hkv]` (K, V) -> bf16 `[B, Hq, D]`."""
+    def decode_attention(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        """`decode_attention_call(out, q, *args)` run into a new `out` like q: bf16 `[B, Hq, D]`."""
         out = torch.empty(q.shape, dtype=q.dtype)
-        fn, args = self.decode_attention_call(
-            q, k_cache, v_cache, scales, block_tables, seq_lens, sm_scale, out
-        )
-        fn(*args)
+        run(self.decode_attention_call(out, q, *args))
         return out
 
     def decode_attention_call(
         self,
+        out: torch.Tensor,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -279,9 +260,12 @@ class CpuOps:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         sm_scale: float,
-        out: torch.Tensor,
     ) -> Call:
-        """`decode_attention`'s C call into contiguous `out` `[B, Hq, D]`."""
+        """Paged decode attention (`paged/attention.py`'s contract) in C into contiguous `out`, reading bf16
+        or FP8 pages directly (FP8: bytes to fp32 in AVX-512 or F16C registers or, at level 0, in
+        arithmetic, the per-head scales on the query and the output; no bf16 copy of the pages), the
+        (sequence, KV head) pairs over torch.get_num_threads() threads of the W4A16 kernel's pool. q bf16
+        `[B, Hq, D]` (`attention_applies`), scales fp32 contiguous `[2, Hkv]` (K, V), out bf16 like q."""
         assert _ext is not None
         num_seqs, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_cache.shape
