@@ -79,3 +79,24 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error() -> None:
     env = os.environ | {"TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "store_kv_kernel got cpu tensors" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
+
+
+def test_the_engine_chooses_its_backend_once_from_its_setting(int4_checkpoint, monkeypatch) -> None:
+    """--kernels (EngineConfig.kernels) wins over $KVQ_KERNELS, is checked at creation, and is resolved once
+    by the loader: every prepared weight and KV cache carries it; a later change of the variable changes
+    nothing."""
+    from kvq.runtime.config import EngineConfig
+    from kvq.runtime.engine import Engine
+    from kvq.runtime.sampling import SamplingParams
+
+    model = str(int4_checkpoint("llama"))
+    with pytest.raises(KvqError, match="--kernels 'cuda': pick one of auto, torch, triton"):
+        EngineConfig(model=model, kernels="cuda")
+    monkeypatch.setenv(KVQ_KERNELS_ENV, "triton")
+    engine = Engine(EngineConfig(model=model, kv_memory="4MiB", kernels=" Torch"))
+    layer = engine.model.layers[0]
+    assert engine.config.kernels == "torch" and engine.model.backend == "torch"
+    assert layer.self_attn.qkv_proj.weight.backend == "torch" and layer.self_attn.attn.kv.backend == "torch"
+    monkeypatch.setenv(KVQ_KERNELS_ENV, "bogus")  # read at load only
+    out = engine.generate([[5, 17, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
