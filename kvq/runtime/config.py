@@ -1,9 +1,9 @@
 """The engine's settings: one flat dataclass, validated on creation, that declares the engine options of
 every command (default and help text) and the keys of a --config file's `engine` section.
 
-Imports kvq.byte_sizes, kvq.kv_cache_dtypes and kvq.errors only; torch and psutil when a property asks,
-so a command line validates its flags before torch loads. A refusal names the flag (`--page-size`), the
-value and the choices.
+Imports kvq.byte_sizes, kvq.kv_cache_dtypes, kvq.runtime.kernel_choices and kvq.errors only; torch and
+psutil when a property asks, so a command line validates its flags before torch loads. A refusal names
+the flag (`--page-size`), the value and the choices.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvq.kv_cache_dtypes import (
     check_dtype,
     check_kv_cache_dtype,
 )
+from kvq.runtime.kernel_choices import BACKEND_CHOICES, CPU_ISA_CHOICES
 
 if TYPE_CHECKING:
     import torch
@@ -34,9 +35,6 @@ INT4_COMPUTE_MODES = ("w4a16", "w4a8")
 LM_HEAD_GROUP_SIZE = 32  # the int4 copy's group size: the finest the kernels run
 DEVICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_MODES = ("off", "tags", "full")
-# the CPU kernel paths, fastest first (`kernels.cpu.isa`): auto picks the first this CPU and build run
-CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
-BACKEND_CHOICES = ("auto", "torch", "triton")  # the kernel backends (`kernels.backend`)
 SPECULATIVE_METHODS = ("mtp",)  # --speculative: drafts from the checkpoint's MTP (NextN) layers
 
 
@@ -212,12 +210,6 @@ class EngineConfig:
             _choice("speculative", self.speculative, SPECULATIVE_METHODS)
         if self.num_speculative_tokens < 1:
             raise KvqError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.speculative is not None and self.kv_integrity != "off" and self.tp > 1:
-            raise KvqError(
-                f"--speculative {self.speculative} with --kv-integrity {self.kv_integrity} at --tp "
-                f"{self.tp}: the ranks past 0 do not follow rolled-back drafts yet; pass --kv-integrity off "
-                "or --tp 1"
-            )
         if self.device == "cuda":
             import torch
 

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from kvq.errors import KvqError
-from kvq.runtime.config import BACKEND_CHOICES
+from kvq.runtime.kernel_choices import BACKEND_CHOICES
 
 Backend = Literal["torch", "triton"]
 KVQ_KERNELS_ENV = "KVQ_KERNELS"

@@ -1,6 +1,6 @@
 """Which CPU path runs: the ISA choice (`resolve_cpu_isa`: the `cpu_isa` setting, else $KVQ_CPU_ISA, else
 the best this CPU and build run; an engine resolves it once, `CpuOps.choose`), the C extension `_linear` as
-loaded, and the CPU's flags for messages. Imports torch, kvq.errors and kvq.runtime.config (the choices).
+loaded, and the CPU's flags for messages. Imports torch, kvq.errors and kvq.runtime.kernel_choices.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 
 from kvq.errors import KvqError
-from kvq.runtime.config import CPU_ISA_CHOICES
+from kvq.runtime.kernel_choices import CPU_ISA_CHOICES
 
 CPU_ISA_ENV = "KVQ_CPU_ISA"
 CPU_DOT_ENV = "KVQ_CPU_DOT"  # how avx512bf16 multiplies bf16 activations: vnni or bf16 (unset: by CPU vendor)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kvq.runtime.kernels.integrity.step_check import StepCheckInputs
+StepTensors = tuple[torch.Tensor, ...]  # `step_check.StepCheckInputs`, in its order
 
 _ext: ModuleType | None
 try:
@@ -25,7 +23,7 @@ except ImportError:  # no C compiler at install: torch only
 _INTEGER = (torch.int32, torch.int64)
 
 
-def step_check_applies(inputs: StepCheckInputs, writers: torch.Tensor | None) -> bool:
+def step_check_applies(inputs: StepTensors, writers: torch.Tensor | None) -> bool:
     """True when `check_step_native` runs: the extension has the op; every tensor on the CPU, contiguous,
     int64 (block_tables and context_lens int32 or int64) and of `check_step`'s shapes."""
     if _ext is None or not hasattr(_ext, "check_step"):
@@ -47,7 +45,7 @@ def step_check_applies(inputs: StepCheckInputs, writers: torch.Tensor | None) ->
 
 
 def check_step_native(
-    inputs: StepCheckInputs, page_size: int, writers: torch.Tensor | None = None
+    inputs: StepTensors, page_size: int, writers: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`step_check.check_step_reference` as one C call (`step_check_applies`)."""
     assert _ext is not None
