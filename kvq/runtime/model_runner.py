@@ -180,7 +180,8 @@ class ModelRunner(StepBatches):
         (integrity off), or a checked pool's message (this rank's own page checks and guarded writes, over a
         tracker of its own that `RankReset` renews). Then leave the process group: gloo's threads still
         running at interpreter exit abort the process."""
-        tracker = make_tracker(self.config.kv_integrity, self.kv_pool)
+        num_checked = len(self.loaded.model.attention_layers())  # as rank 0's: not the MTP layer's rows
+        tracker = make_tracker(self.config.kv_integrity, self.kv_pool, num_checked)
         while True:
             message = self.tp.broadcast(None)
             if isinstance(message, StepInputs):
@@ -189,7 +190,7 @@ class ModelRunner(StepBatches):
                 dist.destroy_process_group()
                 return
             elif isinstance(message, RankReset):
-                tracker = make_tracker(message.kv_integrity, self.kv_pool)
+                tracker = make_tracker(message.kv_integrity, self.kv_pool, num_checked)
             else:
                 assert tracker is not None and isinstance(message, RankCheck | RankStep), type(message)
                 self._follow(tracker, message)
@@ -197,6 +198,8 @@ class ModelRunner(StepBatches):
     def _follow(self, tracker: TagTracker, message: RankCheck | RankStep) -> None:
         """Run one of rank 0's integrity messages on this rank (past 0), its pool and its `tracker`."""
         tracker.mirror_tags(message.tags.pages, message.tags.tags)
+        if message.tags.restamps:
+            tracker.restamp(*(list(column) for column in zip(*message.tags.restamps, strict=True)))
         batch = self.batch_of(message.inputs)
         if isinstance(message, RankCheck):
             step = message.step

@@ -14,6 +14,9 @@ its own pages' sampled bytes. Per checked step, after rank 0's own check passed:
   (a late batch's writes land on no rank), stamps its slots with rank 0's slot stamps (every rank's pool
   carries the same stamps, and `RankCheck` verifies each rank's own), and in full mode hashes the pages
   the forward sealed, right after it.
+Draft stamps (`--speculative`): each rank stamps a verification's slots with rank 0's (drafts marked), and
+the stamps rank 0 rewrites for accepted drafts travel with its next message, so every rank's stamps stay
+rank 0's across rollbacks (a rejected draft's slot read later fails on every rank).
 `RankReset` follows `Engine.reset_kv` (each rank's `ModelRunner.loop` makes a new tracker). A step with
 integrity `off` sends the bare `StepInputs` (no check).
 Cost at --tp N: one more broadcast and one gather per checked step. Imports numpy, torch and kvq.runtime.
@@ -35,10 +38,12 @@ from kvq.runtime.request import Request
 
 @dataclass(frozen=True)
 class TagChanges:
-    """Page tags rank 0 changed since its previous message (every other rank's mirror applies them)."""
+    """Page tags rank 0 changed since its previous message (every other rank's mirror applies them), and the
+    slot stamps it rewrote (`TagTracker.confirm_drafts`: accepted drafts lose their draft mark)."""
 
     pages: list[int]
     tags: list[int]
+    restamps: list[tuple[int, int, int]]
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class RankLeader:
     def __init__(self, tp: TpGroup, tracker: TagTracker) -> None:
         self.tp, self.tracker = tp, tracker
         self._sent = np.zeros(tracker.num_pages, dtype=np.int64)  # the tags the other ranks' mirrors hold
+        tracker.restamps = []
 
     def check(self, seqs: list[Request], batch: ForwardBatch) -> list[PageMismatch]:
         """Every other rank's failures of `batch` (which passed rank 0's `check`), naming the rank."""
@@ -103,4 +109,5 @@ class RankLeader:
         host = self.tracker.host_tags.numpy()
         pages = np.flatnonzero(host != self._sent)
         self._sent[pages] = host[pages]
-        return TagChanges(pages.tolist(), host[pages].tolist())
+        restamps, self.tracker.restamps = self.tracker.restamps or [], []
+        return TagChanges(pages.tolist(), host[pages].tolist(), restamps)

@@ -64,6 +64,8 @@ class TagTracker(PageLedger):
         self.byte_hashes = torch.full((num_pages,), NO_BYTE_HASH, dtype=torch.int64, device=device)
         self._write_tags: torch.Tensor | None = None  # [T]: of the last batch that passed its check
         self.last_check: CheckedStep | None = None  # what the last `check` that got to the pages used
+        # (page, offset, stamp) of `confirm_drafts` not yet sent to the other ranks (None: at --tp 1)
+        self.restamps: list[tuple[int, int, int]] | None = None
 
     # -- the step check ---------------------------------------------------------------------------------
     def screen(self, seqs: list[Request], num_drafts: list[int] | None = None) -> list[PageMismatch]:
@@ -188,9 +190,16 @@ class TagTracker(PageLedger):
         positions = range(first, stop)
         pages = [holding.pages[p // size] for p in positions]
         stamps = [holding.writers[p // size] ^ p for p in positions]
+        self.restamp(pages, [p % size for p in positions], stamps)
+        if self.restamps is not None:
+            self.restamps += zip(pages, [p % size for p in positions], stamps, strict=True)
+
+    def restamp(self, pages: list[int], offsets: list[int], stamps: list[int]) -> None:
+        """Slot `offsets[i]` of page `pages[i]` carries `stamps[i]` in every checked layer (`confirm_drafts`;
+        at --tp N on the ranks past 0, rank 0's confirmations, `integrity.ranks`)."""
+        assert self.stamps is not None
         pages_t, offsets_t, stamps_t = (
-            torch.tensor(values, dtype=torch.int64).to(self.device)
-            for values in (pages, [p % size for p in positions], stamps)
+            torch.tensor(values, dtype=torch.int64).to(self.device) for values in (pages, offsets, stamps)
         )
         self.stamps[pages_t, offsets_t] = stamps_t[:, None]
 

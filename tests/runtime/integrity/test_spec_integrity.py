@@ -1,11 +1,14 @@
 """`--speculative mtp` with `--kv-integrity tags/full`: fp32 greedy output is the output without speculation
-(prefix sharing with pages of 4, forced preemption), no request is stopped, every page goes back to the
-pool after rolled-back drafts, and a rejected draft's slot read later (a slip that counts it as accepted)
-stops exactly its request.
+(prefix sharing with pages of 4, forced preemption, `--tp 2`: every rank's stamps follow rank 0's across
+rollbacks), no request is stopped, every page goes back to the pool after rolled-back drafts, and a
+rejected draft's slot read later (a slip that counts it as accepted) stops exactly its request.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +105,41 @@ def test_a_rejected_drafts_slot_read_later_is_caught(tiny_checkpoint) -> None:
     assert final[ids[1]].token_ids == expected[1]
     assert engine.stats.integrity_aborts == 1
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+TP_SCRIPT = """
+import json, sys
+from kvq.runtime.config import EngineConfig
+from kvq.runtime.engine import Engine
+from kvq.runtime.sampling import SamplingParams
+spec = sys.argv[3] or None
+e = Engine(EngineConfig(model=sys.argv[1], tp=int(sys.argv[2]), dtype="float32", kv_memory="4MiB", threads=1,
+    page_size=4, speculative=spec, num_speculative_tokens=3, kv_integrity="tags" if spec else "off"))
+outs = e.generate(json.loads(sys.argv[4]), SamplingParams(max_tokens=16, ignore_eos=True))
+accepted = e.proposer.stats.num_accepted_tokens if e.proposer else 0
+print(json.dumps([[o.token_ids for o in outs], e.stats.integrity_aborts, accepted]))
+e.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v3"])
+def test_tp2_with_tags_is_tp1s_greedy(tiny_checkpoint, tmp_path: Path, arch: str) -> None:
+    """At --tp 2 the ranks past 0 check their own pools' stamps: accepted drafts' stamps, rewritten on rank 0,
+    travel to them, so no request is stopped and the output is --tp 1's without speculation. The MTP layer
+    is fitted so that drafts are accepted (a random one's are not, and no stamp is rewritten)."""
+    from kvq.fixtures.mtp_fit import build_predictive_mtp
+
+    prompts = [[1, 5, 9, 200, 33, 7, 8, 9, 10, 11, 12, 13][: 5 + 3 * i] for i in range(3)]
+    source = tiny_checkpoint(arch, "bf16", num_mtp_layers=1)
+    path = build_predictive_mtp(source, tmp_path / "fit", prompts, 16, steps=150)
+
+    def run(tp: int, spec: str) -> list:
+        args = [sys.executable, "-c", TP_SCRIPT, str(path), str(tp), spec, json.dumps(prompts)]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    outputs, aborts, accepted = run(2, "mtp")
+    assert aborts == 0 and accepted >= 16
+    assert outputs == run(1, "")[0]
