@@ -19,7 +19,8 @@ def decode_tok_s(
 ) -> dict[str, list[float]]:
     """Each contender's decode tokens/s per repeat: num_seqs * (N - 1) / (t(N) - t(1)), so prefill and the
     first token cancel out. Contenders take turns within every repeat (drift on a shared machine hits
-    all alike); the caller takes the median."""
+    all alike); the caller takes the median. Where a loaded machine makes t(1) reach t(N) (short N), the
+    repeat counts num_seqs * N / t(N) instead: prefill included, a lower bound, never a negative speed."""
     runs: dict[str, list[float]] = {name: [] for name in contenders}
     for generate in contenders.values():
         generate(4)  # warm-up
@@ -29,8 +30,14 @@ def decode_tok_s(
             generate(1)
             middle = time.perf_counter()
             generate(new_tokens)
-            decode_s = time.perf_counter() - middle - (middle - start)
-            runs[name].append(num_seqs * (new_tokens - 1) / decode_s)
+            end = time.perf_counter()
+            decode_s = end - middle - (middle - start)
+            speed = (
+                num_seqs * (new_tokens - 1) / decode_s
+                if decode_s > 0
+                else num_seqs * new_tokens / (end - middle)
+            )
+            runs[name].append(speed)
     return runs
 
 
