@@ -20,6 +20,7 @@ import sys
 import time
 
 CHILD = r"""
+import faulthandler; faulthandler.enable()
 import json, statistics, sys, time
 import torch
 from kvq.runtime.config import EngineConfig
@@ -81,8 +82,10 @@ def measure(tree: str, args: argparse.Namespace) -> dict[str, float]:
     ]
     # cwd = the tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv], env=env, cwd=tree, capture_output=True, text=True, check=True
+        [sys.executable, "-c", CHILD, *argv], env=env, cwd=tree, capture_output=True, text=True
     )
+    if out.returncode != 0:
+        sys.exit(f"{tree}: exit {out.returncode}\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
