@@ -6,7 +6,9 @@ reads); a prefill worker connects and says hello with its `kv_identity`, which t
 (`kv_transfer.check_same_kv`: a disagreement refuses the connection by field name). A handoff's page
 bytes go through one POSIX shared-memory segment per request: the sender writes them, sends the
 segment's name with the pages' indices, tags and digests; the receiver copies them out, unlinks the
-segment and verifies them (`PDEngine.add_prefilled`). Messages are tuples:
+segment and verifies them (`PDEngine.add_prefilled`). A checked sender's slot stamps and writer tags travel
+in the message beside the digests, so the receiver checks them as an in-process handoff does. Messages are
+tuples:
   prefill -> decode: ("hello", identity, name), ("handoff", rid, meta, params, segment),
     ("abort", rid)
   decode -> prefill: ("hello", None | error), ("out", rid, RequestOutput), ("refused", rid, message)
@@ -16,7 +18,7 @@ Imports torch and kvq.runtime.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Client, Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -39,6 +41,9 @@ class HandoffMeta:
     identity: dict[str, str]
     pages: list[tuple[int, int, bytes]]  # (logical index, tag, digest) per page
     page_shape: tuple[int, ...]
+    writers: list[int] = field(default_factory=list)  # the sender's writer tag per page (checked pool)
+    stamps: bytes = b""  # the pages' slot stamps, int64 [n, *stamp_shape] (empty: the sender did not stamp)
+    stamp_shape: tuple[int, ...] = ()  # [page_size, L]
 
 
 def send_handoff(conn: Link, request_id: int, handoff: KVHandoff, params: SamplingParams) -> None:
@@ -50,6 +55,10 @@ def send_handoff(conn: Link, request_id: int, handoff: KVHandoff, params: Sampli
         [(p.logical_index, p.tag, p.digest) for p in pages],
         tuple(pages[0].data.shape) if pages else (),
     )
+    if pages and all(p.stamps is not None for p in pages):
+        stamps = torch.stack([p.stamps for p in pages])  # type: ignore[misc]
+        meta.writers = [p.writer for p in pages]
+        meta.stamps, meta.stamp_shape = stamps.numpy().tobytes(), tuple(stamps.shape[1:])
     if not pages:  # a one-token prompt: the decode side computes it all
         conn.send(("handoff", request_id, meta, params, None))
         return
@@ -91,6 +100,17 @@ def receive_handoff(meta: HandoffMeta, segment: str | torch.Tensor | None) -> KV
             shared.unlink()
     data = flat.view(len(meta.pages), *meta.page_shape)
     pages = [PageRecord(index, tag, digest, data[i]) for i, (index, tag, digest) in enumerate(meta.pages)]
+    if meta.stamps:
+        count = len(pages) * math.prod(meta.stamp_shape)
+        if len(meta.stamps) != count * 8 or len(meta.writers) != len(pages):
+            raise OSError(
+                f"the message holds {len(meta.stamps)} stamp bytes and {len(meta.writers)} writers for "
+                f"{len(pages)} pages of {meta.stamp_shape} stamps"
+            )
+        stamps = torch.frombuffer(bytearray(meta.stamps), dtype=torch.int64)
+        stamps = stamps.view(len(pages), *meta.stamp_shape)
+        for page, page_stamps, writer in zip(pages, stamps, meta.writers, strict=True):
+            page.stamps, page.writer = page_stamps, writer
     return KVHandoff(meta.prompt_token_ids, meta.identity, pages)
 
 

@@ -2,16 +2,22 @@
 (an unchecked one's none); a page whose stamps are not its writer's is refused on arrival; a late import
 copy (the decode side's copy of an aborted request's pages, landing after one of them went to another
 request that is filling it) is caught before that request reads it, only it is stopped, a bystander's
-tokens are unchanged and no page leaks. GQA (llama) and MLA (glm_moe_dsa) pools, fp32, pages of 4."""
+tokens are unchanged and no page leaks; between processes (`serve.pd_link`: a socket and shared memory) the
+stamps and writer tags travel with the pages and are checked alike. GQA (llama) and MLA (glm_moe_dsa) pools,
+fp32, pages of 4."""
 
 from __future__ import annotations
 
+from multiprocessing import Pipe
+
 import pytest
+import torch
 
 import kvq.runtime.pd_engine as pd_engine
 from kvq.runtime.kv_transfer import KvTransferError, write_pages
 from kvq.runtime.pd_engine import PDEngine
 from kvq.runtime.sampling import SamplingParams
+from kvq.serve.pd_link import receive_handoff, send_handoff
 from tests.runtime.test_kv_transfer import engine, handoff_of
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -27,6 +33,39 @@ def test_a_page_whose_stamps_are_not_its_writers_is_refused(tiny_checkpoint) -> 
     stamps[2, 0] ^= 1 << 40  # a late write into the sender's page before it was exported
     with pytest.raises(KvTransferError, match="position 6 carries stamp"):
         engine(path, kv_integrity="tags").add_prefilled(handoff, GREEDY)  # type: ignore[attr-defined]
+
+
+def test_stamps_cross_the_process_link_and_are_checked_on_arrival(tiny_checkpoint) -> None:
+    """`send_handoff` / `receive_handoff` over a real connection and shared-memory segment: the receiver gets
+    the sender's stamps and writer tags bit for bit, decodes what an in-process handoff decodes, and refuses
+    a page whose stamp a late write changed before export."""
+    path = tiny_checkpoint("llama", "bf16")
+    handoff = handoff_of(engine(path, kv_integrity="tags"), PROMPT)
+    sender, receiver = Pipe()
+
+    def across(sent) -> object:  # noqa: ANN001
+        send_handoff(sender, 7, sent, GREEDY)
+        kind, request_id, meta, _, segment = receiver.recv()
+        assert (kind, request_id) == ("handoff", 7)
+        return receive_handoff(meta, segment)
+
+    arrived = across(handoff)
+    assert [(p.writer, p.tag) for p in arrived.pages] == [(p.writer, p.tag) for p in handoff.pages]
+    assert all(p.writer for p in arrived.pages)
+    assert all(torch.equal(a.stamps, p.stamps) for a, p in zip(arrived.pages, handoff.pages, strict=True))
+    direct, linked = engine(path, kv_integrity="tags"), engine(path, kv_integrity="tags")
+    outputs = []
+    for decode, sent in ((direct, handoff), (linked, arrived)):
+        decode.add_prefilled(sent, GREEDY)  # type: ignore[attr-defined]
+        while decode.has_unfinished_requests():
+            outputs += [o for o in decode.step() if o.finished]
+    assert [o.finish_reason for o in outputs] == ["length", "length"]
+    assert outputs[0].token_ids == outputs[1].token_ids
+    stamps = handoff.pages[2].stamps
+    assert stamps is not None
+    stamps[1, 0] ^= 1 << 40  # a late write into the sender's partial page (position 9) before export
+    with pytest.raises(KvTransferError, match="position 9 carries stamp"):
+        engine(path, kv_integrity="tags").add_prefilled(across(handoff), GREEDY)  # type: ignore[attr-defined]
 
 
 def test_only_a_checked_pool_sends_and_receives_stamps(tiny_checkpoint) -> None:
