@@ -712,7 +712,7 @@ static void forget_after_fork(void) { /* a forked child has one thread and no ca
     pool_forget_after_fork();
 }
 
-/* The worker threads lent to the other CPU extension (_cpu_ops' decode attention) through the capsule
+/* The worker threads lent to the other CPU extension (_ops' decode attention) through the capsule
    `_parallel_for` (see kvq_parallel_for in _ops.c): one pool, so two kinds of calls never have two
    sets of threads spinning against each other. Called without the GIL; serialized with the kernels. */
 static void parallel_for(task_fn fn, void *ctx, int64_t num_chunks, int nt) {

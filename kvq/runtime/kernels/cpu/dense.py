@@ -1,10 +1,10 @@
 """Dense BF16 matmul on AMX tiles for decode-sized batches: y = x @ W^T straight from a bf16 weight `[N, K]`.
 
-kvq's AMX GEMM (`gemm_dense` in `_w4a16_cpu`, `_dense_cpu_amx.h`) loads its weight tiles from the weight's
+kvq's AMX GEMM (`gemm_dense` in `_linear`, `_dense_amx.h`) loads its weight tiles from the weight's
 own rows: no blocked copy, the weight read once per call at about the speed the core reads memory. Up to
 `DENSE_AMX_MAX_ROWS` rows it outruns torch (Emerald Rapids, one thread, SmolLM2 shapes: 1.8-3.5x torch's
 one-row GEMV, 1.0-1.6x oneDNN's blocked-weight GEMM at 2-32 rows); above, its strip passes re-read the
-weight and oneDNN wins (~0.55x). Used where the CPU path (`KVQ_CPU_ISA`) is amx. Imports torch and
+weight and oneDNN wins (~0.55x). Used where the CPU path (`--cpu-isa`) is amx. Imports torch and
 kvq.runtime.kernels.cpu.linear.
 """
 

@@ -1,14 +1,15 @@
-"""The native CPU W4A16 kernel: which path runs (`KVQ_CPU_ISA`) and the launchers over the C extension
-(the W8A16 and dense BF16 entries' too: `gemm_w8`, `gemm_dense` on AMX tiles, `gemv_dense` for one row).
+"""The native CPU W4A16 kernel: which path runs (`--cpu-isa`, chosen at load) and the launchers over the C
+extension (the W8A16 and dense BF16 entries' too: `gemm_w8`, `gemm_dense` on AMX tiles, `gemv_dense` for one
+row).
 
-`_w4a16_cpu` (built with the package, optional) reads the compressed-tensors layout as loaded (see
+`_linear` (built with the package, optional) reads the compressed-tensors layout as loaded (see
 `w4a16.py`) with AMX (avx512bf16, but batches of at least `AMX_FROM_ROWS` bf16 rows through AMX tiles
 over compressed-tensors' bf16(q * scale)), AVX-512 BF16 (AVX-512, but bf16 activations through
 vdpbf16ps, or as fixed point through VNNI's vpdpbusd), AVX-512, AVX2 + FMA or scalar C loops
 chosen at run time. On avx512bf16, batches of at least `dense_from_rows` bf16 rows (prefill, and on
 the vdpbf16ps GEMM from 32 rows; amx: `AMX_DENSE_FROM_ROWS`) instead decompress the weight to bf16
-(`dequantize`, in chunks of rows) and run torch's BF16 GEMM (oneDNN). Without the extension, or with
-KVQ_CPU_ISA=torch, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
+(`dequantize`, in chunks of rows) and run torch's BF16 GEMM (oneDNN). Without the extension, or on the
+`torch` path, the CPU path is `aten._weight_int4pack_mm_for_cpu`. Imports torch and kvq.errors.
 """
 
 from __future__ import annotations

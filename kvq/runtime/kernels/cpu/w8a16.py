@@ -2,8 +2,8 @@
 
 The runtime's INT8 copy of a dense weight (the lm_head's `lm_head_weights="int8"`): `weight` int8 `[N, K]`,
 `weight_scale` fp32 `[N]`, real weight = weight * weight_scale[:, None], y = x @ W^T with fp32 sums.
-On CPU it runs kvq's native kernel (`gemm_w8` in `_w4a16_cpu`, the path `KVQ_CPU_ISA` picks) or, with
-KVQ_CPU_ISA=torch or no native path, `aten._weight_int8pack_mm` (K a multiple of 16: torch 2.13's op
+On CPU it runs kvq's native kernel (`gemm_w8` in `cpu._linear`, on the path chosen at load) or, on the
+`torch` path or no native path, `aten._weight_int8pack_mm` (K a multiple of 16: torch 2.13's op
 returns wrong values or crashes for other K, where the reference runs); elsewhere the reference
 (dequantized per call: memory saved, no speed). Imports torch and kvq.runtime.kernels.cpu.linear.
 """
