@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the kvq kernels: the gpu-marked kernel tests (W4A16, fused MoE, GQA and MLA latent decode
-# attention, KV store), the MLA engine on CUDA (tests/runtime/test_gpu_mla_engine.py: the fast path of the
-# tiny DeepSeek-V3 and GLM-5 against transformers' fp32 forward; tests/runtime/test_spec_fast_path.py:
+# attention, KV store with slot stamps), the MLA engine on CUDA (tests/runtime/test_gpu_mla_engine.py: the
+# fast path of the tiny DeepSeek-V3 and GLM-5 against transformers' fp32 forward; tests/runtime/test_spec_fast_path.py:
 # --speculative mtp, its K + 1 verified rows through the Triton fused MoE and its MTP drafts through the
 # Triton latent decode, each token the plain engine's argmax within bf16 rounding), then the kernel
 # benchmark, whose table is printed and written to RESULTS_DIR/kernel_bench.json. Needs a CUDA device,

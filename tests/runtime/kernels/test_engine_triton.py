@@ -23,6 +23,7 @@ import kvq.runtime.kernels.triton.w4a16 as w4a16_triton
 from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from kvq.runtime.kernels import KVQ_KERNELS_ENV
+from kvq.runtime.sampling_params import SamplingParams
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel
 from tests.runtime.kv_scales import measure_kv_scales, with_kv_scales
 from tests.runtime.reference import engine_greedy, teacher_forced_logits
@@ -125,3 +126,38 @@ def test_triton_kernels_give_the_torch_path_greedy_tokens(
         assert_close_rel(found, expected, rel)
         assert_same_choices(found, expected, 2 * rel * expected.abs().max().item())
     assert set(calls) == launchers, calls
+
+
+def test_a_checked_pool_on_triton_stamps_in_the_store_and_decodes_as_the_torch_path(
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """`--kv-integrity tags` with the Triton kernels (fp32, llama): the Triton store writes each slot's stamp
+    (writer tag ^ position, every layer) in its own program, no step check stops a request, and the greedy
+    tokens are the torch path's."""
+    path = tiny_checkpoint("llama", "bf16")
+    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(KVQ_KERNELS_ENV, backend)
+        config = EngineConfig(
+            model=str(path), dtype="float32", kv_memory="4MiB", page_size=4, kv_integrity="tags"
+        )
+        engine = Engine(config)
+        ids = [engine.add_request(p, params) for p in PROMPTS]
+        engine.step()  # the prefill
+        engine.step()  # a decode step
+        stamps, tracker = engine.kv_pool.stamps, engine.tracker
+        assert stamps is not None and tracker is not None
+        running = engine.scheduler.running
+        assert len(running) == len(PROMPTS)
+        for seq in running:  # every slot written so far carries its writer's stamp, in every layer
+            writers = tracker.expected_writers(seq)
+            for position in range(seq.num_tokens - 1):
+                page, offset = divmod(position, 4)
+                assert (stamps[seq.block_table[page], offset] == (writers[page] ^ position)).all(), position
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert all(outputs[i].finish_reason == "length" for i in ids)
+        tokens[backend] = [outputs[i].token_ids for i in ids]
+    assert tokens["triton"] == tokens["torch"]

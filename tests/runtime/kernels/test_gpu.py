@@ -6,6 +6,8 @@ dispatch. Tolerances: fraction of max |expected| (REL_TOL); fp8 stores within on
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from kvq.runtime.kernels import (
     w4a16_linear,
     w4a16_reference,
 )
+from kvq.runtime.kernels.paged.kv_cache import PagedKVCache
 from kvq.runtime.kernels.paged.latent_attention import latent_decode_attention_reference
 from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from tests.runtime.kernels.kernel_cases import (
@@ -118,6 +121,24 @@ def test_store_kv_bf16_on_cuda_is_exact() -> None:
     actual = [torch.zeros_like(c, device=CUDA) for c in expected]
     store_kv(k.to(CUDA), k.to(CUDA), *actual, slots.to(CUDA))
     assert all(torch.equal(a.cpu(), e) for a, e in zip(actual, expected, strict=True))
+
+
+def test_store_kv_writes_slot_stamps_in_its_own_program_on_cuda() -> None:
+    """A checked pool's store on CUDA: each written slot of layer 1's stamp view gets its token's stamp,
+    skipped tokens none, the other layers' stamps untouched (the Triton store's HAS_STAMPS branch)."""
+    k = torch.randn(9, 4, 64, generator=torch.Generator().manual_seed(13)).to(BF16)
+    slots = torch.tensor([0, 3, -1, 7, 8, 20, 21, 1, 2])
+    slot_stamps = torch.arange(9, dtype=torch.int64) * 1_000_003 + (7 << 40)
+    table = torch.full((5, 8, 3), -9, dtype=torch.int64, device=CUDA)  # 4 pages + the zero page, 3 layers
+    caches = [torch.zeros(4, 8, 4, 64, dtype=BF16, device=CUDA) for _ in range(2)]
+    cache = replace(PagedKVCache.of(*caches), stamps=table.view(-1, 3)[:, 1])
+    assert cache.backend == "triton"
+    cache.store(k.to(CUDA), k.to(CUDA), slots.to(CUDA), slot_stamps.to(CUDA))
+    flat = table.cpu().view(-1, 3)
+    written = slots >= 0
+    assert torch.equal(flat[slots[written], 1], slot_stamps[written])
+    assert (flat[:, 0] == -9).all() and (flat[:, 2] == -9).all()
+    assert int((flat[:, 1] != -9).sum()) == int(written.sum())
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,9 @@
-"""KV store: Triton and the torch path write the same bytes as the reference; the reference's quantization
-semantics."""
+"""KV store: Triton and the torch path write the same bytes as the reference (and, in a checked pool, the
+same slot stamps, Triton's in the store's own program); the reference's quantization semantics."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,6 +75,34 @@ def test_triton_writes_the_reference_bytes(
     store_kv_reference(k, v, *expected, slot_mapping, k_scale, v_scale)
     store_kv_triton(k, v, PagedKVCache.of(*actual, k_scale, v_scale, backend="triton"), slot_mapping)
     for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(_bytes(a), _bytes(e))
+
+
+def test_triton_writes_the_slot_stamps_the_torch_path_writes() -> None:
+    """Stamps of layer 1 of a 3-layer stamp table `[P + 1, page_size, L]`: each written slot gets its token's
+    stamp, a skipped token (slot < 0) writes none, the other layers' stamps are untouched."""
+    k, v, slot_mapping, k_scale, v_scale = _store_inputs(3, 64, "per_head", torch.Generator().manual_seed(5))
+    slot_stamps = torch.arange(9, dtype=torch.int64) * 1_000_003 + (7 << 40)
+    out = {}
+    for backend in ("torch", "triton"):
+        table = torch.full((7, 5, 3), -9, dtype=torch.int64)  # 6 pages + the zero page
+        cache = PagedKVCache.of(*_empty_caches(6, 5, 3, 64, FP8), k_scale, v_scale, backend=backend)
+        cache = replace(cache, stamps=table.view(-1, 3)[:, 1])
+        cache.store(k, v, slot_mapping, slot_stamps)
+        out[backend] = table, cache
+    table = out["triton"][0]
+    written = slot_mapping >= 0
+    assert torch.equal(table.view(-1, 3)[slot_mapping[written], 1], slot_stamps[written])
+    assert (table[..., 0] == -9).all() and (table[..., 2] == -9).all()
+    untouched = torch.ones(35, dtype=torch.bool)
+    untouched[slot_mapping[written]] = False
+    assert (table.view(-1, 3)[:30][untouched[:30], 1] == -9).all()
+    assert torch.equal(table[:6], out["torch"][0][:6])  # the zero page (7th) may take skipped writes
+    for a, e in zip(
+        (out["triton"][1].k_cache, out["triton"][1].v_cache),
+        (out["torch"][1].k_cache, out["torch"][1].v_cache),
+        strict=True,
+    ):
         assert torch.equal(_bytes(a), _bytes(e))
 
 

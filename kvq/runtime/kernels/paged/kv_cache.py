@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvq.runtime.kernels.integrity.stamp_check import write_stamps
 from kvq.runtime.kernels.paged.attention import PagedDecodePlan, paged_decode_attention_torch
 from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
 from kvq.runtime.kernels.paged.kv_store import store_kv_torch
@@ -39,9 +38,7 @@ class PagedKVCache(PagedKVPages):
             return
         from kvq.runtime.kernels.triton.kv_store import store_kv_triton
 
-        store_kv_triton(k, v, self, slot_mapping)
-        if self.stamps is not None and slot_stamps is not None:  # in stream order, before any read
-            write_stamps(self.stamps, slot_mapping, slot_stamps)
+        store_kv_triton(k, v, self, slot_mapping, slot_stamps)
 
     def decode_attention(
         self,

@@ -1,4 +1,5 @@
-"""Triton KV store: one program per new token writes its K and V rows (all heads) into the page slot.
+"""Triton KV store: one program per new token writes its K and V rows (all heads) into the page slot, and in
+a checked pool its slot stamp (`kernels.integrity.stamp_check`) in the same program.
 
 Spec: `paged.kv_store.store_kv_reference`. The launcher takes the layer's `PagedKVCache` (pages and fp32
 `[Hkv]` scales checked once when it was made) and checks only the new K/V and slots. fp8 stores divide
@@ -106,7 +107,10 @@ def store_kv_kernel(
     slot_mapping_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    stamps_ptr,
+    slot_stamps_ptr,
     page_size,
+    stride_stamp,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -131,6 +135,7 @@ def store_kv_kernel(
     ROUND_BF16_IN_SOFTWARE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_STAMPS: tl.constexpr,
 ):
     pid_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + pid_t).to(tl.int64)
@@ -186,16 +191,35 @@ def store_kv_kernel(
         BLOCK_H,
         BLOCK_D,
     )
+    if HAS_STAMPS:
+        tl.store(stamps_ptr + slot * stride_stamp, tl.load(slot_stamps_ptr + pid_t))
 
 
-def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv: PagedKVPages, slot_mapping: torch.Tensor) -> None:
-    """Triton path of `PagedKVCache.store`: in place, one program per token of `slot_mapping` `[T]`."""
+def store_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKVPages,
+    slot_mapping: torch.Tensor,
+    slot_stamps: torch.Tensor | None = None,
+) -> None:
+    """Triton path of `PagedKVCache.store`: in place, one program per token of `slot_mapping` `[T]`; with
+    `slot_stamps` int64 `[T]` and stamped pages (`kv.stamps`), each written slot's stamp too."""
     k_cache, v_cache, k_scale, v_scale = kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale  # [Hkv] scales
     check_new_kv(k, v, slot_mapping, k_cache)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
+    stamps = kv.stamps if slot_stamps is not None else None
+    if (
+        stamps is not None
+        and slot_stamps is not None
+        and (slot_stamps.shape != slot_mapping.shape or slot_stamps.dtype != torch.int64)
+    ):
+        raise ValueError(
+            f"slot_stamps must be int64 {tuple(slot_mapping.shape)}, got {slot_stamps.dtype} "
+            f"{tuple(slot_stamps.shape)}"
+        )
     kernel = kernel_for(store_kv_kernel, k.device)
     kernel[(num_tokens,)](
         k,
@@ -205,7 +229,10 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv: PagedKVPages, slot_map
         slot_mapping,
         k_scale,
         v_scale,
+        slot_mapping if stamps is None else stamps,  # not read without stamps
+        slot_mapping if slot_stamps is None else slot_stamps,
         page_size,
+        0 if stamps is None else stamps.stride(0),
         *k.stride(),
         *v.stride(),
         *k_cache.stride(),
@@ -220,4 +247,5 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv: PagedKVPages, slot_map
         ROUND_BF16_IN_SOFTWARE=is_interpreted(kernel) and k_cache.dtype == torch.bfloat16,
         BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_D=next_pow2(head_dim),
+        HAS_STAMPS=stamps is not None,
     )
