@@ -43,6 +43,8 @@ def model_blocker(model: LlamaForCausalLM) -> str | None:
 
     if model.tp.size != 1:
         return "tensor parallelism"
+    if model.backend != "torch":
+        return "the Triton kernels"
     if model.embed_tokens.dtype != torch.bfloat16 or model.embed_tokens.device.type != "cpu":
         return "not bf16 on CPU"
     norms = [model.norm]

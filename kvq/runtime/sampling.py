@@ -8,7 +8,7 @@ positive logit divided by it, a negative one multiplied) and vLLM's `min_tokens`
 `stop_token_ids` masked until that many tokens were generated); rows of requests that ask for none of
 them are never touched. A row with non-finite logits, or one that cannot be sampled, is reported by its
 error, not sampled: only that request ends. The parameters themselves are `kvq.runtime.sampling_params`
-(no torch: a command line checks them before torch loads). Imports torch and the C argmax
+(no torch: a command line checks them before torch loads). Imports torch and the C argmax of CPU logits
 (kvq.runtime.kernels.cpu.ops).
 """
 
@@ -58,10 +58,14 @@ def sample(
     processed: dict[int, torch.Tensor] | None = None,
 ) -> tuple[list[int], list[str | None]]:
     """Logits `[B, V]` (fp32 or bf16) -> (token id per row, the row's error or None). The greedy tokens
-    come from the logits as they are (bf16 -> fp32 is exact); a sampled row is made fp32. `processed`
-    replaces rows (row -> fp32 `[V]`) that a request's penalties or bias changed."""
+    come from the logits as they are (bf16 -> fp32 is exact), where they are (CPU logits: kvq's C argmax); a
+    sampled row is made fp32 on the host. `processed` replaces rows (row -> fp32 `[V]`) that a request's
+    penalties or bias changed."""
+    if logits.device.type == "cpu":
+        greedy, finite = argmax_finite(logits)
+    else:  # on the device (the same answer: each row's first maximum), before the rows come to the host
+        greedy, finite = logits.argmax(dim=-1), logits.isfinite().all(dim=-1)
     logits = logits.cpu()
-    greedy, finite = argmax_finite(logits)
     tokens = greedy.tolist()
     errors: list[str | None] = [None if ok else "non-finite logits" for ok in finite.tolist()]
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -111,6 +112,12 @@ class TpGroup:
         total = x.float() if x.dtype != torch.float32 else x.clone()
         dist.all_reduce(total)
         return total.to(x.dtype)
+
+    @property
+    def all_reduce_or_none(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`all_reduce`, or None at --tp 1 where there is nothing to sum: what a row-parallel layer holds
+        from load on, so that a one-rank step never calls into the group."""
+        return None if self.size == 1 else self.all_reduce
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` `[..., n]` concatenated on the last dimension `[..., size * n]`, in rank order."""

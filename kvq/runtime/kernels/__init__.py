@@ -9,9 +9,11 @@ Public API
   on the device where it will run; `[N, K/8]` int32 + `[N, K/G]` bf16, or `[E, N, K/8]` + `[E, N, K/G]`
   for stacked experts. Triton keeps the tensors as loaded; the CPU torch path repacks for
   `aten._weight_int4pack_mm_for_cpu` (no dense copy is kept by either).
-- `w4a16_linear(x [..., K], w) -> [..., N]` in x.dtype (CPU fast path: bf16 activations).
+- `w4a16_linear(x [..., K], w) -> [..., N]` in x.dtype (CPU fast path: bf16 activations);
+  `w4a16_linear_of(w)`: the same for x `[M, K]`, bound once (at load) to the kernel `w` was prepared for.
 - `fused_moe_w4a16(x [T, H], topk_ids [T, k], topk_weights [T, k], w13 [E, 2I, H], w2 [E, H, I]) -> [T, H]`:
   y = sum_j topk_weights[:, j] * down(SiLU(gate) * up) of expert topk_ids[:, j]; w13 rows = gate then up.
+  `fused_moe_of(w13, w2)`: the same, bound once to the backend both were prepared for.
 - `PagedKVCache.of(k_cache, v_cache, k_scale, v_scale, backend=None)`: one layer's pages and scales,
   checked once and bound to a backend (the engine makes one per attention layer at bind), with
   `.store(k [T, Hkv, D], v, slot_mapping)` (in place),
@@ -30,6 +32,9 @@ and benchmarks); W4A16 weights and KV caches carry that choice, and the layers c
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -62,6 +67,7 @@ __all__ = [
     "PagedKVCache",
     "W4A16Weight",
     "describe_cpu_path",
+    "fused_moe_of",
     "fused_moe_reference",
     "fused_moe_w4a16",
     "paged_decode_attention",
@@ -73,6 +79,7 @@ __all__ = [
     "store_kv",
     "store_kv_reference",
     "w4a16_linear",
+    "w4a16_linear_of",
     "w4a16_reference",
 ]
 
@@ -113,17 +120,37 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], w.out_features)
 
 
+def w4a16_linear_of(w: W4A16Weight) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`w4a16_linear(x, w)` for x `[M, K]`, bound once (at load) to the kernel `w` was prepared for: the
+    CPU kernel's call, the torch path or the Triton launcher (imported here, not at import)."""
+    if w.num_experts is not None:
+        raise ValueError(f"w holds {w.num_experts} stacked experts: use fused_moe_of")
+    if w.native is not None:
+        return w.native
+    if w.backend == "torch":
+        return partial(w4a16_linear_torch, w=w)
+    from kvq.runtime.kernels.triton.w4a16 import w4a16_linear_triton
+
+    return partial(w4a16_linear_triton, w=w)
+
+
+def fused_moe_of(w13: W4A16Weight, w2: W4A16Weight) -> Callable[..., torch.Tensor]:
+    """`fused_moe_w4a16(x, topk_ids, topk_weights, w13, w2)` with the experts bound, on the backend both
+    were prepared for (chosen once, at load)."""
+    if w13.backend != w2.backend:
+        raise ValueError(f"w13 was prepared for {w13.backend} but w2 for {w2.backend}: prepare both alike")
+    if w13.backend == "torch":
+        return partial(fused_moe_torch, w13=w13, w2=w2)
+    from kvq.runtime.kernels.triton.fused_moe import fused_moe_triton
+
+    return partial(fused_moe_triton, w13=w13, w2=w2)
+
+
 def fused_moe_w4a16(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: W4A16Weight, w2: W4A16Weight
 ) -> torch.Tensor:
     """Routed experts' SiLU-gated MLP, weighted by topk_weights and summed: `[T, H]` in x.dtype."""
-    if w13.backend != w2.backend:
-        raise ValueError(f"w13 was prepared for {w13.backend} but w2 for {w2.backend}: prepare both alike")
-    if w13.backend == "torch":
-        return fused_moe_torch(x, topk_ids, topk_weights, w13, w2)
-    from kvq.runtime.kernels.triton.fused_moe import fused_moe_triton
-
-    return fused_moe_triton(x, topk_ids, topk_weights, w13, w2)
+    return fused_moe_of(w13, w2)(x, topk_ids, topk_weights)
 
 
 def paged_decode_attention(

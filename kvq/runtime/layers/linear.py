@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvq.checkpoint.dense import dequantize_float_quantized
 from kvq.formats.pack_quantized import dequantize_pack_quantized, quantize_pack_int4
-from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear
+from kvq.runtime.kernels import W4A16Weight, prepare_w4a16, w4a16_linear, w4a16_linear_of
 from kvq.runtime.kernels.cpu.dense import DENSE_AMX_MAX_ROWS, dense_amx_applies, dense_amx_matmul
 from kvq.runtime.kernels.cpu.isa import NATIVE_ISAS, Call
 from kvq.runtime.kernels.cpu.linear import gemm_dense_call, gemv_dense, gemv_dense_call
@@ -163,19 +163,23 @@ class Fp8Linear(Linear):
 
 
 class Int4Linear(Linear):
-    """INT4 pack-quantized weight (W4A16) through `kernels.w4a16_linear`."""
+    """INT4 pack-quantized weight (W4A16): rows `[M, K]` through the kernel bound at load
+    (`kernels.w4a16_linear_of`), any other shape through `kernels.w4a16_linear`."""
 
     def __init__(self, weight: W4A16Weight, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
+        self.kernel = w4a16_linear_of(weight)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[1] == self.weight.in_features:
+            return self.kernel(x)
         return w4a16_linear(x, self.weight)
 
     def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
         native = self.weight.native
         if native is None or self.bias is not None or x.shape[1] != self.weight.in_features:
             return None
-        return native.call(x, y)  # w4a16_linear's short path
+        return native.call(x, y)  # the bound kernel's
 
     def tensors(self) -> list[torch.Tensor]:
         return self.weight.tensors() + ([self.bias] if self.bias is not None else [])

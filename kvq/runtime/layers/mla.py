@@ -54,8 +54,8 @@ class MLAttention:
         indexer: Indexer | SharedSelection | None = None,
     ) -> None:
         hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
-        heads, self.tp = config.num_attention_heads, loader.tp
-        start, stop = self.tp.shard(heads, "config.json num_attention_heads")
+        heads, self.all_reduce = config.num_attention_heads, loader.tp.all_reduce_or_none
+        start, stop = loader.tp.shard(heads, "config.json num_attention_heads")
         self.num_heads, self.q_lora_rank = stop - start, config.q_lora_rank
         self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
         self.nope_dim, self.v_dim = config.qk_nope_head_dim, config.v_head_dim
@@ -120,7 +120,8 @@ class MLAttention:
             out = self._prefill(q_nope, q_pe, batch, kv, selection)
         else:
             out = self._decode(q_nope, q_pe, batch, kv, selection)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim)))
+        y = self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return y if self.all_reduce is None else self.all_reduce(y)
 
     def _prefill(
         self,

@@ -1,4 +1,4 @@
-"""Routed experts of a mixture-of-experts MLP: INT4 experts stacked for `kernels.fused_moe_w4a16`, any
+"""Routed experts of a mixture-of-experts MLP: INT4 experts stacked for `kernels.fused_moe_of`, any
 other stored form run expert by expert with the same arithmetic (SiLU(gate) * up in the activation dtype,
 fp32 sums). Routing (which experts, which weights) is the model's job.
 Imports torch and kvq.runtime.kernels / kvq.runtime.layers.linear.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels import W4A16Weight, fused_moe_w4a16, prepare_w4a16
+from kvq.runtime.kernels import W4A16Weight, fused_moe_of, prepare_w4a16
 from kvq.runtime.layers.linear import INT4, Linear, LinearForms, StoredLinear, build_linear, merge_stored
 
 WEIGHT_KEYS = ("weight_packed", "weight_scale")
@@ -28,9 +28,10 @@ class Experts:
 class Int4Experts(Experts):
     def __init__(self, w13, w2) -> None:  # W4A16Weight [E, 2I, H] (gate rows, then up rows), [E, H, I]
         self.w13, self.w2 = w13, w2
+        self.kernel = fused_moe_of(w13, w2)  # the backend's, bound at load
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return fused_moe_w4a16(x, topk_ids, topk_weights, self.w13, self.w2)
+        return self.kernel(x, topk_ids, topk_weights)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.w13.tensors() + self.w2.tensors()

@@ -14,18 +14,20 @@ from kvq.runtime.kernels.cpu.ops import CpuOps
 
 class RMSNorm:
     def __init__(self, weight: torch.Tensor, eps: float, ops: CpuOps) -> None:
-        self.weight, self.eps, self.ops = weight, eps, ops  # [H]; the engine's CPU kernels
+        # [H]; the engine's CPU kernels where they run on the weight's device (else None: torch's)
+        self.weight, self.eps, self.ops = weight, eps, ops.on(weight.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x * rsqrt(mean(x^2) + eps) * weight, in fp32 inside, rounded once to x.dtype."""
-        if self.weight.dtype == x.dtype and self.ops.applies(x):
+        if self.ops is not None and self.weight.dtype == x.dtype and self.ops.applies(x):
             return self.ops.rms_norm(x, self.weight, self.eps)[0]
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(s), s) for s = x + residual (rounded to x.dtype first, as torch's add)."""
-        if self.weight.dtype == x.dtype and residual.is_contiguous() and self.ops.applies(x):
-            return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        ops = self.ops
+        if ops is not None and self.weight.dtype == x.dtype and residual.is_contiguous() and ops.applies(x):
+            return ops.rms_norm(x, self.weight, self.eps, residual)
         total = x + residual
         return self(total), total
 

@@ -36,7 +36,8 @@ class RotaryEmbedding:
         *,
         is_interleaved: bool = False,
     ) -> None:
-        self.ops = ops  # the engine's CPU kernels
+        # the engine's CPU kernels where they run (rotate-half on CPU), else None: torch's ops
+        self.ops = None if is_interleaved else ops.on(device)
         params = config.rope_parameters or {}
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         rope_type = params.get("rope_type", "default")
@@ -70,7 +71,7 @@ class RotaryEmbedding:
     def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Heads `[T, H, D]` (q and k heads side by side) rotated, in x.dtype."""
         cos, sin_signed = cos_sin
-        if not self.is_interleaved and self.ops.rotary_applies(x, cos, sin_signed):  # CPU bf16: one C call
+        if self.ops is not None and self.ops.rotary_applies(x, cos, sin_signed):  # CPU bf16: one C call
             return self.ops.rotary(x, cos, sin_signed, self.rotary_dim)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         if self.is_interleaved:  # sin_signed holds plain sin here

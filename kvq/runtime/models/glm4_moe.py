@@ -61,13 +61,14 @@ class MoE:
             intermediate * config.n_shared_experts,
             is_partial=True,
         )
-        self.tp = loader.tp
+        self.all_reduce = loader.tp.all_reduce_or_none
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Under tensor parallelism every rank runs every routed expert on its share of the expert's
         intermediate dimension (as the shared experts): one all-reduce sums both."""
         topk_ids, topk_weights = self.gate(x)
-        return self.tp.all_reduce(self.experts(x, topk_ids, topk_weights) + self.shared_experts(x))
+        y = self.experts(x, topk_ids, topk_weights) + self.shared_experts(x)
+        return y if self.all_reduce is None else self.all_reduce(y)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.gate.tensors(), *self.experts.tensors(), *self.shared_experts.tensors()]

@@ -79,7 +79,7 @@ class Attention:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_heads = local_count(tp, heads, "config.json num_attention_heads")
         self.num_kv_heads = local_count(tp, kv_heads, "config.json num_key_value_heads")
-        self.head_dim, self.tp = d, tp
+        self.head_dim, self.all_reduce = d, tp.all_reduce_or_none
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.qkv_proj = loader.linear(
             [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
@@ -115,8 +115,8 @@ class Attention:
                 [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
             )
         q, k = self.rotary(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, v, batch)  # [T, Hq, D]
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        out = self.o_proj(self.attn(q, k, v, batch).reshape(num_tokens, self.q_size))  # attn: [T, Hq, D]
+        return out if self.all_reduce is None else self.all_reduce(out)
 
     def tensors(self) -> list[torch.Tensor]:
         norms = [t for n in (self.q_norm, self.k_norm) if n is not None for t in n.tensors()]
@@ -137,11 +137,17 @@ class MLP:
             split=ROWS,
         )
         self.down_proj = loader.linear([f"{prefix}.down_proj"], [(hidden, intermediate)], split=COLS)
-        self.tp, self.is_partial, self.ops = loader.tp, is_partial, loader.cpu_ops
+        self.is_partial, self.ops = is_partial, loader.cpu_ops.on(loader.device)  # None: torch's SiLU
+        self.all_reduce = None if is_partial else loader.tp.all_reduce_or_none
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
-        return y if self.is_partial else self.tp.all_reduce(y)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is None:  # off CPU or with the C ops off
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = self.down_proj(torch.nn.functional.silu(gate) * up)
+        else:
+            y = self.down_proj(self.ops.silu_and_mul(gate_up))
+        return y if self.all_reduce is None else self.all_reduce(y)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.gate_up_proj.tensors(), *self.down_proj.tensors()]

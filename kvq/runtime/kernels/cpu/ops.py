@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvq.runtime.kernels.cpu.isa import Call, resolve_cpu_isa, run
+from kvq.runtime.kernels.cpu.isa import Call, resolve_cpu_isa
 from kvq.runtime.kernels.cpu.linear import DenseScratch, dot_of
 
 _ext: ModuleType | None
@@ -60,6 +60,11 @@ class CpuOps:
         level = None if _ext is None or isa == "torch" else VECTOR_LEVELS.get(isa, WIDEST)
         return cls(isa, level, dot_of(isa))
 
+    def on(self, device: torch.device) -> CpuOps | None:
+        """These kernels for a layer whose tensors live on `device`, decided once at load: self where the C
+        small ops run (a CPU device, the ops on), else None (the layer runs torch's ops, never asking)."""
+        return self if device.type == "cpu" and self.level is not None else None
+
     def describe_level(self) -> str:
         """The C ops' level on this CPU, for the CPU path's log line: e.g. 'AVX2 C ops', or 'torch'."""
         if self.level is None:
@@ -84,7 +89,8 @@ class CpuOps:
         weight bf16 `[H]`; residual (optional) like x."""
         out = torch.empty_like(x)
         total = None if residual is None else torch.empty_like(x)
-        run(self.rms_norm_call(x, weight, eps, out, residual, total))
+        fn, bound = self.rms_norm_call(x, weight, eps, out, residual, total)
+        fn(*bound)
         return out, x if total is None else total
 
     def rms_norm_call(
@@ -118,7 +124,8 @@ class CpuOps:
             gate, up = gate_up.chunk(2, dim=-1)
             return torch.nn.functional.silu(gate) * up
         out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
-        run(self.silu_mul_call(gate_up, out))
+        fn, bound = self.silu_mul_call(gate_up, out)
+        fn(*bound)
         return out
 
     def silu_mul_call(self, gate_up: torch.Tensor, out: torch.Tensor) -> Call:
@@ -150,7 +157,8 @@ class CpuOps:
         the qkv projection) with bf16 cos, sin_signed `[T, 1, R]` contiguous -> contiguous `[T, H, D]`, as
         `RotaryEmbedding.__call__` computes it in torch (`rotary_applies` says when)."""
         out = torch.empty(x.shape, dtype=x.dtype)
-        run(self.rotary_call(x, cos, sin_signed, rotary_dim, out))
+        fn, bound = self.rotary_call(x, cos, sin_signed, rotary_dim, out)
+        fn(*bound)
         return out
 
     def rotary_call(
@@ -181,7 +189,8 @@ class CpuOps:
 
     def store_kv(self, *args: Any) -> None:
         """`store_kv_call(*args)` run: in place, k, v `[T, Hkv, D]` (`store_applies`) into their slots."""
-        run(self.store_kv_call(*args))
+        fn, bound = self.store_kv_call(*args)
+        fn(*bound)
 
     def store_kv_call(
         self,
@@ -247,7 +256,8 @@ class CpuOps:
     def decode_attention(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
         """`decode_attention_call(out, q, *args)` run into a new `out` like q: bf16 `[B, Hq, D]`."""
         out = torch.empty(q.shape, dtype=q.dtype)
-        run(self.decode_attention_call(out, q, *args))
+        fn, bound = self.decode_attention_call(out, q, *args)
+        fn(*bound)
         return out
 
     def decode_attention_call(
