@@ -21,7 +21,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kvq.runtime.kernels import PagedKVCache
 from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
-from kvq.runtime.kernels.triton import flash_decoding
 from kvq.runtime.kernels.triton import fused_moe as fused_moe_triton
 from kvq.runtime.kernels.triton import kv_store as kv_store_triton
 from kvq.runtime.kernels.triton import latent_attention as latent_attention_triton
@@ -74,7 +73,7 @@ def record_launches() -> list:
         w4a16_triton,
         fused_moe_triton,
         kv_store_triton,
-        flash_decoding,  # the decode attention launchers' `plan_decode`
+        paged_attention_triton,  # the decode attention launchers' `plan_decode`
     ):
         module.kernel_for = lambda kernel, device: Recorder(kernel, launches)  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(0)

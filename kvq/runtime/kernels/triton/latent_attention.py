@@ -7,7 +7,7 @@ one sequence over one slice of its tokens (or of its DSA selection, `token_indic
 token's row through the block table (any page_size, holes, shared pages, strided slots): scores are
 q_nope . kv_c + q_pe . k_pe in two dots, and the output accumulates p @ kv_c. FP8 rows are converted to
 fp16 exactly (q, pre-multiplied by sm_scale, too) and k_scale is folded into the scores and the output.
-With several splits each writes (out, log-sum-exp) and torch combines them (`triton.flash_decoding`).
+With several splits each writes (out, log-sum-exp) and torch combines them (`triton.paged_attention`).
 Imports Triton; loaded lazily by `kvq.runtime.kernels`.
 """
 
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from kvq.runtime.kernels.paged.latent_attention import check_latent_queries
-from kvq.runtime.kernels.triton.flash_decoding import online_softmax_step, plan_decode, store_slice
 from kvq.runtime.kernels.triton.launch import dot, next_pow2
+from kvq.runtime.kernels.triton.paged_attention import online_softmax_step, plan_decode, store_slice
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.latent_pages import PagedLatentPages
