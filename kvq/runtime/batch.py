@@ -83,6 +83,14 @@ class ForwardBatch:
     inputs: StepInputs | None = None  # what it was made from
     _made: dict[str, PagedDecodePlan] = field(init=False, default_factory=dict, repr=False, compare=False)
 
+    def guarded(self, write_guard: WriteGuard, slot_stamps: torch.Tensor | None) -> ForwardBatch:
+        """This batch with a write guard and slot stamps (`TagTracker.guard`): `dataclasses.replace`'s result
+        (a fresh decode plan cache), made without re-running `__init__` (once per checked step)."""
+        fields = self.__dict__ | {"write_guard": write_guard, "slot_stamps": slot_stamps, "_made": {}}
+        guarded = object.__new__(type(self))
+        guarded.__dict__.update(fields)
+        return guarded
+
     @property
     def decode_plan(self) -> PagedDecodePlan | None:
         if self.decode_plan_of is None:

@@ -199,9 +199,9 @@ class PageFindings:
     """One pool's check of one batch, on its device: `check_step`'s flags and write tags, and in full
     mode the sealed pages' sampled-bytes hashes now and as recorded."""
 
-    is_bad: torch.Tensor  # [B * M + B + T] bool
+    is_bad: torch.Tensor | None  # [B * M + B + T] bool (None: the step passed, `batch_check`)
     write_tags: torch.Tensor  # [T] int64
-    any_bad: torch.Tensor  # [] bool
+    any_bad: torch.Tensor | bool  # [] bool
     found: torch.Tensor | None = None  # [len(sealed)] int64
     recorded: torch.Tensor | None = None
     is_changed: torch.Tensor | None = None
@@ -212,8 +212,9 @@ class PageFindings:
 
     def on_host(self) -> HostFindings:
         """The failures as plain lists (read back only on failure; what a rank past 0 sends rank 0)."""
-        if not self.any_bad.item():
+        if not self.any_bad:
             return HostFindings()
+        assert self.is_bad is not None
         changed = [] if self.is_changed is None else self.is_changed.nonzero().flatten().tolist()
         found = self.found.tolist() if changed and self.found is not None else []
         recorded = self.recorded.tolist() if changed and self.recorded is not None else []

@@ -17,8 +17,6 @@ Imports torch and kvq.runtime.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from kvq.runtime.batch import ForwardBatch, WriteGuard
@@ -26,12 +24,12 @@ from kvq.runtime.integrity.ledger import Holding, PageLedger
 from kvq.runtime.integrity.mismatch import CheckedStep, PageFindings, PageMismatch, StepMismatches
 from kvq.runtime.integrity.page_sample import PageSample
 from kvq.runtime.integrity.tags import FREE_TAG
+from kvq.runtime.kernels.integrity.batch_check import NO_BYTE_HASH, BatchCheck, BatchTensors, PageHashes
 from kvq.runtime.kernels.integrity.page_check import sampled_page_hash
 from kvq.runtime.kernels.integrity.stamp_check import check_stamps
 from kvq.runtime.kernels.integrity.step_check import StepCheckInputs, check_step
 from kvq.runtime.request import Request
 
-NO_BYTE_HASH = -1  # not hashed (yet): the sampled-bytes hash itself is never negative
 # XORed into a draft's slot stamp by its verification: the stamp of no real position (positions stay below
 # 2^31), so a rolled-back draft's slot read before it is rewritten fails the stamp check
 DRAFT_MARK = 1 << 31
@@ -63,6 +61,11 @@ class TagTracker(PageLedger):
         self.is_full = sample is not None
         self.byte_hashes = torch.full((num_pages,), NO_BYTE_HASH, dtype=torch.int64, device=device)
         self._write_tags: torch.Tensor | None = None  # [T]: of the last batch that passed its check
+        hashes = None
+        if pool_bytes is not None and sample is not None:
+            hashes = PageHashes(pool_bytes, sample.offsets, sample.coeffs, self.byte_hashes)
+        # the whole check as one C call on a CPU pool (a failure is then named by the separate checks)
+        self._batch_check = BatchCheck(self.page_tags, page_size, stamps, hashes, backend)
         self.last_check: CheckedStep | None = None  # what the last `check` that got to the pages used
         # (page, offset, stamp) of `confirm_drafts` not yet sent to the other ranks (None: at --tp 1)
         self.restamps: list[tuple[int, int, int]] | None = None
@@ -116,11 +119,15 @@ class TagTracker(PageLedger):
             if self.is_full
             else []
         )
-        findings = self.check_pages(batch, expected, sealed)
+        passed = self._passed(batch, expected, sealed)
+        findings = self._findings(batch, expected, sealed) if passed is None else None
         self.last_check = step = CheckedStep(expected, sealed)
-        failed = findings.on_host()
+        failed = None if findings is None else findings.on_host()
         if not failed:
-            self._write_tags, self._slot_stamps = findings.write_tags, findings.slot_stamps
+            if passed is None:
+                assert findings is not None
+                passed = findings.write_tags, findings.slot_stamps
+            self._write_tags, self._slot_stamps = passed
             if num_drafts is not None and self._slot_stamps is not None:
                 is_draft = [row > 0 for d in num_drafts for row in range(d + 1)]
                 marks = torch.tensor(is_draft, dtype=torch.int64).to(self.device) * DRAFT_MARK
@@ -151,6 +158,24 @@ class TagTracker(PageLedger):
     def check_pages(self, batch: ForwardBatch, expected: list[int], sealed: list[int]) -> PageFindings:
         """This pool's half of `check`, against expectations made on rank 0 (`_expected`): the step
         check of `batch`'s tensors and, in full mode, the sampled-bytes hashes of `sealed` pages."""
+        passed = self._passed(batch, expected, sealed)
+        if passed is not None:
+            return PageFindings(None, passed[0], False, slot_stamps=passed[1])
+        return self._findings(batch, expected, sealed)
+
+    def _passed(
+        self, batch: ForwardBatch, expected: list[int], sealed: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(write tags, slot stamps) when one C call (`batch_check`) says `batch` passes every check of
+        `check_pages`; None when it does not, or cannot run here: `_findings` then checks part by part."""
+        if not self._batch_check.applies:
+            return None
+        tensors = BatchTensors(batch.block_tables, batch.context_lens, batch.positions, batch.slot_mapping)
+        answer = self._batch_check(tensors, expected, sealed)
+        return None if answer is None or answer[0] else answer[1:]
+
+    def _findings(self, batch: ForwardBatch, expected: list[int], sealed: list[int]) -> PageFindings:
+        """`check_pages` part by part: each check's flags, which name what failed."""
         self._flush()
         num_rows, width = batch.block_tables.shape
         expected_t = torch.tensor(expected, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -207,8 +232,7 @@ class TagTracker(PageLedger):
         """`batch` (which passed `check`) with its write guard: each write lands only if its page still
         carries the tag it was checked against when the write happens."""
         assert self._write_tags is not None and self._write_tags.shape == batch.slot_mapping.shape
-        guard = WriteGuard(self.page_tags, self._write_tags)
-        return replace(batch, write_guard=guard, slot_stamps=self._slot_stamps)
+        return batch.guarded(WriteGuard(self.page_tags, self._write_tags), self._slot_stamps)
 
     def after_step(self, is_forward_run: bool) -> None:
         """End of a step: hash the pages sealed in it now that the forward wrote them (full mode); pages

@@ -576,6 +576,7 @@ static PyMethodDef methods[] = {
     {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows (and slot stamps) into their page slots."},
     {"check_stamps", check_stamps, METH_VARARGS, "The first slot of each row whose stamp is not its own."},
     {"check_step", check_step, METH_VARARGS, "The step check of tags, lengths and slots (and slot stamps)."},
+    {"check_batch", check_batch, METH_VARARGS, "A checked step's whole proof on CPU: True when any part failed."},
     {"guard_slots", guard_slots, METH_VARARGS, "The slot mapping, -1 where a page moved on since its check."},
     {"sampled_page_hash", sampled_page_hash, METH_VARARGS, "Each page's sampled bytes, weighted and summed."},
     {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 or bf16 rows, and their finiteness."},

@@ -10,6 +10,34 @@
      page is outside the pool; M * page_size when it reads past the table), else -1. One pass over the stamps of the slots a step reads; the inner
      loop ORs the XOR of each layer's stamp with the expectation (vectorized), a slot at a time. */
 
+/* Row b's answer of check_stamps: the first bad position, M * page_size past the table, or -1. */
+static int64_t stamps_first_bad(const int64_t *stamps, int64_t num_slot_pages, int64_t page_size, int64_t L,
+                                uintptr_t bt_p, int64_t bt_stride, int bt_int64, const int64_t *writers,
+                                int64_t read_len, int64_t b, int64_t M) {
+    int64_t is_past = read_len > M * page_size;
+    if (is_past)
+        read_len = M * page_size;
+    for (int64_t p0 = 0; p0 < read_len; p0 += page_size) {
+        int64_t j = p0 / page_size, writer = writers[b * M + j];
+        if (writer == 0)
+            continue;
+        int64_t page = bt_int64 ? ((const int64_t *)bt_p)[b * bt_stride + j]
+                                : ((const int32_t *)bt_p)[b * bt_stride + j];
+        if (page < 0 || page >= num_slot_pages)
+            return p0;
+        int64_t end = p0 + page_size < read_len ? p0 + page_size : read_len;
+        const int64_t *slot = stamps + page * page_size * L;
+        for (int64_t p = p0; p < end; p++, slot += L) {
+            uint64_t expected = (uint64_t)(writer ^ p), diff = 0;
+            for (int64_t l = 0; l < L; l++)
+                diff |= (uint64_t)slot[l] ^ expected;
+            if (diff)
+                return p;
+        }
+    }
+    return is_past ? M * page_size : -1;  // reads past the table: bad there
+}
+
 static PyObject *check_stamps(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long stamps_p, bt_p, writers_p, lens_p, out_p;
@@ -24,36 +52,10 @@ static PyObject *check_stamps(PyObject *self, PyObject *args) {
     const int64_t *stamps = (const int64_t *)(uintptr_t)stamps_p;
     const int64_t *writers = (const int64_t *)(uintptr_t)writers_p, *lens = (const int64_t *)(uintptr_t)lens_p;
     int64_t *out = (int64_t *)(uintptr_t)out_p;
-    const int64_t L = num_layers;
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t b = 0; b < B; b++) {
-        int64_t first_bad = -1, read_len = lens[b], is_past = read_len > M * page_size;
-        if (is_past)
-            read_len = M * page_size;
-        for (int64_t p0 = 0; p0 < read_len && first_bad < 0; p0 += page_size) {
-            int64_t j = p0 / page_size, writer = writers[b * M + j];
-            if (writer == 0)
-                continue;
-            int64_t page = bt_int64 ? ((const int64_t *)(uintptr_t)bt_p)[b * bt_stride + j]
-                                    : ((const int32_t *)(uintptr_t)bt_p)[b * bt_stride + j];
-            if (page < 0 || page >= num_slot_pages) {
-                first_bad = p0;
-                break;
-            }
-            int64_t end = p0 + page_size < read_len ? p0 + page_size : read_len;
-            const int64_t *slot = stamps + page * page_size * L;
-            for (int64_t p = p0; p < end; p++, slot += L) {
-                uint64_t expected = (uint64_t)(writer ^ p), diff = 0;
-                for (int64_t l = 0; l < L; l++)
-                    diff |= (uint64_t)slot[l] ^ expected;
-                if (diff) {
-                    first_bad = p;
-                    break;
-                }
-            }
-        }
-        out[b] = first_bad < 0 && is_past ? M * page_size : first_bad;  // reads past the table: bad there
-    }
+    for (int64_t b = 0; b < B; b++)
+        out[b] = stamps_first_bad(stamps, num_slot_pages, page_size, num_layers, (uintptr_t)bt_p, bt_stride,
+                                  bt_int64, writers, lens[b], b, M);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -69,6 +71,63 @@ static PyObject *check_stamps(PyObject *self, PyObject *args) {
 
 static inline int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
 
+/* The step check's pass (check_step's spec), shared with check_batch: sets is_bad (when not NULL), the write
+   tags and, with writers, the slot stamps; returns whether any flag is set. */
+typedef struct {
+    const int64_t *page_tags;
+    int64_t num_pages;
+    uintptr_t bt_p, cl_p;
+    int64_t bt_stride;
+    int bt_int64, cl_int64;
+    int64_t B, M;
+    const int64_t *positions, *slot_mapping;
+    int64_t T, page_size;
+} StepTensors;
+
+static int step_check_pass(const StepTensors *s, const int64_t *expected_tags, const int64_t *expected_lens,
+                           const int64_t *token_rows, const int64_t *expected_positions, const int64_t *writers,
+                           uint8_t *is_bad, int64_t *write_tags, int64_t *slot_stamps) {
+    const int64_t B = s->B, M = s->M, page_size = s->page_size, bt_stride = s->bt_stride;
+    const uintptr_t bt_p = s->bt_p;
+    const int bt_int64 = s->bt_int64;
+    int any = 0, flag;
+#define KVQ_TABLE(b, j)                                                                                            \
+    (bt_int64 ? ((const int64_t *)bt_p)[(b) * bt_stride + (j)] : (int64_t)((const int32_t *)bt_p)[(b) * bt_stride + (j)])
+#define KVQ_FLAG(k, value)                                                                                         \
+    do {                                                                                                           \
+        flag = (value);                                                                                            \
+        any |= flag;                                                                                               \
+        if (is_bad != NULL)                                                                                        \
+            is_bad[k] = (uint8_t)flag;                                                                             \
+    } while (0)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t j = 0; j < M; j++) {
+            int64_t page = KVQ_TABLE(b, j), tag = expected_tags[b * M + j];
+            KVQ_FLAG(b * M + j,
+                     tag == 0 ? page != -1 : (page < 0 || page >= s->num_pages || s->page_tags[page] != tag));
+        }
+        int64_t context_len =
+            s->cl_int64 ? ((const int64_t *)s->cl_p)[b] : (int64_t)((const int32_t *)s->cl_p)[b];
+        KVQ_FLAG(B * M + b, context_len != expected_lens[b]);
+    }
+    for (int64_t t = 0; t < s->T; t++) {
+        int64_t row = token_rows[t], position = expected_positions[t], index = floor_div(position, page_size);
+        int64_t in_table = index < 0 ? 0 : (index > M - 1 ? (M > 0 ? M - 1 : 0) : index);
+        int64_t in_rows = row < 0 ? 0 : (row > B - 1 ? (B > 0 ? B - 1 : 0) : row);
+        int is_index = in_table == index && in_rows == row, has_table = B * M > 0;
+        int64_t page = has_table ? KVQ_TABLE(in_rows, in_table) : -1;
+        int64_t offset = position - index * page_size;
+        KVQ_FLAG(B * M + B + t, !is_index || page < 0 || s->positions[t] != position ||
+                                    s->slot_mapping[t] != page * page_size + offset);
+        write_tags[t] = is_index && has_table ? expected_tags[in_rows * M + in_table] : 0;
+        if (writers != NULL)
+            slot_stamps[t] = (has_table ? writers[in_rows * M + in_table] : 0) ^ position;
+    }
+#undef KVQ_FLAG
+#undef KVQ_TABLE
+    return any;
+}
+
 static PyObject *check_step(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long tags_p, bt_p, cl_p, pos_p, slots_p, etags_p, elens_p, rows_p, epos_p, writers_p, bad_p,
@@ -81,42 +140,13 @@ static PyObject *check_step(PyObject *self, PyObject *args) {
         return NULL;
     if (page_size <= 0 || num_pages < 0 || B < 0 || M < 0 || T < 0)
         return PyErr_Format(PyExc_ValueError, "bad shape page_size=%lld B=%lld M=%lld T=%lld", page_size, B, M, T);
-    const int64_t *page_tags = (const int64_t *)(uintptr_t)tags_p, *positions = (const int64_t *)(uintptr_t)pos_p;
-    const int64_t *slot_mapping = (const int64_t *)(uintptr_t)slots_p;
-    const int64_t *expected_tags = (const int64_t *)(uintptr_t)etags_p;
-    const int64_t *expected_lens = (const int64_t *)(uintptr_t)elens_p;
-    const int64_t *token_rows = (const int64_t *)(uintptr_t)rows_p;
-    const int64_t *expected_positions = (const int64_t *)(uintptr_t)epos_p;
-    const int64_t *writers = (const int64_t *)(uintptr_t)writers_p;
-    uint8_t *is_bad = (uint8_t *)(uintptr_t)bad_p;
-    int64_t *write_tags = (int64_t *)(uintptr_t)wtags_p, *slot_stamps = (int64_t *)(uintptr_t)stamps_p;
-#define KVQ_TABLE(b, j)                                                                                            \
-    (bt_int64 ? ((const int64_t *)(uintptr_t)bt_p)[(b) * bt_stride + (j)]                                          \
-              : (int64_t)((const int32_t *)(uintptr_t)bt_p)[(b) * bt_stride + (j)])
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t j = 0; j < M; j++) {
-            int64_t page = KVQ_TABLE(b, j), tag = expected_tags[b * M + j];
-            is_bad[b * M + j] =
-                tag == 0 ? page != -1 : (page < 0 || page >= num_pages || page_tags[page] != tag);
-        }
-        int64_t context_len = cl_int64 ? ((const int64_t *)(uintptr_t)cl_p)[b]
-                                       : (int64_t)((const int32_t *)(uintptr_t)cl_p)[b];
-        is_bad[B * M + b] = context_len != expected_lens[b];
-    }
-    uint8_t *bad_tokens = is_bad + B * M + B;
-    for (int64_t t = 0; t < T; t++) {
-        int64_t row = token_rows[t], position = expected_positions[t], index = floor_div(position, page_size);
-        int64_t in_table = index < 0 ? 0 : (index > M - 1 ? (M > 0 ? M - 1 : 0) : index);
-        int64_t in_rows = row < 0 ? 0 : (row > B - 1 ? (B > 0 ? B - 1 : 0) : row);
-        int is_index = in_table == index && in_rows == row, has_table = B * M > 0;
-        int64_t page = has_table ? KVQ_TABLE(in_rows, in_table) : -1;
-        int64_t offset = position - floor_div(position, page_size) * page_size;
-        bad_tokens[t] = !is_index || page < 0 || positions[t] != position || slot_mapping[t] != page * page_size + offset;
-        write_tags[t] = is_index && has_table ? expected_tags[in_rows * M + in_table] : 0;
-        if (writers != NULL)
-            slot_stamps[t] = (has_table ? writers[in_rows * M + in_table] : 0) ^ position;
-    }
-#undef KVQ_TABLE
+    StepTensors s = {(const int64_t *)(uintptr_t)tags_p, num_pages, (uintptr_t)bt_p, (uintptr_t)cl_p, bt_stride,
+                     bt_int64, cl_int64, B, M, (const int64_t *)(uintptr_t)pos_p,
+                     (const int64_t *)(uintptr_t)slots_p, T, page_size};
+    step_check_pass(&s, (const int64_t *)(uintptr_t)etags_p, (const int64_t *)(uintptr_t)elens_p,
+                    (const int64_t *)(uintptr_t)rows_p, (const int64_t *)(uintptr_t)epos_p,
+                    (const int64_t *)(uintptr_t)writers_p, (uint8_t *)(uintptr_t)bad_p,
+                    (int64_t *)(uintptr_t)wtags_p, (int64_t *)(uintptr_t)stamps_p);
     Py_RETURN_NONE;
 }
 
@@ -147,6 +177,21 @@ static PyObject *guard_slots(PyObject *self, PyObject *args) {
    pool[l, c, page_ids[n], offsets[s]] * coeffs[l, c, s]. pool uint8 with strides in bytes (a part's bytes
    contiguous), page_ids int32/int64 [N], offsets int64 [S] (in range: checked where they are made), coeffs
    int64 [L, C, S] contiguous, out int64 [N]. The sum stays below 2^63 (page_check.MAX_HASH_TERMS). */
+/* One page's sampled_page_hash. */
+static int64_t page_hash_one(const uint8_t *pool, int64_t L, int64_t C, int64_t stride_l, int64_t stride_c,
+                             int64_t stride_p, int64_t page, const int64_t *offsets, int64_t S,
+                             const int64_t *coeffs) {
+    int64_t sum = 0;
+    for (int64_t l = 0; l < L; l++)
+        for (int64_t c = 0; c < C; c++) {
+            const uint8_t *bytes = pool + l * stride_l + c * stride_c + page * stride_p;
+            const int64_t *weights = coeffs + (l * C + c) * S;
+            for (int64_t s = 0; s < S; s++)
+                sum += (int64_t)bytes[offsets[s]] * weights[s];
+        }
+    return sum;
+}
+
 static PyObject *sampled_page_hash(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long pool_p, ids_p, offsets_p, coeffs_p, out_p;
@@ -168,16 +213,60 @@ static PyObject *sampled_page_hash(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (int64_t n = 0; n < N; n++) {
         int64_t page = ids_int64 ? ((const int64_t *)(uintptr_t)ids_p)[n] : ((const int32_t *)(uintptr_t)ids_p)[n];
-        int64_t sum = 0;
-        for (int64_t l = 0; l < L; l++)
-            for (int64_t c = 0; c < C; c++) {
-                const uint8_t *bytes = pool + l * stride_l + c * stride_c + page * stride_p;
-                const int64_t *weights = coeffs + (l * C + c) * S;
-                for (int64_t s = 0; s < S; s++)
-                    sum += (int64_t)bytes[offsets[s]] * weights[s];
-            }
-        out[n] = sum;
+        out[n] = page_hash_one(pool, L, C, stride_l, stride_c, stride_p, page, offsets, S, coeffs);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* check_batch(page_tags, num_pages, page_size, stamps, num_slot_pages, num_layers, pool, L, C, P1, stride_l,
+               stride_c, stride_p, offsets, S, coeffs, byte_hashes, block_tables, bt_stride, bt_int64, context_lens,
+               cl_int64, B, M, positions, slot_mapping, T, expected, sealed, N, write_tags, slot_stamps) -> bool:
+     a checked step's whole proof on CPU in one call (kvq/runtime/kernels/integrity/batch_check.py is the spec;
+     the pool's arguments first, bound once, then the step's): check_step over `expected` (int64, flat as
+     `TagTracker._expected` lays it out: tags [B, M], lens [B], token rows [T], positions [T], writers [B, M],
+     read lens [B]), writing write_tags [T] and, with stamps (not 0), slot_stamps [T]; then with stamps,
+     check_stamps; then with pool (not 0), the sampled-bytes hash of each of the N sealed pages (int64) against
+     byte_hashes[page] (int64 [num_pages], -1: not hashed yet). True when anything failed, or a sealed page is
+     outside [0, num_pages): the caller then runs the separate checks, which name what failed. The passing
+     step, the hot path, writes only its two outputs. */
+static PyObject *check_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long tags_p, stamps_p, pool_p, offsets_p, coeffs_p, hashes_p, bt_p, cl_p, pos_p, slots_p,
+        expected_p, sealed_p, wtags_p, sstamps_p;
+    long long num_pages, page_size, num_slot_pages, num_layers, L, C, P1, stride_l, stride_c, stride_p, S,
+        bt_stride, B, M, T, N;
+    int bt_int64, cl_int64;
+    if (!PyArg_ParseTuple(args, "KLLKLLKLLLLLLKLKKKLiKiLLKKLKKLKK", &tags_p, &num_pages, &page_size, &stamps_p,
+                          &num_slot_pages, &num_layers, &pool_p, &L, &C, &P1, &stride_l, &stride_c, &stride_p,
+                          &offsets_p, &S, &coeffs_p, &hashes_p, &bt_p, &bt_stride, &bt_int64, &cl_p, &cl_int64, &B,
+                          &M, &pos_p, &slots_p, &T, &expected_p, &sealed_p, &N, &wtags_p, &sstamps_p))
+        return NULL;
+    if (page_size <= 0 || num_pages < 0 || B < 0 || M < 0 || T < 0 || N < 0 || (stamps_p && num_layers <= 0))
+        return PyErr_Format(PyExc_ValueError, "bad shape page_size=%lld B=%lld M=%lld T=%lld", page_size, B, M, T);
+    const int64_t *expected = (const int64_t *)(uintptr_t)expected_p;
+    const int64_t *expected_lens = expected + B * M, *token_rows = expected_lens + B;
+    const int64_t *expected_positions = token_rows + T, *writers = expected_positions + T;
+    const int64_t *read_lens = writers + B * M;
+    StepTensors s = {(const int64_t *)(uintptr_t)tags_p, num_pages, (uintptr_t)bt_p, (uintptr_t)cl_p, bt_stride,
+                     bt_int64, cl_int64, B, M, (const int64_t *)(uintptr_t)pos_p,
+                     (const int64_t *)(uintptr_t)slots_p, T, page_size};
+    int is_bad = step_check_pass(&s, expected, expected_lens, token_rows, expected_positions,
+                                 stamps_p ? writers : NULL, NULL, (int64_t *)(uintptr_t)wtags_p,
+                                 (int64_t *)(uintptr_t)sstamps_p);
+    const int64_t *stamps = (const int64_t *)(uintptr_t)stamps_p;
+    for (int64_t b = 0; stamps && b < B && !is_bad; b++)
+        is_bad = stamps_first_bad(stamps, num_slot_pages, page_size, num_layers, (uintptr_t)bt_p, bt_stride,
+                                  bt_int64, writers, read_lens[b], b, M) >= 0;
+    const int64_t *sealed = (const int64_t *)(uintptr_t)sealed_p, *hashes = (const int64_t *)(uintptr_t)hashes_p;
+    for (int64_t n = 0; pool_p && n < N && !is_bad; n++) {
+        int64_t page = sealed[n];
+        if (page < 0 || page >= num_pages || page >= P1)
+            is_bad = 1;
+        else if (hashes[page] != -1)
+            is_bad = hashes[page] != page_hash_one((const uint8_t *)(uintptr_t)pool_p, L, C, stride_l, stride_c,
+                                                   stride_p, page, (const int64_t *)(uintptr_t)offsets_p, S,
+                                                   (const int64_t *)(uintptr_t)coeffs_p);
+    }
+    return PyBool_FromLong(is_bad);
 }

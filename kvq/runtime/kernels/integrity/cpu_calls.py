@@ -1,6 +1,6 @@
 """The integrity kernels' C calls on CPU (`cpu/_ops_stamps.h`): the step check and the write guard
-(`step_check`), the slot-stamp check (`stamp_check`) and the sampled-bytes page hash (`page_check`), one
-call each. Exact integer arithmetic, so
+(`step_check`), the slot-stamp check (`stamp_check`), the sampled-bytes page hash (`page_check`), one
+call each, and the three at once answering only pass or fail (`batch_check`). Exact integer arithmetic, so
 the same values as the torch references wherever the extension is built, at any ISA. `*_applies` says when
 a C call runs (CPU tensors of the dtypes, shapes and layout it reads); anything else goes to the reference,
 which names what is wrong. Imports torch and the `_ops` extension only.
@@ -9,11 +9,13 @@ which names what is wrong. Imports torch and the `_ops` extension only.
 from __future__ import annotations
 
 import importlib
+from array import array
 from types import ModuleType
 
 import torch
 
-StepTensors = tuple[torch.Tensor, ...]  # `step_check.StepCheckInputs`, in its order
+# `step_check.StepCheckInputs`, `batch_check.BatchTensors` or `batch_check.PageHashes`, in their order
+StepTensors = tuple[torch.Tensor, ...]
 
 _ext: ModuleType | None
 try:
@@ -173,3 +175,70 @@ def check_stamps_native(
         out.data_ptr(),
     )
     return out
+
+
+def batch_check_applies(
+    page_tags: torch.Tensor, stamps: torch.Tensor | None, hashes: StepTensors | None
+) -> bool:
+    """True when `check_batch_native` can run for a pool (its batches are checked per call): the extension
+    has the op; CPU, contiguous int64 tags `[P]` and stamps `[P1, page_size, L]`; with `hashes`
+    (`batch_check.PageHashes`) the layouts `page_hash_applies` takes and contiguous int64 hashes `[P]`."""
+    if _ext is None or not hasattr(_ext, "check_batch"):
+        return False
+    if page_tags.device.type != "cpu" or page_tags.dtype != torch.int64 or not page_tags.is_contiguous():
+        return False
+    if stamps is not None and not (
+        stamps.is_cpu and stamps.dim() == 3 and stamps.dtype == torch.int64 and stamps.is_contiguous()
+    ):
+        return False
+    if hashes is None:
+        return True
+    pool_bytes, offsets, coeffs, byte_hashes = hashes
+    no_pages = torch.zeros(0, dtype=torch.int64)
+    return (
+        page_hash_applies(pool_bytes, no_pages, offsets, coeffs)
+        and byte_hashes.dtype == torch.int64
+        and byte_hashes.is_contiguous()
+        and byte_hashes.device.type == "cpu"
+        and tuple(byte_hashes.shape) == tuple(page_tags.shape)
+    )
+
+
+def batch_check_pool_args(
+    page_tags: torch.Tensor, page_size: int, stamps: torch.Tensor | None, hashes: StepTensors | None
+) -> tuple[int, ...]:
+    """`check_batch`'s first arguments, the pool's (`batch_check_applies`): bound once per pool."""
+    stamp_args = (0, 0, 0) if stamps is None else (stamps.data_ptr(), *stamps.shape[::2])
+    if hashes is None:
+        hash_args: tuple[int, ...] = (0,) * 11
+    else:
+        pool_bytes, offsets, coeffs, byte_hashes = hashes
+        hash_args = (
+            pool_bytes.data_ptr(), *pool_bytes.shape[:3], *pool_bytes.stride()[:3],
+            offsets.data_ptr(), offsets.shape[0], coeffs.data_ptr(), byte_hashes.data_ptr(),
+        )  # fmt: skip
+    return (page_tags.data_ptr(), page_tags.shape[0], page_size, *stamp_args, *hash_args)
+
+
+def check_batch_native(
+    pool_args: tuple[int, ...],
+    batch: StepTensors,
+    expected: array,
+    sealed: array,
+    write_tags: torch.Tensor,
+    slot_stamps: torch.Tensor,
+) -> bool:
+    """`batch_check.check_batch_reference` as one C call: `pool_args` (`batch_check_pool_args`), the batch's
+    block tables, context lengths, positions and slot mapping (CPU; block tables and lengths int32 or int64,
+    the rest contiguous int64), the flat expectations and the sealed pages as int64 arrays; writes
+    `write_tags` and `slot_stamps` (contiguous int64 `[T]`)."""
+    assert _ext is not None
+    block_tables, context_lens, positions, slot_mapping = batch
+    num_rows, width = block_tables.shape
+    step_args = (
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.dtype == torch.int64,
+        context_lens.data_ptr(), context_lens.dtype == torch.int64, num_rows, width,
+        positions.data_ptr(), slot_mapping.data_ptr(), positions.shape[0], expected.buffer_info()[0],
+        sealed.buffer_info()[0], len(sealed), write_tags.data_ptr(), slot_stamps.data_ptr(),
+    )  # fmt: skip
+    return bool(_ext.check_batch(*pool_args, *step_args))
