@@ -1,61 +1,45 @@
 """The engine: load a checkpoint, accept requests, run scheduler steps, turn tokens into text.
 
 `Engine.generate(prompts, params)` runs requests to completion; `add_request` + `step` is the streaming
-API (each step returns what changed). With `kv_integrity` on, each step's batch is checked before the
-model reads a page, and a request whose pages fail ends alone with finish reason "error". So does a
-request whose own output handling fails (its sampling, a token hook, its text, stop strings, logprobs):
-the error is logged and names the request; the others in the step go on. With `--speculative mtp` a
-decode step is `spec_step.SpecStep.run` (draft, verify, accept, roll back), through the methods it names.
-Imports torch, transformers (config, tokenizer) and kvq.
+API (each step returns what changed; `completions`). With `kv_integrity` on, each step's batch is checked
+before the model reads a page (`run_checked`), and a request whose pages fail ends alone with finish reason
+"error". So does a request whose own output handling fails (its sampling, a token hook, its text, stop
+strings, logprobs): the error is logged and names the request; the others in the step go on. With
+`--speculative mtp` a decode step is `spec_step.SpecStep.run` (draft, verify, accept, roll back), through
+the methods it names. Imports torch, transformers (the tokenizer) and kvq.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 
-import torch
 from transformers import AutoTokenizer
 
 from kvq.errors import KvqError
+from kvq.runtime import completions
 from kvq.runtime.block_manager import BlockManager
+from kvq.runtime.completions import Prompt
 from kvq.runtime.config import EngineConfig
-from kvq.runtime.frozen_heap import frozen_heap
+from kvq.runtime.engine_stats import EngineStats
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.integrity.ranks import RankLeader, RankReset
 from kvq.runtime.model_load import weight_bytes
 from kvq.runtime.model_runner import ForwardOutput, ModelRunner
-from kvq.runtime.outputs import OutputProcessor, RequestOutput
-from kvq.runtime.prompt_encoding import encode_messages, encode_text, eos_token_ids
+from kvq.runtime.outputs import OutputProcessor, RequestOutput, TokenHook
+from kvq.runtime.prompt_encoding import encode_chat, encode_messages, encode_text, eos_token_ids
 from kvq.runtime.request import Request, Status
+from kvq.runtime.request_checks import check_request
 from kvq.runtime.sampling import SamplingParams, make_generator, sample_requests
 from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.spec_decode import Drafts, MtpProposer
 from kvq.runtime.spec_step import SpecStep
 
-Prompt = str | list[int]
-# Called after each step's sampling with (the step's sequences, their logits [B, V] (bf16 or fp32), the
-# sampled token ids): a hook may read the logits and replace token ids (teacher forcing,
-# `kvq.runtime.scoring`).
-TokenHook = Callable[[list[Request], torch.Tensor, list[int]], None]
-logger = logging.getLogger("kvq")
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine was made."""
-
-    integrity_aborts: int = 0  # requests stopped by a failed KV page check
-    largest_batch: int = 0  # most requests one step ran
-    num_steps: int = 0  # steps that ran a batch
-    step_seconds: float = 0.0  # wall time in those steps (host work + forward)
-    forward_seconds: float = 0.0  # of which in the model forward (on CPU: its compute; CUDA: its launches)
+__all__ = ["Engine", "EngineStats", "Prompt", "TokenHook"]
 
 
 class Engine:
@@ -77,7 +61,7 @@ class Engine:
         self._new_kv_bookkeeping()
         self._ids = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.token_hooks: list[TokenHook] = [self.outputs.record_logprobs]
+        self.token_hooks: list[TokenHook] = self.outputs.token_hooks  # the outputs' logprobs first
         self.stats = EngineStats()
         # --speculative mtp: the MTP layer drafts, each decode step verifies (`spec_step`)
         self.spec = (
@@ -112,13 +96,7 @@ class Engine:
         self.block_manager = BlockManager(
             self.kv_pool.num_pages, config.page_size, config.enable_prefix_caching, self.tracker
         )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.decode_reserve_ratio,
-            config.num_speculative_tokens if config.speculative is not None else 0,
-        )
+        self.scheduler = Scheduler.of(self.block_manager, config)
         self.runner.rank_checks = self.rank_checks
 
     def close(self) -> None:
@@ -136,36 +114,17 @@ class Engine:
 
     def encode_chat(self, prompt: str) -> list[int]:
         """`prompt` as one user turn through the tokenizer's chat template (plain encoding without one)."""
-        if not self.tokenizer.chat_template:
-            return self.encode(prompt)
-        return self.encode_messages([{"role": "user", "content": prompt}])
+        return encode_chat(self.tokenizer, prompt, str(self.ckpt.root))
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
         """A conversation through the chat template (`kvq.runtime.prompt_encoding.encode_messages`)."""
         return encode_messages(self.tokenizer, messages, str(self.ckpt.root))
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Request:
-        """Validate one request (raises `KvqError`) and make its sequence, not yet queued."""
+        """Validate one request (`request_checks`: raises `KvqError`) and make its sequence, unqueued."""
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise KvqError("the prompt is empty; pass at least one token")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise KvqError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
-        if any(not 0 <= t < vocab for t in (*params.logit_bias, *params.stop_token_ids)):
-            raise KvqError(f"logit_bias and stop_token_ids take token ids in the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise KvqError(
-                f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
-                "(max_model_len), leaving no room to generate; shorten the prompt"
-            )
-        max_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        num_pages = self.block_manager.pages_for(max_len)
-        if num_pages > self.block_manager.num_pages:
-            raise KvqError(
-                f"a request of {max_len} tokens needs {num_pages} KV pages but the pool has "
-                f"{self.block_manager.num_pages}; raise --kv-memory or lower --max-tokens"
-            )
+        vocab_size = self.model.config.vocab_size
+        max_len = check_request(token_ids, params, vocab_size, self.max_model_len, self.block_manager)
         seq = Request(next(self._ids), token_ids, len(token_ids), params, max_len, make_generator(params))
         seq.needs_prompt_logprobs = params.prompt_logprobs is not None
         return seq
@@ -173,11 +132,12 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams) -> int:
         """Queue one request (validated first); its id names its outputs."""
         seq = self.make_sequence(prompt, params)
-        self._queue(seq)
+        self.queue(seq)
         return seq.seq_id
 
-    def _queue(self, seq: Request) -> None:
-        """Queue a request whose tokens become text (scored sequences are queued without)."""
+    def queue(self, seq: Request) -> None:
+        """Queue a request made by `make_sequence`, whose tokens become text (scored sequences are queued
+        without)."""
         self.outputs.add(seq)
         self.scheduler.add(seq)
 
@@ -202,20 +162,21 @@ class Engine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
-        stats = self.stats
-        stats.largest_batch = max(stats.largest_batch, len(seqs))
-        stats.num_steps += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
+        self.stats.num_steps += 1
+        outputs = self._run(seqs, is_prefill)
+        self.stats.step_seconds += time.perf_counter() - start
+        return outputs
+
+    def _run(self, seqs: list[Request], is_prefill: bool) -> list[RequestOutput]:
         if self.spec is not None and not is_prefill:
-            spec_outputs = self.spec.run(self, seqs)
-            stats.step_seconds += time.perf_counter() - start
-            return spec_outputs
+            return self.spec.run(self, seqs)
         outputs: list[RequestOutput] = []
         if self.tracker is None:
             result = self.timed_forward(lambda: self.runner.run(seqs, is_prefill))
         else:
             seqs, checked, outputs = self.run_checked(seqs, is_prefill)
             if checked is None:  # every request of the step was stopped
-                stats.step_seconds += time.perf_counter() - start
                 return outputs
             result = checked
         self.outputs.keep_prompt_scores(seqs, result.prompt_scores)
@@ -223,63 +184,22 @@ class Engine:
         rows = [0, *itertools.accumulate(s.num_tokens - start for s, start in zip(seqs, starts, strict=True))]
         logits = result.logits
         token_ids, errors = sample_requests(seqs, logits, self.eos_token_ids)
-        self.run_token_hooks(seqs, logits, token_ids, errors)
+        self.outputs.run_token_hooks(seqs, logits, token_ids, errors)
         for seq, token_id, error in zip(seqs, token_ids, errors, strict=True):
             if seq.status is Status.FINISHED:  # aborted during the step (by a token hook): already gone
                 continue
-            self.append_token(seq, token_id, error)
+            self.outputs.append_token(seq, token_id, error)
             if seq.finish_reason is not None:
                 self._finish(seq)
             outputs.append(self.outputs.output(seq))
         if self.spec is not None:  # the MTP layer over the prompts: each request's first draft
             self.spec.extend(self, seqs, starts, rows[:-1])
-        stats.step_seconds += time.perf_counter() - start
         return outputs
 
     def _finish(self, seq: Request) -> None:
         self.scheduler.finish(seq)
         if self.spec is not None:
             self.spec.forget(seq.seq_id)
-
-    def append_token(self, seq: Request, token_id: int, error: str | None = None) -> None:
-        """Append a sampled token to `seq` (its outputs: text, stops, logprobs), unless `error` (its
-        sampling's) or its output handling failing stops that request alone."""
-        if error is None:
-            error = self._guarded(seq, partial(self.outputs.append, seq, token_id))
-        if error is not None:
-            self.stop(seq, error)
-
-    def stop(self, seq: Request, error: str) -> None:
-        """End `seq` with finish reason "error" (the scheduler frees it when the step finishes it)."""
-        seq.finish_reason = "error"
-        seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"
-
-    def run_token_hooks(
-        self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]
-    ) -> None:
-        """Every hook over the step; a hook that fails is run again request by request, so that only the
-        requests it fails on end (their error set in `errors`)."""
-        for hook in self.token_hooks:
-            try:
-                hook(seqs, logits, token_ids)
-                continue
-            except Exception:
-                pass
-            for row, seq in enumerate(seqs):
-                one = [token_ids[row]]
-                error = self._guarded(seq, partial(hook, [seq], logits[row : row + 1], one))
-                token_ids[row] = one[0]
-                if error is not None and errors[row] is None:
-                    errors[row] = error
-
-    def _guarded(self, seq: Request, work: Callable[[], object]) -> str | None:
-        """Run one request's share of the step's output handling; the error that ends it, or None."""
-        try:
-            work()
-        except Exception as e:
-            logger.exception("request %d: its output handling failed; it is stopped", seq.seq_id)
-            return f"output handling failed ({type(e).__name__}: {e})"
-        return None
 
     def timed_forward(self, forward: Callable[[], ForwardOutput]) -> ForwardOutput:
         start = time.perf_counter()
@@ -290,32 +210,12 @@ class Engine:
     def generate(
         self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. All prompts are validated first."""
-        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(param_list) != len(prompts):
-            raise KvqError(
-                f"{len(prompts)} prompts but {len(param_list)} SamplingParams; pass one or one each"
-            )
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
-        for seq in seqs:
-            self._queue(seq)
-        final: dict[int, RequestOutput] = {}
-        with frozen_heap():
-            while len(final) < len(seqs):
-                for out in self.step():
-                    if out.finished:
-                        final[out.request_id] = out
-        return [final[s.seq_id] for s in seqs]
+        """Run every prompt to completion; outputs in prompt order (`completions.generate`)."""
+        return completions.generate(self, prompts, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
-        """One request, output by output (other queued requests advance alongside)."""
-        request_id = self.add_request(prompt, params)
-        while True:
-            for out in self.step():
-                if out.request_id == request_id:
-                    yield out
-                    if out.finished:
-                        return
+        """One request, output by output (`completions.stream`)."""
+        return completions.stream(self, prompt, params)
 
     def run_checked(
         self, seqs: list[Request], is_prefill: bool, drafts: Drafts | None = None

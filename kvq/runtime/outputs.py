@@ -3,13 +3,19 @@ request's tokens: when it finishes (EOS, `stop_token_ids`, stop strings, `max_to
 holding them back), its text (stop strings cut, incomplete characters held back; an id the tokenizer
 lacks has none), the log-probabilities of its tokens and, once, of its prompt.
 
-The engine calls `add` when a request with text is queued, `append` for each sampled token, `output`
-after each step and `forget` when a request is aborted. Imports kvq.runtime.
+The engine calls `add` when a request with text is queued, `run_token_hooks` and `append_token` for each
+step's sampled tokens, `output` after each step and `forget` when a request is aborted. A request whose
+own output handling fails (a token hook, its text, stop strings, logprobs) ends alone, with finish reason
+"error" (`guarded`: the error is logged and names the request); the rest of the step goes on.
+Imports torch and kvq.runtime.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +24,12 @@ from kvq.runtime.detokenizer import CompletionText
 from kvq.runtime.logprobs import LogprobRecorder, TokenLogprob, TokenTexts, prompt_entries
 from kvq.runtime.prompt_logprobs import PromptScores
 from kvq.runtime.request import Request
+
+# Called after each step's sampling with (the step's sequences, their logits [B, V] (bf16 or fp32), the
+# sampled token ids): a hook may read the logits and replace token ids (teacher forcing,
+# `kvq.runtime.scoring`).
+TokenHook = Callable[[list[Request], torch.Tensor, list[int]], None]
+logger = logging.getLogger("kvq")
 
 
 @dataclass(frozen=True)
@@ -38,8 +50,9 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    """Per request id: its text, and its prompt's log-probabilities until its next output;
-    `record_logprobs` is the engine token hook that records sampled tokens' log-probabilities."""
+    """Per request id: its text, and its prompt's log-probabilities until its next output; the engine's
+    token hooks (`Engine.token_hooks`), the first of them `record_logprobs`, which records sampled tokens'
+    log-probabilities."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
@@ -47,6 +60,7 @@ class OutputProcessor:
         self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         self.token_texts = TokenTexts(tokenizer)
         self.logprobs = LogprobRecorder(self.token_texts)
+        self.token_hooks: list[TokenHook] = [self.record_logprobs]
 
     def add(self, seq: Request) -> None:
         """A request whose tokens become text (scored requests are queued without)."""
@@ -64,6 +78,32 @@ class OutputProcessor:
         """The engine token hook: log-probabilities of the step's tokens, for the requests that asked."""
         if self.logprobs.num_top:
             self.logprobs(seqs, logits, token_ids)
+
+    def run_token_hooks(
+        self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]
+    ) -> None:
+        """Every hook over the step; a hook that fails is run again request by request, so that only the
+        requests it fails on end (their error set in `errors`)."""
+        for hook in self.token_hooks:
+            try:
+                hook(seqs, logits, token_ids)
+                continue
+            except Exception:
+                pass
+            for row, seq in enumerate(seqs):
+                one = [token_ids[row]]
+                error = guarded(seq, partial(hook, [seq], logits[row : row + 1], one))
+                token_ids[row] = one[0]
+                if error is not None and errors[row] is None:
+                    errors[row] = error
+
+    def append_token(self, seq: Request, token_id: int, error: str | None = None) -> None:
+        """Append a sampled token to `seq` (`append`: text, stops, logprobs), unless `error` (its
+        sampling's) or its output handling failing stops that request alone."""
+        if error is None:
+            error = guarded(seq, partial(self.append, seq, token_id))
+        if error is not None:
+            stop(seq, error)
 
     def forget(self, seq_id: int) -> None:
         self.texts.pop(seq_id, None)
@@ -118,3 +158,19 @@ class OutputProcessor:
             logprobs,
             self.prompt_logprobs.pop(seq.seq_id, None),
         )
+
+
+def guarded(seq: Request, work: Callable[[], object]) -> str | None:
+    """Run one request's share of the step's output handling; the error that ends it, or None."""
+    try:
+        work()
+    except Exception as e:
+        logger.exception("request %d: its output handling failed; it is stopped", seq.seq_id)
+        return f"output handling failed ({type(e).__name__}: {e})"
+    return None
+
+
+def stop(seq: Request, error: str) -> None:
+    """End `seq` with finish reason "error" (the scheduler frees it when the step finishes it)."""
+    seq.finish_reason = "error"
+    seq.error = f"{error} at position {seq.num_tokens}; the request was stopped"

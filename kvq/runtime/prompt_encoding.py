@@ -23,7 +23,7 @@ TEMPLATE_ARGUMENTS = frozenset(
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    # length is checked by Engine.make_sequence, not here
+    # length is checked by `request_checks`, not here
     return tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False)
 
 
@@ -48,6 +48,14 @@ def encode_messages(
     except Exception as e:  # jinja2's TemplateError and what a template raises on odd input
         raise KvqError(f"the chat template refused the messages: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+
+def encode_chat(tokenizer: Any, prompt: str, where: str) -> list[int]:
+    """`prompt` as one user turn through the chat template (`encode_messages`), or plain text
+    (`encode_text`) when the tokenizer (of checkpoint `where`) has none."""
+    if not tokenizer.chat_template:
+        return encode_text(tokenizer, prompt)
+    return encode_messages(tokenizer, [{"role": "user", "content": prompt}], where)
 
 
 def eos_token_ids(tokenizer: Any, root: Path, config_fields: dict[str, Any]) -> set[int]:

@@ -1,16 +1,20 @@
 """Continuous batching: each step is a prefill of newly admitted requests or one decode token for every
 running one. Admission is by free pages (the pool is allocated up front, so excess requests wait rather
 than run the process out of memory); when decode runs out of pages the newest running request is
-preempted and later recomputed from its tokens. Imports kvq.runtime only.
+preempted and later recomputed from its tokens. Imports kvq.runtime only (the engine's config for a type).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from typing import TYPE_CHECKING
 
 from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.request import Request, Status
+
+if TYPE_CHECKING:
+    from kvq.runtime.config import EngineConfig
 
 
 class Scheduler:
@@ -29,6 +33,18 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: deque[Request] = deque()
         self.num_preemptions = 0
+
+    @classmethod
+    def of(cls, block_manager: BlockManager, config: EngineConfig) -> Scheduler:
+        """The scheduler an engine's `config` asks for, over its `block_manager`."""
+        num_speculative_tokens = config.num_speculative_tokens if config.speculative is not None else 0
+        return cls(
+            block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.decode_reserve_ratio,
+            num_speculative_tokens,
+        )
 
     def add(self, seq: Request) -> None:
         self.waiting.append(seq)

@@ -3,9 +3,10 @@
 `SpecStep.run` is `Engine.step` for a decode batch when the engine speculates: the requests the integrity
 screen passes draft (`MtpProposer.draft`), the model verifies last token + drafts in one forward (through
 the engine's checked run with `--kv-integrity`), each request keeps what `spec_accept` accepts, the tokens
-go through the engine's token hooks and outputs column by column, the pages past the accepted tokens go
-back (`BlockManager.truncate`; the tracker confirms the accepted drafts' stamps) and the MTP layer runs
-over what was accepted (the next drafts). Imports torch and kvq.runtime; the engine only as `SpecHost`.
+go through the token hooks and outputs (`OutputProcessor`) column by column, the pages past the accepted
+tokens go back (`BlockManager.truncate`; the tracker confirms the accepted drafts' stamps) and the MTP
+layer runs over what was accepted (the next drafts). Imports torch and kvq.runtime; the engine only as
+`SpecHost`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvq.runtime.block_manager import BlockManager
 from kvq.runtime.integrity.abort import remove_hit
 from kvq.runtime.integrity.tracker import TagTracker
 from kvq.runtime.model_runner import ForwardOutput, ModelRunner
-from kvq.runtime.outputs import OutputProcessor, RequestOutput
+from kvq.runtime.outputs import OutputProcessor, RequestOutput, stop
 from kvq.runtime.request import Request, Status
 from kvq.runtime.scheduler import Scheduler
 from kvq.runtime.spec_accept import Verdict, accept
@@ -53,11 +54,6 @@ class SpecHost(Protocol):
     def run_checked(
         self, seqs: list[Request], is_prefill: bool, drafts: Drafts | None = None
     ) -> tuple[list[Request], ForwardOutput | None, list[RequestOutput]]: ...
-    def run_token_hooks(
-        self, seqs: list[Request], logits: torch.Tensor, token_ids: list[int], errors: list[str | None]
-    ) -> None: ...
-    def append_token(self, seq: Request, token_id: int, error: str | None = None) -> None: ...
-    def stop(self, seq: Request, error: str) -> None: ...
     def timed_forward(self, forward: Callable[[], ForwardOutput]) -> ForwardOutput: ...
 
 
@@ -167,11 +163,11 @@ class SpecStep:
             batch = [seqs[b] for b in active]
             token_ids = [verdicts[b].token_ids[j] for b in active]
             errors: list[str | None] = [None] * len(active)
-            host.run_token_hooks(batch, logits[[offsets[b] + j for b in active]], token_ids, errors)
+            host.outputs.run_token_hooks(batch, logits[[offsets[b] + j for b in active]], token_ids, errors)
             for b, token_id, error in zip(active, token_ids, errors, strict=True):
                 if token_id != verdicts[b].token_ids[j]:  # replaced: the drafts after it no longer follow
                     verdicts[b].token_ids[j + 1 :] = []
-                host.append_token(seqs[b], token_id, error)
+                host.outputs.append_token(seqs[b], token_id, error)
         for seq, verdict in zip(seqs, verdicts, strict=True):
             if verdict.error is not None and seq.finish_reason is None:
-                host.stop(seq, verdict.error)
+                stop(seq, verdict.error)

@@ -53,8 +53,8 @@ class PrefillFront(PDEngine):
         self.num_handoffs = 0
         self.handoff_bytes = 0
 
-    def _queue(self, seq: Request) -> None:
-        super()._queue(seq)
+    def queue(self, seq: Request) -> None:
+        super().queue(seq)
         if self.link is not None:
             self.mark_for_hand_off(seq.seq_id)
             self._params[seq.seq_id] = seq.params
