@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvq.formats.pack_quantized import dequantize_pack_quantized, unpack_int4
-from kvq.runtime.kernels import prepare_w4a16, w4a16_linear
+from kvq.runtime.kernels import prepare_w4a16, w4a16_linear, w4a16_linear_of
 from kvq.runtime.kernels.triton.w4a16 import W4A16LaunchConfig, w4a16_linear_triton
 from kvq.runtime.kernels.w4a16 import w4a16_reference
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
@@ -93,6 +93,20 @@ def test_cpu_path_matches_reference(
     y = w4a16_linear(x, w)
     assert y.shape == (*lead, out_features) and y.dtype == dtype
     assert_close_rel(y, w4a16_reference(x, packed, scale, group_size), REL_TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bound_kernel_is_the_dispatched_call(cpu_isa: str, backend: str) -> None:
+    """`w4a16_linear_of(w)`, the kernel an INT4 Linear holds from load on, gives `w4a16_linear`'s bits."""
+    gen = torch.Generator().manual_seed(5)
+    packed, scale = random_w4a16(72, 192, 64, gen)
+    w = prepare_w4a16(packed, scale, 64, backend=backend)
+    for num_rows in (1, 5):
+        x = torch.randn(num_rows, 192, generator=gen).bfloat16()
+        assert torch.equal(w4a16_linear_of(w)(x), w4a16_linear(x, w))
+    stacked = prepare_w4a16(packed[None], scale[None], 64, backend=backend)
+    with pytest.raises(ValueError, match="stacked experts"):
+        w4a16_linear_of(stacked)
 
 
 def test_cpu_weight_keeps_only_packed_bytes(cpu_isa: str) -> None:
