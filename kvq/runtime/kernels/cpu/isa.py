@@ -44,12 +44,6 @@ DENSE_CHUNK_ELEMENTS = 1 << 22  # weight elements decompressed at once (8 MiB of
 Call = tuple[Callable[..., object], tuple]  # a C entry and its arguments (`fn(*args)`), bound once
 
 
-def run(call: Call) -> None:
-    """Make a `Call`: `fn(*args)`."""
-    fn, args = call
-    fn(*args)
-
-
 _ext: ModuleType | None
 try:
     _ext = importlib.import_module("kvq.runtime.kernels.cpu._linear")

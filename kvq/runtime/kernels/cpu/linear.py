@@ -28,7 +28,6 @@ from kvq.runtime.kernels.cpu.isa import (
     Call,
     _ext,
     bf16_dot,
-    run,
 )
 
 
@@ -76,7 +75,8 @@ class NativeW4A16:
             return dense_matmul(x, self.weight_packed, self.weight_scale, self.group_size, self.scratch)
         code = self._isa_code if num_rows >= AMX_FROM_ROWS else self._few_rows_code
         y = torch.empty((num_rows, self.weight_packed.shape[0]), dtype=x.dtype)
-        run(_gemm_call(code, self._vnni, x, *self._ptrs, self._scale_code, self.group_size, y))
+        fn, bound = _gemm_call(code, self._vnni, x, *self._ptrs, self._scale_code, self.group_size, y)
+        fn(*bound)
         return y
 
     def call(self, x: torch.Tensor, y: torch.Tensor) -> Call | None:
@@ -132,7 +132,8 @@ def w4a16_native(
     ptrs = (weight_packed.data_ptr(), weight_scale.data_ptr())
     code = _ISA_CODES[isa if x.shape[0] >= AMX_FROM_ROWS else _few_rows_isa(isa)]
     vnni = int((dot_of(isa) if dot is None else dot) == "vnni")
-    run(_gemm_call(code, vnni, x, *ptrs, scale_code, group_size, y))
+    fn, bound = _gemm_call(code, vnni, x, *ptrs, scale_code, group_size, y)
+    fn(*bound)
     return y
 
 
@@ -226,7 +227,8 @@ def gemv_dense(isa: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     BF16 Linear: torch's GEMM dispatch sends it to oneDNN, which on AVX-512 BF16 CPUs copies the whole
     weight into a blocked buffer at every call (~2x the time of this GEMV on SmolLM2's lm_head, Zen 4)."""
     y = torch.empty((1, weight.shape[0]), dtype=torch.bfloat16)
-    run(gemv_dense_call(isa, x.contiguous(), weight, y))
+    fn, bound = gemv_dense_call(isa, x.contiguous(), weight, y)
+    fn(*bound)
     return y
 
 
@@ -241,7 +243,8 @@ def gemv_dense_call(isa: str, x: torch.Tensor, weight: torch.Tensor, y: torch.Te
 def gemm_dense(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
     """The dense BF16 C call on AMX tiles (`_dense_cpu_amx.h`): contiguous bf16 x `[M, K]` into y `[M, N]`
     for a contiguous bf16 weight `[N, K]`, K a multiple of 32 (checked by the caller; amx runnable)."""
-    run(gemm_dense_call(x, weight, y))
+    fn, bound = gemm_dense_call(x, weight, y)
+    fn(*bound)
 
 
 def gemm_dense_call(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> Call:
