@@ -17,6 +17,7 @@ from kvq.runtime.kernels.integrity.batch_check import (
     check_batch_reference,
 )
 from kvq.runtime.kernels.integrity.page_check import sampled_page_hash_reference
+from tests.runtime.integrity.test_check_kernels import random_tables
 
 
 def batch_case(num_pages: int, lens: list[int], query_lens: list[int], page_size: int, num_layers: int):
@@ -24,15 +25,8 @@ def batch_case(num_pages: int, lens: list[int], query_lens: list[int], page_size
     hashes), the batch tensors, the flat expectations (`TagTracker._expected`'s layout) and the sealed
     pages the step reads."""
     gen = torch.Generator().manual_seed(num_pages)
-    page_tags = torch.randint(-(1 << 62), 1 << 62, (num_pages,), generator=gen) * 2 + 1
-    num_held = [-(-n // page_size) for n in lens]
-    width = max(num_held)
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    tables, taken = [], 0
-    for n in num_held:
-        tables.append(order[taken : taken + n] + [-1] * (width - n))
-        taken += n
-    block_tables = torch.tensor(tables, dtype=torch.int32)
+    page_tags, block_tables = random_tables(gen, num_pages, lens, page_size)
+    tables = block_tables.tolist()
     held = block_tables >= 0
     expected_tags = torch.where(held, page_tags[block_tables.long().clamp(min=0)], 0)
     writers = torch.where(held, torch.randint(1, 1 << 62, block_tables.shape, generator=gen), 0)

@@ -29,11 +29,11 @@ from kvq.runtime.kernels.triton.page_check import sampled_page_hash_triton
 from kvq.runtime.kernels.triton.step_check import check_step_triton
 
 
-def step_case(num_pages: int, lens: list[int], query_lens: list[int], page_size: int, seed: int):
-    """A step over requests of `lens` tokens (the last `query_lens` new), each on distinct random pages
-    carrying random tags, as `prepare` would lay it out (padding -1): the batch tensors and the
-    expectations, all consistent."""
-    gen = torch.Generator().manual_seed(seed)
+def random_tables(
+    gen: torch.Generator, num_pages: int, lens: list[int], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(random odd tags of `num_pages` pages, block tables int32 `[B, width]` holding distinct random pages
+    for requests of `lens` tokens, padded with -1)."""
     page_tags = torch.randint(-(1 << 62), 1 << 62, (num_pages,), generator=gen) * 2 + 1
     num_held = [-(-n // page_size) for n in lens]
     width = max(num_held)
@@ -42,7 +42,16 @@ def step_case(num_pages: int, lens: list[int], query_lens: list[int], page_size:
     for n in num_held:
         tables.append(order[taken : taken + n] + [-1] * (width - n))
         taken += n
-    block_tables = torch.tensor(tables, dtype=torch.int32)
+    return page_tags, torch.tensor(tables, dtype=torch.int32)
+
+
+def step_case(num_pages: int, lens: list[int], query_lens: list[int], page_size: int, seed: int):
+    """A step over requests of `lens` tokens (the last `query_lens` new), each on distinct random pages
+    carrying random tags, as `prepare` would lay it out (padding -1): the batch tensors and the
+    expectations, all consistent."""
+    gen = torch.Generator().manual_seed(seed)
+    page_tags, block_tables = random_tables(gen, num_pages, lens, page_size)
+    tables = block_tables.tolist()
     expected_tags = torch.where(block_tables >= 0, page_tags[block_tables.long().clamp(min=0)], 0)
     rows, positions = [], []
     for b, (n, q) in enumerate(zip(lens, query_lens, strict=True)):
