@@ -291,9 +291,16 @@ def test_flags_are_refused_before_torch_loads(tiny_checkpoint, tmp_path) -> None
         assert result.stderr.startswith("kvq: error: --")
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A background job (`make test &`) runs with
+    SIGINT ignored, which exec passes on, and Python then leaves Ctrl-C ignored (it ran to the end, exit 0)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tiny_checkpoint) -> None:
     argv = [sys.executable, "-m", "kvq", "eval", str(tiny_checkpoint("llama", "bf16")), "--tasks", "text"]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    process = subprocess.Popen(argv, **pipes, text=True, preexec_fn=default_sigint)
     time.sleep(0.5)  # the command line and torch are still importing
     process.send_signal(signal.SIGINT)
     _out, err = process.communicate(timeout=300)
