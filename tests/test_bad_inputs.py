@@ -293,7 +293,7 @@ def test_flags_are_refused_before_torch_loads(tiny_checkpoint, tmp_path) -> None
 
 def default_sigint() -> None:
     """In the child before exec: SIGINT back to its default. A background job (`make test &`) runs with
-    SIGINT ignored, which exec passes on, and Python then leaves Ctrl-C ignored (it ran to the end, exit 0)."""
+    SIGINT ignored, which exec passes on, and Python then leaves Ctrl-C ignored (it ran to the end)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
