@@ -144,3 +144,27 @@ def test_mla_moe_fixture(tiny_checkpoint: TinyCheckpoint, tmp_path: Path) -> Non
     record = read_json(out / "kvq_manifest.json", "manifest")["kv_calibration"]
     assert record["kv_layout"]["kind"] == "mla" and set(record["layers"][0]["amax"]) == {"kv_c", "k_pe"}
     assert_holds_kvqs_weights(load(out), out)
+
+
+def test_the_mtp_layer_is_round_to_nearest_and_listed(
+    tiny_checkpoint: TinyCheckpoint, tmp_path: Path
+) -> None:
+    """glm_moe_dsa with an MTP layer, `w4a16-experts`: GPTQ's streamed forward does not run the MTP layer, so
+    its INT4 modules are round-to-nearest's bytes, each listed with that reason (docs/mtp.md), and the MTP
+    tensors are in the index as `kvq compress` writes them."""
+    src, out = tiny_checkpoint("glm_moe_dsa", "bf16", num_mtp_layers=1), tmp_path / "gptq"
+    config = GptqConfig(CalibrationConfig(num_samples=10, seq_len=64), moe_min_tokens=1)
+    job = prepare_gptq(src, out, load_recipe("w4a16-experts", 64), config)
+    report = run_gptq(job, workers=2)
+    mtp_layer = f"model.layers.{read_json(src / 'config.json', 'config')['num_hidden_layers']}."
+    mtp_modules = {m for m in job.compress.plan.int4_modules if m.startswith(mtp_layer)}
+    assert any(".mlp.experts." in m for m in mtp_modules)
+    assert {m for m in report.rtn_fallback if m.startswith(mtp_layer)} == mtp_modules
+    assert all("MTP layer: round-to-nearest" in report.rtn_fallback[m] for m in mtp_modules)
+    rtn = tmp_path / "rtn"
+    run(prepare(src, rtn, load_recipe("w4a16-experts", 64)), 2)
+    mine, reference = Checkpoint.open(out), Checkpoint.open(rtn)
+    assert read_json(out / INDEX_NAME, "index")["weight_map"].keys() == reference.tensors.keys()
+    for name in reference.tensors:
+        if name.startswith(mtp_layer):
+            assert torch.equal(mine.read(name), reference.read(name)), name
