@@ -75,6 +75,16 @@ enum { LEVEL_BASE, LEVEL_AVX2, LEVEL_AVX512 };
     TARGET_AVX2 static void name##_avx2 params { name##_impl args; }                                               \
     static void name##_base params { name##_impl args; }                                                          \
     static void (*const name##_at[3]) params = {name##_base, name##_avx2, name##_avx512};
+/* A row op's levels (name_rows_at, from name_rows_impl over a job `Type` with fields M and level) and its
+   pool task name_task: chunk c of n runs rows [chunk_start(M, c, n), chunk_start(M, c + 1, n)) at the
+   job's level. */
+#define KVQ_ROW_LEVELS(name, Type)                                                                                 \
+    KVQ_LEVELS(name##_rows, (const Type *a, int64_t first, int64_t last), (a, first, last))                        \
+    static void name##_task(void *ctx, int64_t chunk, int64_t num_chunks) {                                        \
+        const Type *a = ctx;                                                                                       \
+        const int64_t first = chunk_start(a->M, chunk, num_chunks);                                                \
+        name##_rows_at[a->level](a, first, chunk_start(a->M, chunk + 1, num_chunks));                              \
+    }
 
 /* The highest level this build and CPU run (set once, at module init). */
 static int cpu_max_level = LEVEL_BASE;
@@ -302,12 +312,7 @@ ALWAYS_INLINE void silu_mul_rows_impl(const SiluMul *a, int64_t first, int64_t l
         }
     }
 }
-KVQ_LEVELS(silu_mul_rows, (const SiluMul *a, int64_t first, int64_t last), (a, first, last))
-
-static void silu_mul_task(void *ctx, int64_t chunk, int64_t num_chunks) {
-    const SiluMul *a = ctx;
-    silu_mul_rows_at[a->level](a, chunk_start(a->M, chunk, num_chunks), chunk_start(a->M, chunk + 1, num_chunks));
-}
+KVQ_ROW_LEVELS(silu_mul, SiluMul)
 
 static PyObject *silu_mul(PyObject *self, PyObject *args) {
     (void)self;
@@ -415,12 +420,7 @@ ALWAYS_INLINE void argmax_rows_impl(const Argmax *a, int64_t first, int64_t last
         a->out[m] = a->is_bf16 ? row_argmax(row, a->V, 1, is_finite) : row_argmax(row, a->V, 0, is_finite);
     }
 }
-KVQ_LEVELS(argmax_rows, (const Argmax *a, int64_t first, int64_t last), (a, first, last))
-
-static void argmax_task(void *ctx, int64_t chunk, int64_t num_chunks) {
-    const Argmax *a = ctx;
-    argmax_rows_at[a->level](a, chunk_start(a->M, chunk, num_chunks), chunk_start(a->M, chunk + 1, num_chunks));
-}
+KVQ_ROW_LEVELS(argmax, Argmax)
 
 static PyObject *argmax(PyObject *self, PyObject *args) {
     (void)self;

@@ -21,60 +21,50 @@ ALWAYS_INLINE float e4m3_f32(uint8_t byte) {
 
 #define MAX_HEAD_DIM 512
 
-/* Rows of e4m3fn bytes -> fp32 e4m3(b) * 2^-8, 16 bytes at a time with F16C: the byte's 7 exponent-mantissa
-   bits placed in a binary16's low exponent and high mantissa bits ((b & 0x7F) << 7, sign to bit 15) make
-   a binary16 of that value for normals and subnormals alike (e4m3fn's bias is 7, binary16's 15; binary16
-   subnormals keep the same m * 2^-k form), which vcvtph2ps widens exactly (in hardware: no denormal fp32
-   arithmetic). 0x7F / 0xFF (NaN) would read as +-480 * 2^-8: their halves become the quiet NaN 0x7E00
-   with the sign, which widens to e4m3_f32's 0x7FC00000. ~10 instructions per 16 bytes where the
-   arithmetic form takes ~30. The 2^8 and the page's scale go on the query (K) and the output (V), once:
-   see attend. */
+/* A row of e4m3fn bytes -> fp32 e4m3(b) * 2^-8, 16 bytes at a time with F16C (its first D - D % 16; returns how
+   many it did: load_page_rows converts the rest): the byte's 7 exponent-mantissa bits placed in a binary16's low
+   exponent and high mantissa bits ((b & 0x7F) << 7, sign to bit 15) make a binary16 of that value for normals and
+   subnormals alike (e4m3fn's bias is 7, binary16's 15; binary16 subnormals keep the same m * 2^-k form), which
+   vcvtph2ps widens exactly (in hardware: no denormal fp32 arithmetic). 0x7F / 0xFF (NaN) would read as +-480 *
+   2^-8: their halves become the quiet NaN 0x7E00 with the sign, which widens to e4m3_f32's 0x7FC00000. ~10
+   instructions per 16 bytes where the arithmetic form takes ~30. The 2^8 and the page's scale go on the query (K)
+   and the output (V), once: see attend. */
 #ifdef KVQ_X86_LEVELS
-__attribute__((target("avx2,f16c"))) static void e4m3_rows_f16c(const uint8_t *restrict src, int64_t n,
-                                                                int64_t src_stride, int64_t D,
-                                                                float *restrict rows) {
+__attribute__((target("avx2,f16c"))) static inline int64_t e4m3_row_f16c(const uint8_t *restrict s, int64_t D,
+                                                                        float *restrict row) {
     const __m256i keep = _mm256_set1_epi16((short)0xBF80), nan_bits = _mm256_set1_epi16((short)0xFE00);
     const __m256i to_nan = _mm256_set1_epi16(0x4180); /* 0x3F80 ^ 0x4180 = 0x7E00 */
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *restrict s = src + j * src_stride;
-        float *restrict row = rows + j * D;
-        int64_t d = 0;
-        for (; d + 16 <= D; d += 16) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(s + d));
-            __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);      /* b << 8 */
-            __m256i h = _mm256_and_si256(_mm256_srai_epi16(w, 1), keep);       /* sign | (b & 0x7F) << 7 */
-            __m256i nan = _mm256_cmpeq_epi16(_mm256_slli_epi16(w, 1), nan_bits); /* (b & 0x7F) == 0x7F */
-            h = _mm256_xor_si256(h, _mm256_and_si256(nan, to_nan));
-            _mm256_storeu_ps(row + d, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-            _mm256_storeu_ps(row + d + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
-        }
-        for (; d < D; d++)
-            row[d] = e4m3_f32(s[d]) * 0x1p-8f;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(s + d));
+        __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);      /* b << 8 */
+        __m256i h = _mm256_and_si256(_mm256_srai_epi16(w, 1), keep);       /* sign | (b & 0x7F) << 7 */
+        __m256i nan = _mm256_cmpeq_epi16(_mm256_slli_epi16(w, 1), nan_bits); /* (b & 0x7F) == 0x7F */
+        h = _mm256_xor_si256(h, _mm256_and_si256(nan, to_nan));
+        _mm256_storeu_ps(row + d, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+        _mm256_storeu_ps(row + d + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
     }
+    return d;
 }
 
-/* e4m3_rows_f16c 32 bytes at a time in AVX-512 registers, the NaN fix in a mask (the same values). */
-__attribute__((target("avx512f,avx512bw"))) static void
-e4m3_rows_avx512(const uint8_t *restrict src, int64_t n, int64_t src_stride, int64_t D, float *restrict rows) {
+/* e4m3_row_f16c 32 bytes at a time in AVX-512 registers, the NaN fix in a mask (the same values). */
+__attribute__((target("avx512f,avx512bw"))) static inline int64_t
+e4m3_row_avx512(const uint8_t *restrict s, int64_t D, float *restrict row) {
     const __m512i keep = _mm512_set1_epi16((short)0xBF80), nan_bits = _mm512_set1_epi16((short)0xFE00);
     const __m512i to_nan = _mm512_set1_epi16(0x4180);
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *restrict s = src + j * src_stride;
-        float *restrict row = rows + j * D;
-        int64_t d = 0;
-        for (; d + 32 <= D; d += 32) {
-            __m256i bytes = _mm256_loadu_si256((const __m256i *)(s + d));
-            __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(bytes), 8);
-            __m512i h = _mm512_and_si512(_mm512_srai_epi16(w, 1), keep);
-            __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(w, 1), nan_bits);
-            h = _mm512_mask_mov_epi16(h, nan, _mm512_xor_si512(h, to_nan));
-            _mm512_storeu_ps(row + d, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
-            _mm512_storeu_ps(row + d + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
-        }
-        for (; d < D; d++)
-            row[d] = e4m3_f32(s[d]) * 0x1p-8f;
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)(s + d));
+        __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(bytes), 8);
+        __m512i h = _mm512_and_si512(_mm512_srai_epi16(w, 1), keep);
+        __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(w, 1), nan_bits);
+        h = _mm512_mask_mov_epi16(h, nan, _mm512_xor_si512(h, to_nan));
+        _mm512_storeu_ps(row + d, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+        _mm512_storeu_ps(row + d + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
     }
+    return d;
 }
+
 /* A bf16 row's first D - D % 16 elements as fp32 into row (one vpmovzxwd from memory, a shift and a store
    per 16: GCC's own code for the 16-lane conversion went 8 lanes at a time, through extracts and inserts,
    ~45% of the kernel's samples); returns how many it did. */
