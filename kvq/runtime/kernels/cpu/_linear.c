@@ -482,6 +482,24 @@ static int isa_supported(int isa) {
     return 0;
 }
 
+/* A caller's isa code that this build and CPU run: 1, else 0 with a ValueError set. */
+static int isa_checked(int isa) {
+    if (isa >= ISA_SCALAR && isa <= ISA_AMX && isa_supported(isa))
+        return 1;
+    PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    return 0;
+}
+
+/* Activations and output fp32, bf16 or fp16, scales fp32 or bf16 (gemm's and gemm_w8's dtype codes): 1, else
+   0 with a ValueError set. */
+static int dtypes_checked(int x_dtype, int scale_dtype, int y_dtype) {
+    if (x_dtype >= 0 && x_dtype <= 2 && y_dtype >= 0 && y_dtype <= 2 &&
+        (scale_dtype == DTYPE_F32 || scale_dtype == DTYPE_BF16))
+        return 1;
+    PyErr_Format(PyExc_ValueError, "bad dtype codes x=%d scale=%d y=%d", x_dtype, scale_dtype, y_dtype);
+    return 0;
+}
+
 /* Output rows [n0, n1) of chunk `chunk` of `num_chunks` over N rows, in whole tiles of `tile` rows; 0
    when empty. */
 static int chunk_rows(int64_t N, int64_t tile, int64_t chunk, int64_t num_chunks, int64_t *n0, int64_t *n1) {
@@ -495,6 +513,31 @@ static int chunk_rows(int64_t N, int64_t tile, int64_t chunk, int64_t num_chunks
 /* Output rows per chunk unit: AMX's 16-row strips, else the 4-row tiles of the other paths. */
 static int64_t row_tile(int isa) { return isa == ISA_AMX ? 16 : 4; }
 
+/* The job's path on output rows [n0, n1): its ISA's copy of `simd` (simd_avx2, simd_avx512: _linear_simd.h,
+   _w8a16_simd.h), `bf16` on avx512bf16, `scalar` on the scalar path (and every path of a build without x86
+   kernels, where isa_supported lets only the scalar one through). W4A16's and W8A16's row tasks. */
+#ifdef KVQ_X86
+#define RUN_PATH(job, n0, n1, simd, bf16, scalar)                                                                \
+    ((job)->isa == ISA_AVX2         ? simd##_avx2(job, n0, n1)                                                   \
+     : (job)->isa == ISA_AVX512     ? simd##_avx512(job, n0, n1)                                                 \
+     : (job)->isa == ISA_AVX512BF16 ? bf16(job, n0, n1)                                                          \
+                                    : scalar(job, n0, n1))
+
+/* avx512bf16's W4A16 kernels: bf16 activations as VNNI integer sums (Job.vnni) or vdpbf16ps pairs, by M. */
+static void rows_bf16(const Job *job, int64_t n0, int64_t n1) {
+    if (job->vnni && job->M == 1)
+        gemv_vnni(job, n0, n1);
+    else if (job->vnni)
+        gemm_vnni(job, n0, n1);
+    else if (job->M == 1)
+        gemv_bf16(job, n0, n1);
+    else
+        gemm_bf16(job, n0, n1);
+}
+#else
+#define RUN_PATH(job, n0, n1, simd, bf16, scalar) scalar(job, n0, n1)
+#endif
+
 static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     Job *job = (Job *)ctx;
     int64_t n0, n1;
@@ -506,28 +549,7 @@ static void rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
         return;
     }
 #endif
-#ifdef KVQ_X86
-    if (job->isa == ISA_AVX2) {
-        run_avx2(job, n0, n1);
-        return;
-    }
-    if (job->isa == ISA_AVX512) {
-        run_avx512(job, n0, n1);
-        return;
-    }
-    if (job->isa == ISA_AVX512BF16) {
-        if (job->vnni && job->M == 1)
-            gemv_vnni(job, n0, n1);
-        else if (job->vnni)
-            gemm_vnni(job, n0, n1);
-        else if (job->M == 1)
-            gemv_bf16(job, n0, n1);
-        else
-            gemm_bf16(job, n0, n1);
-        return;
-    }
-#endif
-    scalar_rows(job, n0, n1);
+    RUN_PATH(job, n0, n1, run, rows_bf16, scalar_rows);
 }
 
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -620,18 +642,16 @@ static PyObject *gemm(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiKiLLKKiLiKip", &isa, &threads, &x, &x_dtype, &M, &K, &packed, &scale,
                           &scale_dtype, &N, &group, &y, &y_dtype, &vnni))
         return NULL;
-    if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
-        return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (!isa_checked(isa))
+        return NULL;
     if (isa == ISA_AMX && (M < 2 || x_dtype != DTYPE_BF16))
         isa = ISA_AVX512BF16; /* its GEMV, and other activations, are the AVX-512 BF16 path's */
     if (isa == ISA_AVX512BF16 && x_dtype != DTYPE_BF16)
         isa = ISA_AVX512; /* other activations are the AVX-512 path's */
     if ((group != 32 && group != 64 && group != 128) || M < 0 || N < 0 || K <= 0 || K % group)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld group=%d", M, N, K, group);
-    if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2 || (scale_dtype != DTYPE_F32 &&
-                                                                      scale_dtype != DTYPE_BF16))
-        return PyErr_Format(PyExc_ValueError, "bad dtype codes x=%d scale=%d y=%d", x_dtype, scale_dtype,
-                            y_dtype);
+    if (!dtypes_checked(x_dtype, scale_dtype, y_dtype))
+        return NULL;
     if (M == 0 || N == 0)
         Py_RETURN_NONE;
     if (isa != ISA_AVX512BF16)

@@ -114,8 +114,8 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
         return NULL;
     if ((group != 32 && group != 64 && group != 128) || N < 0 || K <= 0 || K % group)
         return PyErr_Format(PyExc_ValueError, "bad shape N=%lld K=%lld group=%d", N, K, group);
-    if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
-        return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (!isa_checked(isa))
+        return NULL;
     if (scale_dtype != DTYPE_F32 && scale_dtype != DTYPE_BF16)
         return PyErr_Format(PyExc_ValueError, "bad scale dtype code %d", scale_dtype);
     DequantJob d = {

@@ -33,23 +33,8 @@ static void w8_scalar_rows(const W8Job *job, int64_t n0, int64_t n1) {
 static void w8_rows_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     const W8Job *job = (const W8Job *)ctx;
     int64_t n0, n1;
-    if (!chunk_rows(job->N, 4, chunk, num_chunks, &n0, &n1))
-        return;
-#ifdef KVQ_X86
-    if (job->isa == ISA_AVX2) {
-        w8_run_avx2(job, n0, n1);
-        return;
-    }
-    if (job->isa == ISA_AVX512) {
-        w8_run_avx512(job, n0, n1);
-        return;
-    }
-    if (job->isa == ISA_AVX512BF16) {
-        w8_gemm_bf16(job, n0, n1);
-        return;
-    }
-#endif
-    w8_scalar_rows(job, n0, n1);
+    if (chunk_rows(job->N, 4, chunk, num_chunks, &n0, &n1))
+        RUN_PATH(job, n0, n1, w8_run, w8_gemm_bf16, w8_scalar_rows);
 }
 
 static void w8_convert_task(void *ctx, int64_t chunk, int64_t num_chunks) {
@@ -115,8 +100,8 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiKiLLKKiLKi", &isa, &threads, &x, &x_dtype, &M, &K, &w, &scale, &scale_dtype,
                           &N, &y, &y_dtype))
         return NULL;
-    if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
-        return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (!isa_checked(isa))
+        return NULL;
 #ifdef KVQ_AMX
     const int use_amx = isa == ISA_AMX && M >= AMX_W8_FROM_ROWS && x_dtype == DTYPE_BF16 && K % AMX_KC == 0;
 #endif
@@ -126,10 +111,8 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
         isa = ISA_AVX512; /* its GEMV, and other activations, are the AVX-512 path's */
     if (M < 0 || N < 0 || K <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld", M, N, K);
-    if (x_dtype < 0 || x_dtype > 2 || y_dtype < 0 || y_dtype > 2 || (scale_dtype != DTYPE_F32 &&
-                                                                      scale_dtype != DTYPE_BF16))
-        return PyErr_Format(PyExc_ValueError, "bad dtype codes x=%d scale=%d y=%d", x_dtype, scale_dtype,
-                            y_dtype);
+    if (!dtypes_checked(x_dtype, scale_dtype, y_dtype))
+        return NULL;
     if (M == 0 || N == 0)
         Py_RETURN_NONE;
     W8Job job = {
@@ -167,8 +150,8 @@ static PyObject *gemv_dense(PyObject *self, PyObject *args) {
     long long K, N;
     if (!PyArg_ParseTuple(args, "iiKLKLK", &isa, &threads, &x, &K, &w, &N, &y))
         return NULL;
-    if (isa < ISA_SCALAR || isa > ISA_AMX || !isa_supported(isa))
-        return PyErr_Format(PyExc_ValueError, "isa %d is not runnable on this CPU (see isas())", isa);
+    if (!isa_checked(isa))
+        return NULL;
     if (N < 0 || K <= 0)
         return PyErr_Format(PyExc_ValueError, "bad shape N=%lld K=%lld", N, K);
     if (N == 0)
