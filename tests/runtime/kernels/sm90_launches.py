@@ -47,22 +47,30 @@ class Recorder:
 
 
 def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> Any:
-    """Compile one recorded launch for sm_90 the way the JIT would specialise it."""
+    """Compile one recorded launch for sm_90 the way the JIT would specialise it (tuples element-wise)."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
-    signature, constexprs, attrs = {}, {}, {}
-    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
-        value = values[name]
-        if param.is_constexpr or value is None or (isinstance(value, int) and value == 1):
-            signature[name], constexprs[(i,)] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TYPES[value.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]] if value.data_ptr() % 16 == 0 else []
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            attrs[(i,)] = [["tt.divisibility", 16]] if value % 16 == 0 else []
+    constexprs: dict = {}
+    attrs: dict = {}
+
+    def specialise(path: tuple[int, ...], value: Any, is_constexpr: bool) -> Any:
+        if isinstance(value, tuple) and not is_constexpr:
+            return tuple(specialise((*path, j), item, False) for j, item in enumerate(value))
+        if is_constexpr or value is None or (isinstance(value, int) and value == 1):
+            constexprs[path] = value
+            return "constexpr"
+        if isinstance(value, torch.Tensor):
+            attrs[path] = [["tt.divisibility", 16]] if value.data_ptr() % 16 == 0 else []
+            return "*" + _TYPES[value.dtype]
+        if isinstance(value, float):
+            return "fp32"
+        attrs[path] = [["tt.divisibility", 16]] if value % 16 == 0 else []
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+
+    signature = {
+        name: specialise((i,), values[name], param.is_constexpr)
+        for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True))
+    }
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H100, options=options)
 
 

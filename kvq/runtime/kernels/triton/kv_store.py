@@ -44,89 +44,18 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _store_one(
-    src_ptr,
-    cache_ptr,
-    scale_ptr,
-    page,
-    offset,
-    pid_t,
-    stride_st,
-    stride_sh,
-    stride_sd,
-    stride_cp,
-    stride_ct,
-    stride_ch,
-    stride_cd,
-    stride_scale,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    ROUND_FP8_IN_SOFTWARE: tl.constexpr,
-    ROUND_BF16_IN_SOFTWARE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < NUM_KV_HEADS
-    mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
-    src = tl.load(
-        src_ptr + pid_t * stride_st + offs_h[:, None] * stride_sh + offs_d[None, :] * stride_sd,
-        mask=mask,
-        other=0.0,
-    )
-    dst = (
-        cache_ptr
-        + page * stride_cp
-        + offset * stride_ct
-        + offs_h[:, None] * stride_ch
-        + offs_d[None, :] * stride_cd
-    )
-    if IS_FP8:
-        scale = tl.load(scale_ptr + offs_h * stride_scale, mask=mask_h, other=1.0)
-        scaled = tl.math.div_rn(src.to(tl.float32), scale[:, None])
-        scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
-        if ROUND_FP8_IN_SOFTWARE:
-            scaled = _round_to_e4m3(scaled)
-        tl.store(dst, scaled.to(cache_ptr.dtype.element_ty), mask=mask)
-    else:
-        value = src
-        if ROUND_BF16_IN_SOFTWARE:
-            value = _round_to_bf16(src.to(tl.float32))
-        tl.store(dst, value.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
+    kv_ptrs,  # (k, v): the new rows [T, Hkv, D]
+    cache_ptrs,  # (k_cache, v_cache)
+    scale_ptrs,  # (k_scale, v_scale): fp32 [Hkv]
+    kv_strides,  # per tensor of kv_ptrs: (t, h, d)
+    cache_strides,  # per cache: (page, slot, h, d)
+    scale_strides,  # per scale: (h,)
     slot_mapping_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
     stamps_ptr,
     slot_stamps_ptr,
     page_size,
     stride_stamp,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_kcp,
-    stride_kct,
-    stride_kch,
-    stride_kcd,
-    stride_vcp,
-    stride_vct,
-    stride_vch,
-    stride_vcd,
-    stride_ks,
-    stride_vs,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -143,54 +72,37 @@ def store_kv_kernel(
         return
     page = slot // page_size
     offset = slot % page_size
-    _store_one(
-        k_ptr,
-        k_cache_ptr,
-        k_scale_ptr,
-        page,
-        offset,
-        pid_t,
-        stride_kt,
-        stride_kh,
-        stride_kd,
-        stride_kcp,
-        stride_kct,
-        stride_kch,
-        stride_kcd,
-        stride_ks,
-        NUM_KV_HEADS,
-        HEAD_DIM,
-        IS_FP8,
-        FP8_MAX,
-        ROUND_FP8_IN_SOFTWARE,
-        ROUND_BF16_IN_SOFTWARE,
-        BLOCK_H,
-        BLOCK_D,
-    )
-    _store_one(
-        v_ptr,
-        v_cache_ptr,
-        v_scale_ptr,
-        page,
-        offset,
-        pid_t,
-        stride_vt,
-        stride_vh,
-        stride_vd,
-        stride_vcp,
-        stride_vct,
-        stride_vch,
-        stride_vcd,
-        stride_vs,
-        NUM_KV_HEADS,
-        HEAD_DIM,
-        IS_FP8,
-        FP8_MAX,
-        ROUND_FP8_IN_SOFTWARE,
-        ROUND_BF16_IN_SOFTWARE,
-        BLOCK_H,
-        BLOCK_D,
-    )
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < NUM_KV_HEADS
+    mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+    for i in tl.static_range(2):  # K, then V
+        stride_t, stride_h, stride_d = kv_strides[i]
+        stride_cp, stride_ct, stride_ch, stride_cd = cache_strides[i]
+        src = tl.load(
+            kv_ptrs[i] + pid_t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d,
+            mask=mask,
+            other=0.0,
+        )
+        dst = (
+            cache_ptrs[i]
+            + page * stride_cp
+            + offset * stride_ct
+            + offs_h[:, None] * stride_ch
+            + offs_d[None, :] * stride_cd
+        )
+        if IS_FP8:
+            scale = tl.load(scale_ptrs[i] + offs_h * scale_strides[i][0], mask=mask_h, other=1.0)
+            scaled = tl.math.div_rn(src.to(tl.float32), scale[:, None])
+            scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+            if ROUND_FP8_IN_SOFTWARE:
+                scaled = _round_to_e4m3(scaled)
+            tl.store(dst, scaled.to(cache_ptrs[i].dtype.element_ty), mask=mask)
+        else:
+            value = src
+            if ROUND_BF16_IN_SOFTWARE:
+                value = _round_to_bf16(src.to(tl.float32))
+            tl.store(dst, value.to(cache_ptrs[i].dtype.element_ty), mask=mask)
     if HAS_STAMPS:
         tl.store(stamps_ptr + slot * stride_stamp, tl.load(slot_stamps_ptr + pid_t))
 
@@ -222,23 +134,17 @@ def store_kv_triton(
         )
     kernel = kernel_for(store_kv_kernel, k.device)
     kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
+        (k, v),
+        (k_cache, v_cache),
+        (k_scale, v_scale),
+        (k.stride(), v.stride()),
+        (k_cache.stride(), v_cache.stride()),
+        (k_scale.stride(), v_scale.stride()),
         slot_mapping,
-        k_scale,
-        v_scale,
         slot_mapping if stamps is None else stamps,  # not read without stamps
         slot_mapping if slot_stamps is None else slot_stamps,
         page_size,
         0 if stamps is None else stamps.stride(0),
-        *k.stride(),
-        *v.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        k_scale.stride(0),
-        v_scale.stride(0),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         IS_FP8=is_fp8(k_cache),

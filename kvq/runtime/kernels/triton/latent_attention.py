@@ -21,7 +21,12 @@ import triton.language as tl
 
 from kvq.runtime.kernels.paged.latent_attention import check_latent_queries
 from kvq.runtime.kernels.triton.launch import dot, next_pow2
-from kvq.runtime.kernels.triton.paged_attention import online_softmax_step, plan_decode, store_slice
+from kvq.runtime.kernels.triton.paged_attention import (
+    online_softmax_start,
+    online_softmax_step,
+    plan_decode,
+    store_slice,
+)
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.latent_pages import PagedLatentPages
@@ -50,13 +55,6 @@ def latent_decode_kernel(
     stride_btb,
     stride_btp,
     stride_ib,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    stride_ls,
     KV_LORA_RANK: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -91,13 +89,12 @@ def latent_decode_kernel(
     )
     q_nope = (q_nope.to(tl.float32) * sm_scale).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_R], pre-scaled
     q_pe = (q_pe.to(tl.float32) * sm_scale).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_P]
-    qk_scale = 1.4426950408889634  # log2(e): scores in log2 units for exp2
+    k_scale = 1.0  # FP8 rows: one scale for the scores and the output
     if IS_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        k_scale = tl.load(k_scale_ptr)
+    qk_scale = 1.4426950408889634 * k_scale  # log2(e): scores in log2 units for exp2
 
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_H, BLOCK_R)
     for t0 in range(start, end, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         mask_t = offs_t < end
@@ -124,23 +121,7 @@ def latent_decode_kernel(
         m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, scores)  # a tile may hold no selected token
         acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), kv_c, IS_FP32_DOT)
 
-    store_slice(
-        acc,
-        m_i,
-        l_i,
-        k_scale_ptr,
-        o_ptr + pid_b * stride_ob + pid_s * stride_os,
-        lse_ptr + pid_b * stride_lb + pid_s * stride_ls,
-        heads,
-        offs_r,
-        mask_h,
-        mask_r,
-        stride_oh,
-        stride_od,
-        stride_lh,
-        IS_FP8,
-        IS_SPLIT,
-    )
+    store_slice(acc, m_i, l_i, k_scale, o_ptr, lse_ptr, heads, mask_h, num_heads, KV_LORA_RANK, IS_SPLIT)
 
 
 def latent_decode_attention_triton(
@@ -194,8 +175,6 @@ def latent_decode_attention_triton(
         latent.stride(1),
         *block_tables.stride(),
         indices.stride(0),
-        *out.stride(),
-        *lse.stride(),
         KV_LORA_RANK=rank,
         ROPE_DIM=width - rank,
         IS_SPARSE=is_sparse,

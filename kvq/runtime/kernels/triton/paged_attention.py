@@ -8,10 +8,10 @@ BLOCK_H >= 16 rows for `tl.dot`) over one slice of the sequence, gathering token
 table (any page_size, holes, shared pages). FP8 K/V are converted to fp16 exactly (q, pre-multiplied by
 sm_scale, too) and the per-head k/v scales are folded into the scores and the output.
 Flash-decoding: a program runs an online softmax over one slice of a sequence's tokens
-(`online_softmax_step` per tile of scores in log2 units, `finish` at the end: the normalized output and,
-when split, the slice's log-sum-exp, written by `store_slice`); the host plans the launch (`plan_decode`:
-the kernel's mode, its dot operands and the slices, `plan_splits`: ~2 programs per SM, >= 4 tiles a
-slice) and merges the slices by log-sum-exp (`Splits.merge`).
+(`online_softmax_start`, `online_softmax_step` per tile of scores in log2 units, `finish` at the end: the
+normalized output and, when split, the slice's log-sum-exp, written by `store_slice`); the host plans the
+launch (`plan_decode`: the kernel's mode, its dot operands and the slices, `plan_splits`: ~2 programs per
+SM, >= 4 tiles a slice) and merges the slices by log-sum-exp (`Splits.merge`).
 Imports Triton; loaded lazily by `kvq.runtime.kernels`.
 """
 
@@ -37,6 +37,14 @@ from kvq.runtime.kernels.triton.launch import (
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
+
+
+@triton.jit
+def online_softmax_start(BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(m, l, acc) before the first tile: the running max `[H]` at -inf, the running sum `[H]` and the
+    output `[H, D]` at zero (fp32)."""
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    return m_i, tl.zeros((BLOCK_H,), dtype=tl.float32), tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
 
 
 @triton.jit
@@ -66,30 +74,25 @@ def store_slice(
     acc,
     m_i,
     l_i,
-    v_scale_ptr,
+    v_scale,
     o_ptr,
     lse_ptr,
     heads,
-    offs_d,
     mask_h,
-    mask_d,
-    stride_oh,
-    stride_od,
-    stride_lh,
-    IS_FP8: tl.constexpr,
+    num_heads,
+    WIDTH: tl.constexpr,
     IS_SPLIT: tl.constexpr,
 ):
-    """`finish` a program's slice (V's scale at `v_scale_ptr` for FP8 pages) and write rows `heads` of it
-    into `o_ptr`, and their log-sum-exp into `lse_ptr` when split: the program's sequence and slice in the
-    buffers of `plan_splits`."""
-    v_scale = 1.0
-    if IS_FP8:
-        v_scale = tl.load(v_scale_ptr)
+    """`finish` a program's slice and write rows `heads` of it, and their log-sum-exp when split, at the
+    program's sequence (axis 0) and slice (axis 2) of the contiguous buffers of `plan_splits`: `o_ptr`
+    `[B, num_heads, num_splits, WIDTH]`, `lse_ptr` `[B, num_heads, num_splits]`."""
     out, lse = finish(acc, m_i, l_i, v_scale)
-    o_ptrs = o_ptr + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    rows = (tl.program_id(0).to(tl.int64) * num_heads + heads) * tl.num_programs(2) + tl.program_id(2)
+    offs_d = tl.arange(0, out.shape[1])
+    mask = mask_h[:, None] & (offs_d < WIDTH)[None, :]
+    tl.store(o_ptr + rows[:, None] * WIDTH + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
     if IS_SPLIT:
-        tl.store(lse_ptr + heads * stride_lh, lse, mask=mask_h)
+        tl.store(lse_ptr + rows, lse, mask=mask_h)
 
 
 @dataclass(frozen=True)
@@ -216,13 +219,6 @@ def paged_decode_kernel(
     stride_btp,
     stride_ks,
     stride_vs,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    stride_ls,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -257,9 +253,7 @@ def paged_decode_kernel(
     if IS_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + pid_kvh * stride_ks)
 
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_H, BLOCK_D)
     for t0 in range(start, end, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         mask_t = offs_t < end
@@ -275,23 +269,12 @@ def paged_decode_kernel(
         v = tl.load(v_base + page[:, None] * stride_vp + slot[:, None] * stride_vt, mask=mask_td, other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), IS_FP32_DOT)
 
-    store_slice(
-        acc,
-        m_i,
-        l_i,
-        v_scale_ptr + pid_kvh * stride_vs,
-        o_ptr + pid_b * stride_ob + pid_s * stride_os,
-        lse_ptr + pid_b * stride_lb + pid_s * stride_ls,
-        heads,
-        offs_d,
-        offs_h < QUERIES_PER_KV,
-        mask_d,
-        stride_oh,
-        stride_od,
-        stride_lh,
-        IS_FP8,
-        IS_SPLIT,
-    )
+    v_scale = 1.0
+    if IS_FP8:
+        v_scale = tl.load(v_scale_ptr + pid_kvh * stride_vs)
+    mask_h = offs_h < QUERIES_PER_KV
+    num_heads = tl.num_programs(1) * QUERIES_PER_KV
+    store_slice(acc, m_i, l_i, v_scale, o_ptr, lse_ptr, heads, mask_h, num_heads, HEAD_DIM, IS_SPLIT)
 
 
 def paged_decode_attention_triton(
@@ -339,8 +322,6 @@ def paged_decode_attention_triton(
         *block_tables.stride(),
         k_scale.stride(0),
         v_scale.stride(0),
-        *out.stride(),
-        *lse.stride(),
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, next_pow2(queries_per_kv)),

@@ -29,47 +29,40 @@ from kvq.runtime.kernels.w4a16 import LAYOUT_COMPRESSED_TENSORS, W4A16Weight
 
 
 @triton.jit
-def _tile_dot(
+def _nibble_planes_dot(
     x_base,
-    w_base,
-    tile,
+    x_tile,
+    packed,
+    offs_kw,
     stride_xk,
-    stride_wk,
     mask_m,
-    mask_n,
     DOT_DTYPE: tl.constexpr,
-    IS_FP32_DOT: tl.constexpr,
-    NIBBLE_PLANES: tl.constexpr,
     MAGIC_BITS: tl.constexpr,
     MAGIC_OFFSET: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
-    """x tile @ (q tile): [BLOCK_M, BLOCK_N] fp32, unscaled, with q unpacked into natural k order, or with
-    NIBBLE_PLANES as 8 dots over nibble planes (k = 8*kw + j for plane j), so the packed words never
-    change layout; nibble u becomes the 16-bit float MAGIC + u by OR-ing its bits into MAGIC_BITS (no
-    int->float conversion), and MAGIC_OFFSET * sum(x) takes the bias back out."""
-    offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_tile = tl.load(x_base + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask_m[:, None], other=0.0)
-    offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(w_base + offs_kw[:, None].to(tl.int64) * stride_wk, mask=mask_n[None, :], other=0)
-    if NIBBLE_PLANES:
-        x_sum = tl.sum(x_tile.to(DOT_DTYPE).to(tl.float32), axis=1)  # one reduction per tile
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(8):
-            offs_kj = (offs_kw * 8 + j).to(tl.int64)  # plane j: k = 8 * kw + j
-            x = tl.load(x_base + offs_kj[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-            bits = ((packed >> (4 * j)) & 0xF) | MAGIC_BITS
-            w = bits.to(tl.int16).to(DOT_DTYPE, bitcast=True)  # [BLOCK_K/8, BLOCK_N], exactly MAGIC + u
-            part += tl.dot(x.to(DOT_DTYPE), w)
-        part = part - MAGIC_OFFSET * x_sum[:, None]
-    else:
-        shifts = tl.arange(0, 8) * 4
-        nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
-        q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8  # row 8*kw + j = k
-        part = dot(x_tile.to(DOT_DTYPE), q.to(DOT_DTYPE), IS_FP32_DOT)
-    return part
+    """x tile @ (q tile): `[BLOCK_M, BLOCK_N]` fp32, unscaled, as 8 dots over nibble planes (k = 8*kw + j
+    for plane j), so the packed words `[BLOCK_K/8, BLOCK_N]` never change layout; nibble u becomes the
+    16-bit float MAGIC + u by OR-ing its bits into MAGIC_BITS (no int->float conversion), and
+    MAGIC_OFFSET * sum(x) takes the bias back out."""
+    x_sum = tl.sum(x_tile.to(DOT_DTYPE).to(tl.float32), axis=1)  # one reduction per tile
+    part = tl.zeros((x_tile.shape[0], packed.shape[1]), dtype=tl.float32)
+    for j in tl.static_range(8):
+        offs_kj = (offs_kw * 8 + j).to(tl.int64)  # plane j: k = 8 * kw + j
+        x = tl.load(x_base + offs_kj[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+        bits = ((packed >> (4 * j)) & 0xF) | MAGIC_BITS
+        w = bits.to(tl.int16).to(DOT_DTYPE, bitcast=True)  # [BLOCK_K/8, BLOCK_N], exactly MAGIC + u
+        part += tl.dot(x.to(DOT_DTYPE), w)
+    return part - MAGIC_OFFSET * x_sum[:, None]
+
+
+@triton.jit
+def _natural_order_dot(x_tile, packed, DOT_DTYPE: tl.constexpr, IS_FP32_DOT: tl.constexpr):
+    """x tile @ (q tile): `[BLOCK_M, BLOCK_N]` fp32, unscaled, with the packed words `[BLOCK_K/8, BLOCK_N]`
+    unpacked into natural k order."""
+    shifts = tl.arange(0, 8) * 4
+    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
+    q = tl.reshape(nibbles, (x_tile.shape[1], packed.shape[1])) - 8  # row 8*kw + j = k
+    return dot(x_tile.to(DOT_DTYPE), q.to(DOT_DTYPE), IS_FP32_DOT)
 
 
 @triton.jit
@@ -138,23 +131,16 @@ def w4a16_kernel(
     s_base = s_ptr + expert * stride_se + offs_n64 * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(tile_start, tile_end):
-        part = _tile_dot(
-            x_base,
-            w_base,
-            tile,
-            stride_xk,
-            stride_wk,
-            mask_m,
-            mask_n,
-            DOT_DTYPE,
-            IS_FP32_DOT,
-            NIBBLE_PLANES,
-            MAGIC_BITS,
-            MAGIC_OFFSET,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
+        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        x_tile = tl.load(x_base + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask_m[:, None], other=0.0)
+        offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(w_base + offs_kw[:, None].to(tl.int64) * stride_wk, mask=mask_n[None, :], other=0)
+        if NIBBLE_PLANES:
+            part = _nibble_planes_dot(
+                x_base, x_tile, packed, offs_kw, stride_xk, mask_m, DOT_DTYPE, MAGIC_BITS, MAGIC_OFFSET
+            )
+        else:
+            part = _natural_order_dot(x_tile, packed, DOT_DTYPE, IS_FP32_DOT)
         scale = tl.load(s_base + ((tile * BLOCK_K) // GROUP_SIZE) * stride_sg, mask=mask_n, other=0.0)
         acc += part * scale.to(tl.float32)[None, :]
 
