@@ -21,6 +21,7 @@ setup(
                 "kvq/formats/_pack_quantized.h",
                 "kvq/runtime/kernels/cpu/_linear_pool.h",
                 "kvq/runtime/kernels/cpu/_linear_simd.h",
+                "kvq/runtime/kernels/cpu/_linear_gemm.h",
                 "kvq/runtime/kernels/cpu/_linear_bf16.h",
                 "kvq/runtime/kernels/cpu/_linear_vnni.h",
                 "kvq/runtime/kernels/cpu/_linear_amx.h",

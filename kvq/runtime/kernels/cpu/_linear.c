@@ -317,6 +317,9 @@ static void scalar_rows(const Job *job, int64_t n0, int64_t n1) {
     }
 }
 
+#define GEMM_KC 8       /* weight blocks per decompressed tile of the W4A16 GEMMs (_linear_gemm.h) */
+#define GEMM_M_BLOCK 64 /* activation rows per pass over such a tile */
+
 #ifdef KVQ_X86
 #define ISA avx2
 #define TARGET TARGET_AVX2
@@ -429,6 +432,10 @@ TARGET static inline __m256 half_sum_avx512(__m512 v) { /* the two 256-bit halve
 }
 #include "_linear_simd.h"
 #include "_w8a16_simd.h"
+#undef ISA
+#undef TARGET
+#define ISA bf16 /* gemm_bf16: _linear_gemm.h's loop on AVX-512's vector macros */
+#define TARGET TARGET_AVX512BF16
 #include "_linear_bf16.h"
 #include "_w8a16_bf16.h"
 #include "_linear_vnni.h"

@@ -16,7 +16,7 @@
    gemv_bf16 makes the pairs in registers, one row after another. gemm_bf16 (M >= 2) multiplies
    compressed-tensors' bf16 weight, bf16(q * scale), as the amx path and dense_matmul do: the same shift
    indexes a table of the block's groups' bf16(q * scale) (scaled_planes_bf16, shared with the amx path),
-   once per tile of 4 rows x BF_KC blocks, and every activation row goes through the tile four at a time,
+   once per tile of 4 rows x GEMM_KC blocks, and every activation row goes through the tile four at a time,
    4 vdpbf16ps per block and (activation row, weight row) straight into the fp32 accumulators (16 of them,
    8 loads per 16 vdpbf16ps; its inner loop alone: ~1.2 cycles per vdpbf16ps on a Zen 4 core). It replaced
    (stop 38) a GEMM on exact q like the GEMV's (pairs of rows, 8 accumulators, a scale multiply per block):
@@ -27,9 +27,7 @@
    fields read once) and runs K % 128 = 64's half block in 256-bit registers: [3072, 576] 60.8 -> 55.3 us
    with the weights in cache on Zen 4, no change from memory (~13.5 GB/s there; one core streams 19.8). */
 
-#define BF_KC 8             /* blocks per dequantized tile */
-#define BF_TILE (BF_KC * 4) /* pair-plane vectors per tile row */
-#define BF_M_BLOCK 64       /* activation rows per pass over a tile */
+#define BF_TILE (GEMM_KC * 4) /* pair-plane vectors per tile row (_linear_gemm.h) */
 
 TARGET_AVX512BF16 static inline __m512bh as_bf16_pairs(__m512i v) {
     __m512bh out;
@@ -252,7 +250,7 @@ TARGET_AVX512BF16 static inline void scaled_planes_bf16(__m512i words, const uin
 }
 
 /* Blocks b0..b0+nb of row n as pair planes of bf16(q * scale) into tile (4 vectors a block). */
-TARGET_AVX512BF16 static void dequantize_scaled_bf16(const Job *job, int64_t n, int64_t b0, int64_t nb,
+TARGET_AVX512BF16 static void dequantize_bf16(const Job *job, int64_t n, int64_t b0, int64_t nb,
                                                      __m512i group_bits, __m512i *tile) {
     const int64_t words = job->K / 8, groups = 128 / job->group;
     const int32_t *wrow = job->packed + n * words;
@@ -287,53 +285,33 @@ tile_dot_bf16(const uint32_t *x, int64_t stride, int mb, const __m512i *tile, in
         acc[i] = a[i];
 }
 
-/* M >= 2 (bf16 activations on vdpbf16ps): y = x @ bf16(q * scale)^T with fp32 sums, compressed-tensors'
-   bf16 weight as the amx path multiplies it. Per tile of 4 weight rows x BF_KC blocks the weight is
-   decompressed once (scaled_planes_bf16), then every activation row goes through it four at a time: 16
-   accumulators, 8 loads per 16 vdpbf16ps, no per-block scale multiply. */
-TARGET_AVX512BF16 static void gemm_bf16(const Job *job, int64_t n0, int64_t n1) {
-    const int64_t num_blocks = (job->K / 8 + 15) / 16, stride = job->xp_stride;
-    const __m512i group_bits = group_bits_bf16(128 / job->group);
-    const uint32_t *xp = (const uint32_t *)job->xp;
-    __m512i tile[4 * BF_TILE];
-    __m512 acc[BF_M_BLOCK * 4];
-    for (int64_t n = n0; n < n1; n += 4) {
-        int num_rows = n1 - n < 4 ? (int)(n1 - n) : 4;
-        for (int r = num_rows; r < 4; r++) /* a missing row: zero weights */
-            for (int v = 0; v < BF_TILE; v++)
-                tile[r * BF_TILE + v] = _mm512_setzero_si512();
-        for (int64_t m0 = 0; m0 < job->M; m0 += BF_M_BLOCK) {
-            int64_t mb = job->M - m0 < BF_M_BLOCK ? job->M - m0 : BF_M_BLOCK;
-            for (int64_t i = 0; i < mb * 4; i++)
-                acc[i] = _mm512_setzero_ps();
-            for (int64_t b0 = 0; b0 < num_blocks; b0 += BF_KC) {
-                int64_t nb = num_blocks - b0 < BF_KC ? num_blocks - b0 : BF_KC;
-                for (int r = 0; r < num_rows; r++)
-                    dequantize_scaled_bf16(job, n + r, b0, nb, group_bits, tile + r * BF_TILE);
-                const uint32_t *x = xp + m0 * stride + b0 * 64;
-                int64_t m = 0;
-                for (; m + 4 <= mb; m += 4)
-                    tile_dot_bf16(x + m * stride, stride, 4, tile, nb, acc + m * 4);
-                if (mb - m == 3)
-                    tile_dot_bf16(x + m * stride, stride, 3, tile, nb, acc + m * 4);
-                else if (mb - m == 2)
-                    tile_dot_bf16(x + m * stride, stride, 2, tile, nb, acc + m * 4);
-                else if (mb - m == 1)
-                    tile_dot_bf16(x + m * stride, stride, 1, tile, nb, acc + m * 4);
-            }
-            for (int64_t m = 0; m < mb; m++) {
-                const __m512 *a = acc + m * 4;
-                if (num_rows == 4)
-                    store_y4(job, m0 + m, n, hsum4_avx2(half_sum_avx512(a[0]), half_sum_avx512(a[1]),
-                                                        half_sum_avx512(a[2]), half_sum_avx512(a[3])));
-                else
-                    for (int r = 0; r < num_rows; r++)
-                        store_y(job, m0 + m, n + r, _mm512_reduce_add_ps(a[r]));
-            }
-        }
-    }
+/* acc[4m + r] += activation row m0 + m (m < mb) . tile row r over blocks b0..b0+nb: rows in fours. */
+TARGET_AVX512BF16 static inline __attribute__((always_inline)) void
+tile_rows_bf16(const Job *job, int64_t m0, int64_t mb, int64_t b0, int64_t nb, const __m512i *tile, __m512 *acc) {
+    const int64_t stride = job->xp_stride;
+    const uint32_t *x = (const uint32_t *)job->xp + m0 * stride + b0 * 64;
+    int64_t m = 0;
+    for (; m + 4 <= mb; m += 4)
+        tile_dot_bf16(x + m * stride, stride, 4, tile, nb, acc + m * 4);
+    if (mb - m == 3)
+        tile_dot_bf16(x + m * stride, stride, 3, tile, nb, acc + m * 4);
+    else if (mb - m == 2)
+        tile_dot_bf16(x + m * stride, stride, 2, tile, nb, acc + m * 4);
+    else if (mb - m == 1)
+        tile_dot_bf16(x + m * stride, stride, 1, tile, nb, acc + m * 4);
 }
 
-#undef BF_KC
+/* M >= 2 (bf16 activations on vdpbf16ps): y = x @ bf16(q * scale)^T with fp32 sums, compressed-tensors'
+   bf16 weight as the amx path multiplies it. Per tile of 4 weight rows x GEMM_KC blocks the weight is
+   decompressed once (dequantize_bf16: scaled_planes_bf16), then every activation row goes through it four
+   at a time (tile_rows_bf16): 16 accumulators, 8 loads per 16 vdpbf16ps, no per-block scale multiply.
+   gemm_bf16 is _linear_gemm.h's loop over them (ISA bf16: AVX-512's vector macros). */
+#define GEMM_TILE __m512i
+#define GEMM_TILE_VECS BF_TILE
+#define GEMM_INDEX(job) group_bits_bf16(128 / (job)->group)
+#include "_linear_gemm.h"
+#undef GEMM_TILE
+#undef GEMM_TILE_VECS
+#undef GEMM_INDEX
+
 #undef BF_TILE
-#undef BF_M_BLOCK

@@ -9,9 +9,9 @@
    gemv (M = 1): per row, per block: 8 planes (V_PLANE_GEMV: AVX2 and, convert, against inputs scaled
    by 16^-j; AVX-512: shift and a 16-entry table lookup) times their inputs, fp32 sums, times the lane's
    group scale; rows in fours; the weight stream prefetched ahead (prefetch_ahead).
-   gemm (M >= 2): per tile of 4 rows and KC_BLOCKS blocks, the weights are dequantized once (q * scale,
-   fp32) into an L1 buffer, then every activation row (in pairs) is dotted with all 4 rows from it:
-   8 accumulators, 6 loads per 8 FMAs. */
+   gemm (M >= 2, _linear_gemm.h's loop): per tile of 4 rows and GEMM_KC blocks, the weights are dequantized
+   once (q * scale, fp32) into an L1 buffer, then every activation row (in pairs) is dotted with all 4 rows
+   from it: 8 accumulators, 6 loads per 8 FMAs. */
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
@@ -19,9 +19,7 @@
 #define BW (L * 8)            /* weight elements per block */
 #define BW_SHIFT (L == 16 ? 7 : 6)
 #define BLOCK_FLOATS (BW + L) /* permuted activations per block */
-#define KC_BLOCKS 8           /* blocks per dequantized tile */
-#define TILE_VECS (KC_BLOCKS * 8)
-#define M_BLOCK 64 /* activation rows per pass over a tile */
+#define TILE_VECS (GEMM_KC * 8) /* fp32 vectors per tile row (_linear_gemm.h) */
 
 /* The per-lane group scales of block b of row `srow`. Groups and blocks are powers of two: shifts, no
    division, in this per-block path. In a tail block the lanes past K get any finite scale (their weights
@@ -176,42 +174,25 @@ TARGET static void FN(tile_dot)(const float *x0, const float *x1, const VF *tile
     acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
 }
 
-TARGET static void FN(gemm)(const Job *job, int64_t n0, int64_t n1) {
-    const int64_t num_blocks = (job->K / 8 + L - 1) / L;
-    const VI idx = FN(expand_index)(job->group);
-    VF tile[4 * TILE_VECS];
-    VF acc[M_BLOCK * 4];
-    for (int64_t n = n0; n < n1; n += 4) {
-        int num_rows = n1 - n < 4 ? (int)(n1 - n) : 4;
-        for (int r = num_rows; r < 4; r++)
-            for (int v = 0; v < TILE_VECS; v++)
-                tile[r * TILE_VECS + v] = V_ZERO();
-        for (int64_t m0 = 0; m0 < job->M; m0 += M_BLOCK) {
-            int64_t mb = job->M - m0 < M_BLOCK ? job->M - m0 : M_BLOCK;
-            for (int64_t i = 0; i < mb * 4; i++)
-                acc[i] = V_ZERO();
-            for (int64_t b0 = 0; b0 < num_blocks; b0 += KC_BLOCKS) {
-                int64_t nb = num_blocks - b0 < KC_BLOCKS ? num_blocks - b0 : KC_BLOCKS;
-                for (int r = 0; r < num_rows; r++)
-                    FN(dequantize)(job, n + r, b0, nb, idx, tile + r * TILE_VECS);
-                const float *x = job->xp + m0 * job->xp_stride + b0 * BLOCK_FLOATS;
-                int64_t m = 0;
-                for (; m + 1 < mb; m += 2)
-                    FN(tile_dot)(x + m * job->xp_stride, x + (m + 1) * job->xp_stride, tile, nb, acc + m * 4);
-                if (m < mb)
-                    FN(tile_dot)(x + m * job->xp_stride, NULL, tile, nb, acc + m * 4);
-            }
-            for (int64_t m = 0; m < mb; m++) {
-                const VF *a = acc + m * 4;
-                if (num_rows == 4)
-                    store_y4(job, m0 + m, n, V_HSUM4(a[0], a[1], a[2], a[3]));
-                else
-                    for (int r = 0; r < num_rows; r++)
-                        store_y(job, m0 + m, n + r, V_HSUM(a[r]));
-            }
-        }
-    }
+/* acc[4m + r] += activation row m0 + m (m < mb) . tile row r over blocks b0..b0+nb: rows in pairs. */
+TARGET static inline __attribute__((always_inline)) void FN(tile_rows)(const Job *job, int64_t m0, int64_t mb,
+                                                                       int64_t b0, int64_t nb, const VF *tile,
+                                                                       VF *acc) {
+    const float *x = job->xp + m0 * job->xp_stride + b0 * BLOCK_FLOATS;
+    int64_t m = 0;
+    for (; m + 1 < mb; m += 2)
+        FN(tile_dot)(x + m * job->xp_stride, x + (m + 1) * job->xp_stride, tile, nb, acc + m * 4);
+    if (m < mb)
+        FN(tile_dot)(x + m * job->xp_stride, NULL, tile, nb, acc + m * 4);
 }
+
+#define GEMM_TILE VF
+#define GEMM_TILE_VECS TILE_VECS
+#define GEMM_INDEX(job) FN(expand_index)((job)->group)
+#include "_linear_gemm.h"
+#undef GEMM_TILE
+#undef GEMM_TILE_VECS
+#undef GEMM_INDEX
 
 TARGET static void FN(run)(const Job *job, int64_t n0, int64_t n1) {
     if (job->M == 1)
@@ -223,6 +204,4 @@ TARGET static void FN(run)(const Job *job, int64_t n0, int64_t n1) {
 #undef BW
 #undef BW_SHIFT
 #undef BLOCK_FLOATS
-#undef KC_BLOCKS
 #undef TILE_VECS
-#undef M_BLOCK
