@@ -163,14 +163,8 @@ class SharedSelection:
     def keys(self, x: torch.Tensor, cos_sin: CosSin) -> None:
         return None
 
-    def select(
-        self,
-        x: torch.Tensor,
-        q_resid: torch.Tensor,
-        cos_sin: CosSin,
-        batch: ForwardBatch,
-        kv: PagedLatentCache,
-    ) -> Selection:
+    def select(self, *inputs: object) -> Selection:
+        """The source's selection of this step (a shared layer reads none of the full layer's inputs)."""
         return self.source.last
 
     def tensors(self) -> list[torch.Tensor]:

@@ -91,14 +91,14 @@ class MLAttention:
         # vLLM reads only k_scale for MLA; a v_scale (kvq calibrate writes one, equal) is read, unused
         self.kv_scales = {name: loader.optional(f"{prefix}.{name}") for name in ("k_scale", "v_scale")}
         self.rotary, self.indexer, self.scale = rotary, indexer, softmax_scale(config)
-        self.kv: PagedLatentCache | None = None  # the engine's KV pool hands it over (`bind_kv`)
+        unbound = torch.empty(0, 1, self.kv_lora_rank + self.rope_dim)  # no pages until `bind_kv`
+        self.kv = PagedLatentCache.of(unbound, self.kv_lora_rank)  # the engine's KV pool hands them over
 
     def bind_kv(self, kv: PagedLatentCache) -> None:
         self.kv = kv
 
     def __call__(self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch) -> torch.Tensor:
         kv, num_tokens = self.kv, x.shape[0]
-        assert kv is not None, "bind_kv first"
         if self.q_lora_rank:
             q_a, kv_a = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
             q_resid = self.q_lora_norm(q_a) if self.q_lora_norm is not None else q_a
@@ -117,9 +117,9 @@ class MLAttention:
             Selection() if self.indexer is None else self.indexer.select(x, q_resid, cos_sin, batch, kv)
         )
         if batch.is_prefill:
-            out = self._prefill(q_nope, q_pe, batch, kv, selection)
+            out = self._prefill(q_nope, q_pe, batch, selection.prefill_masks)
         else:
-            out = self._decode(q_nope, q_pe, batch, kv, selection)
+            out = self._decode(q_nope, q_pe, batch, selection.token_indices)
         y = self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
         return y if self.all_reduce is None else self.all_reduce(y)
 
@@ -128,11 +128,12 @@ class MLAttention:
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
         batch: ForwardBatch,
-        kv: PagedLatentCache,
-        selection: Selection,
+        masks: list[torch.Tensor | None] | None,
     ) -> torch.Tensor:
         """Each sequence's new queries `[Lq, H, *]` over its whole context read back from the pages:
-        K = [kv_c W_UK^T, k_pe], V = kv_c W_UV^T, causal (and DSA-selected): `[T, H, v]` in q's dtype."""
+        K = [kv_c W_UK^T, k_pe], V = kv_c W_UV^T, causal (and DSA-selected: `masks`, per sequence `[Lq,
+        L]`): `[T, H, v]` in q's dtype."""
+        kv = self.kv
         dtype = torch.float32 if q_nope.device.type == "cpu" else q_nope.dtype  # as `paged.prefill`
         q = torch.cat([q_nope, q_pe], dim=-1).to(dtype)  # [T, H, nope + rope]
         out = torch.empty(*q.shape[:2], self.v_dim, dtype=q_nope.dtype, device=q.device)
@@ -146,7 +147,7 @@ class MLAttention:
             k = torch.cat(
                 [k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)], dim=-1
             )  # [L, H, nope + rope]
-            mask = None if selection.prefill_masks is None else selection.prefill_masks[b]
+            mask = None if masks is None else masks[b]
             if (
                 mask is None and query_len < seq_len
             ):  # a cached prefix: query i sits at seq_len - query_len + i
@@ -169,10 +170,11 @@ class MLAttention:
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
         batch: ForwardBatch,
-        kv: PagedLatentCache,
-        selection: Selection,
+        token_indices: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Absorbed: (q_nope W_UK ++ q_pe) over the latent rows, then W_UV: `[B, H, v]`."""
+        """Absorbed: (q_nope W_UK ++ q_pe) over the latent rows (or DSA's `token_indices` `[B, K]`), then
+        W_UV: `[B, H, v]`."""
+        kv = self.kv
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, R]
         out_latent = kv.decode_attention(
             torch.cat([q_latent, q_pe], dim=-1),
@@ -181,7 +183,7 @@ class MLAttention:
             self.scale,
             max_seq_len=batch.max_context_len,
             plan=batch.decode_plan if kv.backend == "torch" else None,  # the torch path's index work
-            token_indices=selection.token_indices,
+            token_indices=token_indices,
         )  # [B, H, R]
         return torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
 
