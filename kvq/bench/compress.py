@@ -244,13 +244,11 @@ def render(rows: list[Row], workers: int) -> Table:
 
 
 def bench_compress_command(
-    workers: Annotated[int, typer.Option("--workers", help="Workers for every contender.")] = 2,
-    recipe: Annotated[
-        str, typer.Option("--recipe", help="Recipe for kvq and model_free_ptq.")
-    ] = "w4a16-experts",
+    workers: Annotated[int, typer.Option(help="Workers for every contender.")] = 2,
+    recipe: Annotated[str, typer.Option(help="Recipe for kvq and model_free_ptq.")] = "w4a16-experts",
     repeats: Annotated[
         int,
-        typer.Option("--repeats", help="Runs of kvq and of the I/O floor after a warm-up (median reported)."),
+        typer.Option(help="Runs of kvq and of the I/O floor after a warm-up (median reported)."),
     ] = 3,
     json_out: JsonOption = None,
     method: Annotated[
@@ -261,9 +259,7 @@ def bench_compress_command(
             "the 8-layer glm4_moe bench fixture (BF16).",
         ),
     ] = "rtn",
-    threads: Annotated[
-        int, typer.Option("--threads", help="Torch threads of every contender (--method gptq).")
-    ] = 2,
+    threads: Annotated[int, typer.Option(help="Torch threads of every contender (--method gptq).")] = 2,
 ) -> None:
     """Time and peak RSS of kvq compress vs llm-compressor model_free_ptq vs the I/O floor (1.4 GB FP8).
 

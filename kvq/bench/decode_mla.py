@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from kvq.bench.decode_speed import Generate, decode_tok_s
+from kvq.bench.decode_speed import FixtureDecodeConfig, Generate, decode_tok_s
 from kvq.paths import cache_dir
 
 WEIGHTS = ("fp8-block", "int4")
@@ -27,13 +27,8 @@ LATENTS = ("bf16", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
-class MlaBenchConfig:
-    threads: int = 2
-    repeats: int = 3
-    new_tokens: int = 16
+class MlaBenchConfig(FixtureDecodeConfig):
     batch_size: int = 32
-    prompt_tokens: int = 96  # > index_topk (64)
-    page_size: int = 16
     calib_samples: int = 8
     calib_seq_len: int = 256
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from rich.table import Table
 
-from kvq.bench.decode_speed import decode_tok_s
+from kvq.bench.decode_speed import FixtureDecodeConfig, decode_tok_s
 from kvq.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -36,13 +36,8 @@ PLAIN = "no speculation"
 
 
 @dataclass(frozen=True)
-class SpecBenchConfig:
-    threads: int = 2
-    repeats: int = 3
-    new_tokens: int = 16
+class SpecBenchConfig(FixtureDecodeConfig):
     num_speculative_tokens: int = 1
-    prompt_tokens: int = 96  # > index_topk (64): the indexer selects at every step
-    page_size: int = 16
     fit_steps: int = 300  # Adam steps of the fitted MTP head
     dtype: str = "float32"
 

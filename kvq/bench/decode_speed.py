@@ -6,12 +6,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 PROMPT = "Tell me about the history of the city of Paris."
 Generate = Callable[[int], object]  # generate(n): the contender's requests, n new tokens each
+
+
+@dataclass(frozen=True)
+class FixtureDecodeConfig:
+    """What every decode bench on the glm_moe_dsa bench fixture sets (`decode_mla`, `decode_spec`)."""
+
+    threads: int = 2
+    repeats: int = 3
+    new_tokens: int = 16
+    prompt_tokens: int = 96  # > index_topk (64): the indexer selects at every step
+    page_size: int = 16
 
 
 def decode_tok_s(

@@ -19,31 +19,41 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
 from rich.table import Table
 
 from kvq.bench.compress_gptq import calibration_ids, shared_nibbles
 from kvq.bench.json_output import JsonOption
 from kvq.bench.measure import run_measured
+from kvq.commands.field_options import GivenOptions, field_options
 from kvq.commands.render import console
 from kvq.paths import cache_dir
+from kvq.runtime.config import option
 
 NEWS_CORPUS = "lee_background.cor"
 
 
 @dataclass(frozen=True)
 class GptqQualityConfig:
-    num_samples: int = 64
-    seq_len: int = 512
+    """Every setting of the benchmark; a field made by `option` is also its --field-name."""
+
+    num_samples: int = option(64, "Calibration windows.")
+    seq_len: int = option(512, "Tokens per calibration window.")
+    eval_windows: int = option(16, "Windows (of 256 tokens) kvq eval scores per text.")
+    threads: int = option(2, "Torch threads of every step.")
+    llm_compressor: bool = option(  # the oracle; ~30 min at 16 x 512
+        True,
+        "Also run llm-compressor's oneshot GPTQ on the same token ids (the oracle: nibbles shared with "
+        "kvq's). --no-llm-compressor: RTN and kvq's GPTQ only.",
+    )
+    recipe: str = option(
+        "w4a16-linear-gptq", "The GPTQModifier recipe (name or file) kvq's and llm-compressor's GPTQ run."
+    )
+    gptaq: bool = option(  # llm-compressor has no GPTAQ
+        False, "Also kvq compress --method gptaq with the same recipe (kvq-gptaq)."
+    )
     group_size: int = 64
-    eval_windows: int = 16
     eval_seq_len: int = 256
-    threads: int = 2
-    llm_compressor: bool = True  # also llm-compressor's oneshot GPTQ (the oracle; ~30 min at 16 x 512)
-    recipe: str = "w4a16-linear-gptq"  # the GPTQModifier recipe both GPTQs run
-    gptaq: bool = False  # also kvq's GPTAQ (`--method gptaq`, the same recipe; llm-compressor has none)
 
 
 def news_jsonl(path: Path) -> Path:
@@ -171,40 +181,12 @@ def render(report: dict) -> Table:
     return table
 
 
-def bench_gptq_command(
-    num_samples: Annotated[int, typer.Option(help="Calibration windows.")] = GptqQualityConfig.num_samples,
-    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.")] = GptqQualityConfig.seq_len,
-    eval_windows: Annotated[
-        int, typer.Option(help="Windows (of 256 tokens) kvq eval scores per text.")
-    ] = GptqQualityConfig.eval_windows,
-    threads: Annotated[int, typer.Option(help="Torch threads of every step.")] = GptqQualityConfig.threads,
-    llm_compressor: Annotated[
-        bool,
-        typer.Option(
-            help="Also run llm-compressor's oneshot GPTQ on the same token ids (the oracle: nibbles shared "
-            "with kvq's). --no-llm-compressor: RTN and kvq's GPTQ only."
-        ),
-    ] = GptqQualityConfig.llm_compressor,
-    recipe: Annotated[
-        str, typer.Option(help="The GPTQModifier recipe (name or file) kvq's and llm-compressor's GPTQ run.")
-    ] = GptqQualityConfig.recipe,
-    gptaq: Annotated[
-        bool, typer.Option(help="Also kvq compress --method gptaq with the same recipe (kvq-gptaq).")
-    ] = GptqQualityConfig.gptaq,
-    json_out: JsonOption = None,
-) -> None:
+@field_options(GptqQualityConfig, "options")
+def bench_gptq_command(*, options: GivenOptions, json_out: JsonOption = None) -> None:
     """SmolLM2 perplexity (kvq eval) of RTN, kvq's GPTQ and llm-compressor's GPTQ (and kvq's GPTAQ), on two
     kinds of text.
     Resumes: a checkpoint built before with the same settings is not built again."""
-    config = GptqQualityConfig(
-        num_samples,
-        seq_len,
-        eval_windows=eval_windows,
-        threads=threads,
-        llm_compressor=llm_compressor,
-        recipe=recipe,
-        gptaq=gptaq,
-    )
+    config = GptqQualityConfig(**options.values)
     report = run_quality_bench(config, cache_dir() / "bench" / "gptq-quality-work")
     console.print(render(report))
     path = json_out or cache_dir() / "bench" / "gptq-quality.json"

@@ -30,8 +30,10 @@ import typer
 from rich.table import Table
 
 from kvq.bench.json_output import JsonOption, write_json
+from kvq.commands.field_options import GivenOptions, field_options
 from kvq.commands.render import console
 from kvq.errors import KvqError
+from kvq.runtime.config import option
 
 STAGES = ("export", "send", "receive", "verify", "admit")
 MODELS = ("smollm2", "glm_moe_dsa")
@@ -39,12 +41,22 @@ MODELS = ("smollm2", "glm_moe_dsa")
 
 @dataclass(frozen=True)
 class HandoffBenchConfig:
-    model: str = "smollm2"
-    prompt_tokens: tuple[int, ...] = (128, 512, 2048)
-    repeats: int = 5
-    threads: int = 2
-    page_size: int = 16
-    transport: str = "shm"  # or "torch": kvq serve's --pd-transport, both ends in this process
+    """Every setting of the benchmark; a field made by `option` is also its --field-name."""
+
+    model: str = option(
+        "smollm2",
+        "smollm2: the embedded SmolLM2, BF16 both sides (GQA pages); glm_moe_dsa: the MLA bench fixture, "
+        "FP8-block prefill and INT4 decode (latent + index key pages).",
+    )
+    prompt_tokens: tuple[int, ...] = (128, 512, 2048)  # --prompt-tokens: comma-separated
+    repeats: int = option(5, "Timed handoffs per length (median).")
+    threads: int = option(2, "torch threads (pinned).")
+    page_size: int = option(16, "Tokens per KV page.")
+    transport: str = option(  # both ends in this process
+        "shm",
+        "shm (shared memory, one host) or torch (torch.distributed over gloo on loopback: what "
+        "--pd-transport torch sends between hosts, without the network).",
+    )
 
 
 @dataclass
@@ -202,29 +214,13 @@ def render_handoff(result: HandoffBenchResult) -> Table:
     return table
 
 
+@field_options(HandoffBenchConfig, "options")
 def bench_handoff_command(
-    model: Annotated[
-        str,
-        typer.Option(
-            help="smollm2: the embedded SmolLM2, BF16 both sides (GQA pages); glm_moe_dsa: the MLA bench "
-            "fixture, FP8-block prefill and INT4 decode (latent + index key pages)."
-        ),
-    ] = HandoffBenchConfig.model,
     prompt_tokens: Annotated[str, typer.Option(help="Prompt lengths, comma-separated.")] = ",".join(
         map(str, HandoffBenchConfig.prompt_tokens)
     ),
-    repeats: Annotated[
-        int, typer.Option(help="Timed handoffs per length (median).")
-    ] = HandoffBenchConfig.repeats,
-    threads: Annotated[int, typer.Option(help="torch threads (pinned).")] = HandoffBenchConfig.threads,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = HandoffBenchConfig.page_size,
-    transport: Annotated[
-        str,
-        typer.Option(
-            help="shm (shared memory, one host) or torch (torch.distributed over gloo on loopback: what "
-            "--pd-transport torch sends between hosts, without the network)."
-        ),
-    ] = HandoffBenchConfig.transport,
+    *,
+    options: GivenOptions,
     json_out: JsonOption = None,
 ) -> None:
     """The prefill/decode handoff's cost per prompt token, stage by stage (export, send and receive over
@@ -235,9 +231,9 @@ def bench_handoff_command(
         raise KvqError(
             f"--prompt-tokens is {prompt_tokens!r}; pass comma-separated integers like 128,512"
         ) from e
-    if not lengths or min(lengths) < 2 or repeats < 1:
+    config = HandoffBenchConfig(prompt_tokens=lengths, **options.values)
+    if not lengths or min(lengths) < 2 or config.repeats < 1:
         raise KvqError("--prompt-tokens must be at least 2 each and --repeats at least 1")
-    config = HandoffBenchConfig(model, lengths, repeats, threads, page_size, transport)
     result = run_handoff_bench(config)
     console.print(render_handoff(result))
     write_json(result, json_out)

@@ -38,8 +38,11 @@ from kvq.bench.integrity_drill import drill_rows, drill_table, random_fault_rows
 from kvq.bench.integrity_lockstep import TrackerTimer, lockstep_round, summarize
 from kvq.bench.json_output import JsonOption, write_json
 from kvq.byte_sizes import SIZE_HELP
+from kvq.commands.field_options import GivenOptions, field_options
 from kvq.commands.render import console
 from kvq.drill.workload import drill_engine
+from kvq.errors import KvqError
+from kvq.runtime.config import option
 
 if TYPE_CHECKING:
     from kvq.runtime.engine import Engine
@@ -49,18 +52,33 @@ GROUPS = {"off": "off", "tags": "tags", "full": "full", "off-2": "off"}  # group
 
 @dataclass(frozen=True)
 class IntegrityBenchConfig:
-    """Every setting of the benchmark (the CLI flags default to these)."""
+    """Every setting of the benchmark; a field made by `option` is also its --field-name."""
 
-    threads: int = 2
-    concurrency: int = 64
-    rounds: int = 8  # a multiple of 4: every group runs on every engine equally often
-    prompt_tokens: int = 48
-    shared_prefix_tokens: int = 32
-    max_tokens: int = 32
+    concurrency: int = option(64, "Requests queued at once per run.")
+    rounds: int = option(  # a multiple of 4: every group runs on every engine equally often
+        8,
+        "Timed lockstep rounds after one warm-up round; a multiple of 4 puts each group on each engine "
+        "equally often.",
+    )
+    max_tokens: int = option(32, "Tokens generated per request.")
+    prompt_tokens: int = option(48, "Prompt length (the first --shared-prefix-tokens shared by all).")
+    shared_prefix_tokens: int = option(32, "Prompt tokens every request shares.")
+    threads: int = option(2, "torch threads.")
+    kv_memory: str = option("256MiB", f"KV pool of each engine, e.g. 256MiB. {SIZE_HELP}")
+    drill: bool = option(True, "Also inject every fault and report what was caught.")
+    random_faults: int = option(  # kvq.drill.random_faults
+        40, "With --drill: this many faults drawn at random (seeds 0..N-1), in tags mode."
+    )
     page_size: int = 16
-    kv_memory: str = "256MiB"
-    drill: bool = True
-    random_faults: int = 40  # with the drill: faults drawn at random (kvq.drill.random_faults)
+
+    def __post_init__(self) -> None:
+        is_bad = min(self.concurrency, self.rounds, self.prompt_tokens) < 1 or self.max_tokens < 2  # P95
+        if is_bad or not 0 <= self.shared_prefix_tokens <= self.prompt_tokens:
+            raise KvqError(
+                "need concurrency, rounds, prompt_tokens >= 1, max_tokens >= 2 and 0 <= shared_prefix_tokens "
+                f"<= prompt_tokens; got {self.concurrency}, {self.rounds}, {self.max_tokens}, "
+                f"{self.prompt_tokens}, {self.shared_prefix_tokens}"
+            )
 
 
 @dataclass
@@ -180,63 +198,18 @@ def render(result: IntegrityBenchResult) -> list[Table]:
     return tables
 
 
+@field_options(IntegrityBenchConfig, "options")
 def bench_integrity_command(
     model: Annotated[
         Path | None, typer.Option(help="Checkpoint directory (default: the embedded SmolLM2-135M, BF16).")
     ] = None,
-    concurrency: Annotated[
-        int, typer.Option(help="Requests queued at once per run.")
-    ] = IntegrityBenchConfig.concurrency,
-    rounds: Annotated[
-        int,
-        typer.Option(
-            help="Timed lockstep rounds after one warm-up round; a multiple of 4 puts each group on "
-            "each engine equally often."
-        ),
-    ] = IntegrityBenchConfig.rounds,
-    max_tokens: Annotated[
-        int, typer.Option(help="Tokens generated per request.")
-    ] = IntegrityBenchConfig.max_tokens,
-    prompt_tokens: Annotated[
-        int, typer.Option(help="Prompt length (the first --shared-prefix-tokens shared by all).")
-    ] = IntegrityBenchConfig.prompt_tokens,
-    shared_prefix_tokens: Annotated[
-        int, typer.Option(help="Prompt tokens every request shares.")
-    ] = IntegrityBenchConfig.shared_prefix_tokens,
-    threads: Annotated[int, typer.Option(help="torch threads.")] = IntegrityBenchConfig.threads,
-    kv_memory: Annotated[
-        str, typer.Option(help=f"KV pool of each engine, e.g. 256MiB. {SIZE_HELP}")
-    ] = IntegrityBenchConfig.kv_memory,
-    drill: Annotated[
-        bool, typer.Option(help="Also inject every fault and report what was caught.")
-    ] = IntegrityBenchConfig.drill,
-    random_faults: Annotated[
-        int, typer.Option(help="With --drill: this many faults drawn at random (seeds 0..N-1), in tags mode.")
-    ] = IntegrityBenchConfig.random_faults,
+    *,
+    options: GivenOptions,
     json_out: JsonOption = None,
 ) -> None:
     """Throughput and P95 step latency of --kv-integrity off / tags / full (interleaved, as ratios to off),
     the check's own share of step time, and a fault drill."""
-    from kvq.errors import KvqError
-
-    is_bad = min(concurrency, rounds, prompt_tokens) < 1 or max_tokens < 2  # two steps for a percentile
-    if is_bad or not 0 <= shared_prefix_tokens <= prompt_tokens:
-        raise KvqError(
-            "need concurrency, rounds, prompt_tokens >= 1, max_tokens >= 2 and 0 <= shared_prefix_tokens <= "
-            f"prompt_tokens; got {concurrency}, {rounds}, {max_tokens}, {prompt_tokens}, "
-            f"{shared_prefix_tokens}"
-        )
-    config = IntegrityBenchConfig(
-        threads=threads,
-        concurrency=concurrency,
-        rounds=rounds,
-        prompt_tokens=prompt_tokens,
-        shared_prefix_tokens=shared_prefix_tokens,
-        max_tokens=max_tokens,
-        kv_memory=kv_memory,
-        drill=drill,
-        random_faults=random_faults,
-    )
+    config = IntegrityBenchConfig(**options.values)
     if model is None:
         from kvq.data.embedded_model import ensure_smollm2
 

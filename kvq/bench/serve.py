@@ -121,17 +121,14 @@ def render(results: dict[str, list[LevelResult]]) -> Table:
 
 
 def bench_serve_command(
-    url: Annotated[
-        list[str] | None, typer.Option("--url", help="A running server, [LABEL=]URL (repeatable).")
-    ] = None,
+    url: Annotated[list[str] | None, typer.Option(help="A running server, [LABEL=]URL (repeatable).")] = None,
     config: Annotated[
         list[Path] | None,
-        typer.Option("--config", help="A serving config: `kvq serve --config FILE` is started for its turn."),
+        typer.Option(help="A serving config: `kvq serve --config FILE` is started for its turn."),
     ] = None,
     launch: Annotated[
         list[str] | None,
         typer.Option(
-            "--launch",
             help="LABEL=COMMAND: a server command with {port} in it (e.g. vLLM's `vllm serve`), started "
             "for its turn and stopped after it (repeatable).",
         ),

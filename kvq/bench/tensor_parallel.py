@@ -106,7 +106,7 @@ def glm5_projection(config_dir: Path, tp: int = 8, context: int = 32768) -> dict
 
 def bench_tp_command(
     model: Annotated[Path, typer.Argument(help="An INT4 checkpoint that splits over --tp ranks.")],
-    tp: Annotated[int, typer.Option("--tp", help="Ranks of the tensor-parallel run (beside --tp 1).")] = 2,
+    tp: Annotated[int, typer.Option(help="Ranks of the tensor-parallel run (beside --tp 1).")] = 2,
     tokens: Annotated[int, typer.Option(help="Tokens decoded per timed run (batch 1).")] = 16,
     runs: Annotated[int, typer.Option(help="Timed runs per --tp (median).")] = 3,
     threads: Annotated[int, typer.Option(help="torch threads per rank.")] = 1,

@@ -5,7 +5,7 @@ what main does not load: a mixed-precision checkpoint of INT4 experts beside FP8
 
 from __future__ import annotations
 
-from kvq.check.ct_layers import Matching, check_linear_layers, check_wna16_tp, is_checked_format
+from kvq.check.ct_layers import Matching, check_linear_layers, check_wna16_tp
 from kvq.check.ct_scheme import (
     FUSED_MAPPING,
     PACK_QUANTIZED,
@@ -14,10 +14,10 @@ from kvq.check.ct_scheme import (
     scheme_map,
     shard_names,
 )
+from kvq.check.engine_rules import check_engine
 from kvq.check.kv_scales import check_kv_scales
-from kvq.check.mtp_rules import MtpLoader, check_mtp
+from kvq.check.mtp_rules import MtpLoader
 from kvq.check.report import ERROR, WARNING, EngineVerdict
-from kvq.check.tp_rules import check_engine_tp
 from kvq.check.view import FP8, INT4, MOE, CheckpointView, EngineLayer
 from kvq.checkpoint.mtp_layers import sglang_nextn_name
 
@@ -55,14 +55,10 @@ MATCHING = Matching("sglang", should_ignore_layer, find_matched_target, per_grou
 
 def check(view: CheckpointView, tp: int) -> EngineVerdict:
     verdict = EngineVerdict("sglang", tp)
-    check_engine_tp(view, verdict, tp)
-    if not is_checked_format(view, verdict):
-        return verdict
-    check_layers(view, verdict, tp)
-    check_mtp(view, verdict, tp, SGLANG_MTP)
-    _check_dsa_indexer(view, verdict)
-    _check_shared_expert_fusion(view, verdict)
-    check_kv_scales(view, verdict, attn_name=".self_attn.attn.")
+    if check_engine(view, verdict, check_layers, SGLANG_MTP):
+        _check_dsa_indexer(view, verdict)
+        _check_shared_expert_fusion(view, verdict)
+        check_kv_scales(view, verdict, attn_name=".self_attn.attn.")
     return verdict
 
 

@@ -10,15 +10,14 @@ from kvq.check.ct_layers import (
     Resolved,
     check_linear_layers,
     check_wna16_tp,
-    is_checked_format,
     parallel_style,
     resolve,
 )
 from kvq.check.ct_scheme import PACK_QUANTIZED, WNA16, first_match, match_fused_layer, shard_names
+from kvq.check.engine_rules import check_engine
 from kvq.check.kv_scales import check_kv_scales
-from kvq.check.mtp_rules import MtpLoader, check_mtp
+from kvq.check.mtp_rules import MtpLoader
 from kvq.check.report import ERROR, NOTE, WARNING, EngineVerdict
-from kvq.check.tp_rules import check_engine_tp
 from kvq.check.view import INT4, LINEAR, MOE, CheckpointView, EngineLayer
 
 SOURCE = "vllm compressed_tensors/compressed_tensors.py"
@@ -55,11 +54,8 @@ MATCHING = Matching("vllm", should_ignore_layer, find_matched_target, per_group_
 
 def check(view: CheckpointView, tp: int) -> EngineVerdict:
     verdict = EngineVerdict("vllm", tp)
-    check_engine_tp(view, verdict, tp)
-    if not is_checked_format(view, verdict):
+    if not check_engine(view, verdict, check_layers, VLLM_MTP):
         return verdict
-    check_layers(view, verdict, tp)
-    check_mtp(view, verdict, tp, VLLM_MTP)
     check_kv_scales(view, verdict, attn_name=".self_attn.attn.")
     if view.is_dsa and (view.kv_scales or view.quant.get("kv_cache_scheme")):
         verdict.add(

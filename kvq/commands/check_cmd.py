@@ -18,9 +18,9 @@ def check_command(
     path: Annotated[Path, typer.Argument(help="Checkpoint directory (kvq's output or any other).")],
     engine: Annotated[
         list[str] | None,
-        typer.Option("--engine", help=f"Engine to check (repeatable): {', '.join(ENGINES)}. Default: all."),
+        typer.Option(help=f"Engine to check (repeatable): {', '.join(ENGINES)}. Default: all."),
     ] = None,
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size the engine will serve on.")] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size the engine will serve on.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print every finding as JSON.")] = False,
 ) -> None:
     """Say per engine whether it loads PATH at --tp, and which rule (from the engine's own loader code)

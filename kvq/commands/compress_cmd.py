@@ -57,7 +57,7 @@ def compress_command(
     group_size: GroupSizeOption = None,
     target: TargetOption = VLLM,
     workers: Annotated[
-        int, typer.Option("--workers", help="Shards compressed in parallel, one process each.")
+        int, typer.Option(help="Shards compressed in parallel, one process each.")
     ] = default_workers(),
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
     method: MethodOption = None,

@@ -35,12 +35,14 @@ class GivenOptions:
 
 
 def field_options(
-    settings: type, param: str, names: tuple[str, ...], help: Mapping[str, str] | None = None
+    settings: type, param: str, names: tuple[str, ...] = (), help: Mapping[str, str] | None = None
 ) -> Callable[[F], F]:
-    """Decorate a typer command: the options `names` (fields of `settings`) take the place of its parameter
-    `param`, which receives them as `GivenOptions`. `help` replaces a field's help text for this command."""
+    """Decorate a typer command: the options `names` (fields of `settings`; default: every field with a help
+    text) take the place of its parameter `param`, which receives them as `GivenOptions`. `help` replaces a
+    field's help text for this command."""
     hints = typing.get_type_hints(settings)
     fields = {f.name: f for f in dataclasses.fields(settings)}
+    names = names or tuple(n for n, f in fields.items() if "help" in f.metadata)
     for name in names:
         if "help" not in fields.get(name, dataclasses.field()).metadata:
             raise ValueError(f"{settings.__name__}.{name} is not declared as an option")  # a kvq bug

@@ -59,7 +59,7 @@ def plan_command(
         ),
     ] = None,
     gpu_mem: Annotated[
-        str | None, typer.Option("--gpu-mem", help=f"Memory per GPU, e.g. 80GB or 141GiB. {SIZE_HELP}")
+        str | None, typer.Option(help=f"Memory per GPU, e.g. 80GB or 141GiB. {SIZE_HELP}")
     ] = None,
     mem_fraction: Annotated[
         float,

@@ -46,14 +46,13 @@ def push_command(
             "vllm, sglang, transformers or kvq."
         ),
     ] = None,
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size --require-engine checks.")] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size --require-engine checks.")] = 1,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the card and the file list; write and send nothing.")
     ] = False,
     include: Annotated[
         list[str] | None,
         typer.Option(
-            "--include",
             help="Also upload the files this glob matches, relative to DIR, e.g. 'docs/*.md' (repeatable). "
             "Without it only the checkpoint goes: the files its manifest and index list, config, "
             "tokenizer, generation config, chat template, license. Dotfiles are never uploaded.",

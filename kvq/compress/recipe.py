@@ -49,11 +49,11 @@ class Recipe:
     """A validated INT4 recipe: which modules to quantize, with which group size."""
 
     name: str
-    path: Path
-    sha256: str
     targets: tuple[str, ...]
     ignore: tuple[str, ...]
     group_size: int
+    path: Path  # the recipe file; sha256 of its bytes: what `identity` and the manifest record
+    sha256: str
     gptq: GptqSettings | None = None  # set by a GPTQModifier recipe
 
     def matches(self, *names: str) -> bool:
@@ -147,9 +147,9 @@ def load_recipe(recipe: str, group_size: int | None = None) -> Recipe:
     except yaml.YAMLError as e:
         raise KvqError(f"{path}: not valid YAML ({e}); fix the recipe file") from e
     targets, ignore, size, gptq = _parse(path, data)
-    return Recipe(
-        path.stem, path, hashlib.sha256(raw).hexdigest(), targets, ignore, size, gptq
-    ).with_group_size(group_size)
+    sha256 = hashlib.sha256(raw).hexdigest()
+    loaded = Recipe(path.stem, targets, ignore, size, path=path, sha256=sha256, gptq=gptq)
+    return loaded.with_group_size(group_size)
 
 
 def _fail(path: Path, where: str, problem: str) -> KvqError:

@@ -71,7 +71,9 @@ def run_tasks(
     model_args: dict | None = None,
 ) -> dict[str, TaskResult]:
     """Every task of `names` (groups expanded to their tasks) through lm-eval on one model: an `LM` object
-    (the kvq runtime) or a backend name with its `model_args` (`local-completions`)."""
+    (the kvq runtime) or a backend name with its `model_args` (`local-completions`); none: nothing runs."""
+    if not names:
+        return {}
     import lm_eval
 
     results = lm_eval.simple_evaluate(

@@ -148,8 +148,6 @@ def _run(
 def _tasks(
     engine: Engine, config: EvalConfig, shared: Shared, progress: Progress, label: str
 ) -> dict[str, TaskResult]:
-    if not config.lm_eval_tasks:
-        return {}
     lm = KvqLM(engine, label, progress)
     return run_tasks(lm, config.lm_eval_tasks, shared.manager, config.limit, config.num_fewshot)
 

@@ -96,8 +96,6 @@ def completions_args(server: Server, info: dict, client: ClientSettings) -> dict
 def _tasks(
     server: Server, info: dict, config: EvalConfig, client: ClientSettings, manager: object
 ) -> dict[str, TaskResult]:
-    if not config.lm_eval_tasks:
-        return {}
     args = completions_args(server, info, client)
     return run_tasks(
         "local-completions", config.lm_eval_tasks, manager, config.limit, config.num_fewshot, args

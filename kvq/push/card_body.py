@@ -37,8 +37,6 @@ def _recipe(manifest: dict) -> str:
     recipe = manifest.get("recipe") or {}
     kept = manifest.get("kept_at_source_precision") or []
     lines = [
-        "## Recipe",
-        "",
         f"- recipe `{recipe.get('name')}` (sha256 `{str(recipe.get('sha256'))[:16]}`), group size "
         f"{recipe.get('group_size')}, targets {', '.join(recipe.get('targets') or [])}",
         f"- not quantized: {', '.join(f'`{p}`' for p in recipe.get('ignore') or []) or 'nothing'}",
@@ -50,13 +48,13 @@ def _recipe(manifest: dict) -> str:
     if recipe.get("text"):
         lines += ["", "The recipe file as given (kvq compress `--group-size` overrides its `group_size`):"]
         lines += ["", "```yaml", recipe["text"].rstrip(), "```"]
-    return "\n".join(lines)
+    return _section("Recipe", lines)
 
 
 def _sizes(manifest: dict) -> str:
     after = sum(record["bytes"] for record in (manifest.get("shards") or {}).values())
     before = (manifest.get("source") or {}).get("bytes")
-    lines = ["## Size", "", "| | weights on disk |", "|---|---:|"]
+    lines = ["| | weights on disk |", "|---|---:|"]
     if before:
         lines.append(f"| source | {format_bytes(before)} ({before:,} bytes) |")
     lines.append(
@@ -66,7 +64,7 @@ def _sizes(manifest: dict) -> str:
     )
     if not before:
         lines += ["", "(the source size was not recorded by the kvq compress run that wrote this checkpoint)"]
-    return "\n".join(lines)
+    return _section("Size", lines)
 
 
 def _kv_calibration(record: dict | None) -> str:
@@ -75,8 +73,6 @@ def _kv_calibration(record: dict | None) -> str:
     dataset = record.get("dataset") or {}
     layers = record.get("layers") or []
     lines = [
-        "## KV cache calibration",
-        "",
         f"- observed: {record.get('observed')}; scale = {record.get('scale')}; strategy "
         f"`{record.get('strategy')}`",
         f"- {record.get('num_samples')} x {record.get('seq_len')} tokens of {dataset.get('source')} "
@@ -87,7 +83,7 @@ def _kv_calibration(record: dict | None) -> str:
         values = [v for layer in layers for v in layer.get(key) or []]
         if values:
             lines.append(f"- `{key}` over {len(layers)} layers: {min(values):.4g} to {max(values):.4g}")
-    return "\n".join(lines)
+    return _section("KV cache calibration", lines)
 
 
 def _evaluation(report: dict | None) -> str:
@@ -109,10 +105,9 @@ def _evaluation(report: dict | None) -> str:
             f"`{task}`: lm-evaluation-harness task version {found['version']}{shots}, "
             f"{num_docs.get(task, '?')} documents"
         )
-    return "\n".join(
+    return _section(
+        "Evaluation",
         [
-            "## Evaluation",
-            "",
             f"Measured by `kvq eval` (kvq {report['kvq_version']}) with lm-evaluation-harness's tasks, "
             f"computed by {engine_line(report)}; deltas are model - baseline on the same items, "
             "with a paired 95% interval.",
@@ -120,21 +115,24 @@ def _evaluation(report: dict | None) -> str:
             *(f"- {item}" for item in items),
             "",
             markdown_tables(report),
-        ]
+        ],
     )
 
 
 def _serving(repo_id: str, name: str, has_kv_scales: bool) -> str:
     kv = " --kv-cache-dtype fp8_e4m3" if has_kv_scales else ""
-    return "\n".join(
+    return _section(
+        "Serving",
         [
-            "## Serving",
-            "",
             "```bash",
             f"vllm serve {repo_id}{kv}",
             f"python -m sglang.launch_server --model-path {repo_id}{kv}",
             f"hf download {repo_id} --local-dir {name} && kvq serve {name}{kv}"
             + (" --require-kv-scales" if has_kv_scales else ""),
             "```",
-        ]
+        ],
     )
+
+
+def _section(title: str, lines: list[str]) -> str:
+    return "\n".join([f"## {title}", "", *lines])

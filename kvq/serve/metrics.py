@@ -69,59 +69,46 @@ class ServeMetrics:
     registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
 
     def __post_init__(self) -> None:
-        r = self.registry
-        self.num_requests_running = Gauge(
-            "kvq:num_requests_running", "Requests with outputs, not finished.", registry=r
+        gauge, counter = partial(Gauge, registry=self.registry), partial(Counter, registry=self.registry)
+        histogram = partial(Histogram, registry=self.registry)
+        self.num_requests_running = gauge("kvq:num_requests_running", "Requests with outputs, not finished.")
+        self.num_requests_waiting = gauge(
+            "kvq:num_requests_waiting", "Requests accepted that have no output yet."
         )
-        self.num_requests_waiting = Gauge(
-            "kvq:num_requests_waiting", "Requests accepted that have no output yet.", registry=r
+        self.kv_pages_used = gauge("kvq:kv_cache_pages_used", "KV pages held by requests.")
+        self.kv_pages_total = gauge("kvq:kv_cache_pages_total", "KV pages in the pool.")
+        self.kv_usage = gauge("kvq:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
+        self.prefix_queries = counter(
+            "kvq:prefix_cache_queries", "Prefix cache queries, in prompt tokens admitted."
         )
-        self.kv_pages_used = Gauge("kvq:kv_cache_pages_used", "KV pages held by requests.", registry=r)
-        self.kv_pages_total = Gauge("kvq:kv_cache_pages_total", "KV pages in the pool.", registry=r)
-        self.kv_usage = Gauge("kvq:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.", registry=r)
-        self.prefix_queries = Counter(
-            "kvq:prefix_cache_queries", "Prefix cache queries, in prompt tokens admitted.", registry=r
+        self.prefix_hits = counter(
+            "kvq:prefix_cache_hits", "Prefix cache hits, in tokens found in shared pages."
         )
-        self.prefix_hits = Counter(
-            "kvq:prefix_cache_hits", "Prefix cache hits, in tokens found in shared pages.", registry=r
+        self.preemptions = counter("kvq:num_preemptions", "Requests preempted (recomputed later).")
+        self.integrity_aborts = counter("kvq:integrity_aborts", "Requests stopped by a failed KV page check.")
+        self.prompt_tokens = counter("kvq:prompt_tokens", "Prompt tokens of requests started.")
+        self.generation_tokens = counter("kvq:generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "kvq:request_success", "Finished requests by finish reason.", ["finished_reason"]
         )
-        self.preemptions = Counter(
-            "kvq:num_preemptions", "Requests preempted (recomputed later).", registry=r
+        self.admission_rejections = counter(
+            "kvq:admission_rejections", "Requests refused with 429 (the queue was full)."
         )
-        self.integrity_aborts = Counter(
-            "kvq:integrity_aborts", "Requests stopped by a failed KV page check.", registry=r
+        self.ttft = histogram(
+            "kvq:time_to_first_token_seconds", "Time to first token in seconds.", buckets=TTFT_BUCKETS
         )
-        self.prompt_tokens = Counter("kvq:prompt_tokens", "Prompt tokens of requests started.", registry=r)
-        self.generation_tokens = Counter("kvq:generation_tokens", "Tokens generated.", registry=r)
-        self.request_success = Counter(
-            "kvq:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        self.itl = histogram(
+            "kvq:inter_token_latency_seconds", "Inter-token latency in seconds.", buckets=ITL_BUCKETS
         )
-        self.admission_rejections = Counter(
-            "kvq:admission_rejections", "Requests refused with 429 (the queue was full).", registry=r
-        )
-        self.ttft = Histogram(
-            "kvq:time_to_first_token_seconds",
-            "Time to first token in seconds.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "kvq:inter_token_latency_seconds",
-            "Inter-token latency in seconds.",
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "kvq:e2e_request_latency_seconds",
             "End-to-end request latency in seconds.",
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.queue_time = Histogram(
+        self.queue_time = histogram(
             "kvq:request_queue_time_seconds",
             "Time a request waited to be scheduled.",
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)  # every label shows from the start, at 0

@@ -13,6 +13,7 @@ from transformers import DeepseekV3Config
 from kvq.checkpoint.hf_checkpoint import config_json
 from kvq.checkpoint.specs import checkpoint_specs
 from kvq.checkpoint.write import save_safetensors_atomic
+from kvq.fixtures.kimi_fixture import QUANTIZATION_CONFIG
 from kvq.fixtures.tiny_models import random_tensor
 from kvq.fixtures.tiny_tokenizer import VOCAB_SIZE
 
@@ -39,12 +40,7 @@ KIMI_QUANTIZATION_CONFIG = {
             "output_activations": None,
         }
     },
-    "ignore": [
-        "lm_head",
-        "re:.*self_attn.*",
-        "re:.*shared_experts.*",
-        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-    ],
+    "ignore": QUANTIZATION_CONFIG["ignore"],  # as K2.6's
     "kv_cache_scheme": None,
 }
 

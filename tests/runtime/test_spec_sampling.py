@@ -14,7 +14,6 @@ room for any change of the model's numerics that keeps the rule right.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,11 +67,7 @@ def fit_p(counts: Counter, probs: dict[tuple[int, ...], float], min_expected: fl
 
 
 def accept_resampling_from_p(
-    seq: Request,
-    rows: torch.Tensor,
-    drafts: list[int],
-    draft_probs: list[torch.Tensor | None],
-    eos_token_ids: Collection[int],
+    seq: Request, rows: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor | None], *_: object
 ) -> Verdict:
     """A wrong rule (the negative control): drafts are kept with probability min(1, p / q) as they should,
     but a rejected one is replaced by a draw from p, which over-weights the tokens the drafts favour."""

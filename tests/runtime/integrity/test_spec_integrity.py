@@ -29,15 +29,8 @@ def plain_greedy(path: Path, prompts: list[list[int]], num_tokens: int) -> list[
 
 
 def spec_engine(path: Path, k: int, mode: str = "tags", **kwargs) -> Engine:
-    config = EngineConfig(
-        model=str(path),
-        dtype="float32",
-        speculative="mtp",
-        num_speculative_tokens=k,
-        kv_integrity=mode,
-        **kwargs,
-    )
-    return Engine(config)
+    spec = {"speculative": "mtp", "num_speculative_tokens": k}
+    return Engine(EngineConfig(model=str(path), dtype="float32", kv_integrity=mode, **spec, **kwargs))
 
 
 def assert_clean(engine: Engine) -> None:
