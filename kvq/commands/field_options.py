@@ -16,6 +16,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from kvq.runtime.config import option_names
+
 F = TypeVar("F", bound=Callable[..., Any])
 _KEYWORD = inspect.Parameter.KEYWORD_ONLY
 _GIVEN = ("COMMANDLINE", "ENVIRONMENT")  # click's ParameterSource names (typer ships its own click)
@@ -42,7 +44,7 @@ def field_options(
     field's help text for this command."""
     hints = typing.get_type_hints(settings)
     fields = {f.name: f for f in dataclasses.fields(settings)}
-    names = names or tuple(n for n, f in fields.items() if "help" in f.metadata)
+    names = names or option_names(settings)
     for name in names:
         if "help" not in fields.get(name, dataclasses.field()).metadata:
             raise ValueError(f"{settings.__name__}.{name} is not declared as an option")  # a kvq bug

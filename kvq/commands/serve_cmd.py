@@ -12,7 +12,7 @@ from kvq.commands.config_options import ConfigOption, model_dir, read_config, re
 from kvq.commands.engine_options import OptionalModelArgument, engine_options
 from kvq.commands.field_options import GivenOptions, field_options
 from kvq.errors import KvqError
-from kvq.runtime.config import EngineConfig, option_names
+from kvq.runtime.config import EngineConfig
 from kvq.serve.server_config import ServerConfig
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 ROLES = ("single", "prefill", "decode", "pd")
 
 
-@field_options(ServerConfig, "server", option_names(ServerConfig))
+@field_options(ServerConfig, "server")
 @engine_options()
 def serve_command(
     model: OptionalModelArgument = None,
