@@ -29,6 +29,7 @@ setup(
                 "kvq/runtime/kernels/cpu/_w4a8.h",
                 "kvq/runtime/kernels/cpu/_w4a8_vnni.h",
                 "kvq/runtime/kernels/cpu/_w4a8_avx2.h",
+                "kvq/runtime/kernels/cpu/_w4a8_isa.h",
                 "kvq/runtime/kernels/cpu/_w8a16.h",
                 "kvq/runtime/kernels/cpu/_w8a16_simd.h",
                 "kvq/runtime/kernels/cpu/_w8a16_bf16.h",

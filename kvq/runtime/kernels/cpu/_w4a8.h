@@ -2,7 +2,7 @@
    int8 per row and chunk of C = min(group, 64) inputs, in exact integer sums; and W8A8, the same kernels
    over 8-bit weights (`wide`: the INT8 lm_head copy under int4_compute "w4a8"). Included by _linear.c
    after the W4A16 paths (their pool, scratch and stores); the kernels are _w4a8_vnni.h (AVX-512 VNNI)
-   and _w4a8_avx2.h (AVX2: any x86-64 CPU of the last decade).
+   and _w4a8_avx2.h (AVX2: any x86-64 CPU of the last decade), each with _w4a8_isa.h's loops around it.
 
    Why: a W4A16 product costs one bf16 multiply-add per weight and activation row (vdpbf16ps: 32 a cycle
    on a Zen 4 core, the same as oneDNN's BF16 GEMM, so INT4 cannot outrun BF16 there once the batch is
@@ -48,8 +48,51 @@ static inline int64_t w4a8_xp_stride(int64_t K, int64_t chunks) { /* bytes, a mu
     return (8 * chunks + K + 63) / 64 * 64;
 }
 
+/* The largest of n lanes of |x| from 0 (a NaN lane loses: the chunk's amax is not used then). */
+static inline float w4a8_max_lanes(const float *lanes, int n) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++)
+        amax = lanes[i] > amax ? lanes[i] : amax;
+    return amax;
+}
+
+static inline int32_t w4a8_sum_lanes(const int32_t *lanes, int n) {
+    int32_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += lanes[i];
+    return total;
+}
+
+/* Where chunk c's 16 scales of tile t (its group's column) start in job->scales, in elements. */
+static inline int64_t w4a8_scale_index(const W4A8Job *job, int64_t t, int64_t c) {
+    return (t * job->groups + c / job->chunks_per_group) * 16;
+}
+
+/* Where a tile's 16 outputs of row m (from output n0) are stored: y itself, or `tail` when the tile has
+   fewer than 16 rows left (rows past N), which w4a8_out_tail then copies to y. */
+static inline uint8_t *w4a8_out(const W4A8Job *job, int64_t m, int64_t n0, uint8_t *tail) {
+    const int64_t size = job->y_dtype == DTYPE_F32 ? 4 : 2;
+    return job->N - n0 < 16 ? tail : (uint8_t *)job->y + (m * job->N + n0) * size;
+}
+
+static inline void w4a8_out_tail(const W4A8Job *job, int64_t m, int64_t n0, const uint8_t *tail) {
+    const int64_t lanes = job->N - n0, size = job->y_dtype == DTYPE_F32 ? 4 : 2;
+    if (lanes < 16)
+        memcpy((uint8_t *)job->y + (m * job->N + n0) * size, tail, (size_t)(lanes * size));
+}
+
 #include "_w4a8_vnni.h"
+#define W4A8_ISA vnni
+#define W4A8_TARGET TARGET_AVX512VNNI
+#include "_w4a8_isa.h"
+#undef W4A8_ISA
+#undef W4A8_TARGET
 #include "_w4a8_avx2.h"
+#define W4A8_ISA avx2
+#define W4A8_TARGET TARGET_AVX2
+#include "_w4a8_isa.h"
+#undef W4A8_ISA
+#undef W4A8_TARGET
 
 static void w4a8_convert_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     W4A8Job *job = (W4A8Job *)ctx;

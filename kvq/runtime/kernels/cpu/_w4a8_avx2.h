@@ -5,55 +5,54 @@
    its int32 sum. A tile's chunk is unpacked once into 1 KiB of L1 (2 KiB for 8-bit weights; AVX2 has 16
    registers: the VNNI kernel's 16 unpacked vectors do not fit) and runs up to W4A8_MB activation rows. */
 
-/* 8 activations of row m from input k as fp32 (bf16 or fp32 activations). */
-TARGET_AVX2 static inline __m256 w4a8_load_x_avx2(const W4A8Job *job, int64_t m, int64_t k) {
-    const int64_t i = m * job->K + k;
-    if (job->x_dtype == DTYPE_F32)
-        return _mm256_loadu_ps((const float *)job->x + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)job->x + i));
+/* 8 fp32 from element i of an fp32 or bf16 array (activations, scales; bf16 widened exactly). */
+TARGET_AVX2 static inline __m256 w4a8_load8_avx2(const void *p, int is_bf16, int64_t i) {
+    if (!is_bf16)
+        return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* Row m's chunks quantized (_w4a8.h) into its xp row: the same values as w4a8_convert_row_vnni. */
-TARGET_AVX2 static void w4a8_convert_row_avx2(const W4A8Job *job, int64_t m) {
-    uint8_t *row = job->xp + m * job->xp_stride;
-    float *xs = (float *)row;
-    int32_t *seeds = (int32_t *)(row + 4 * job->chunks);
-    int8_t *xq = (int8_t *)(row + 8 * job->chunks);
+/* max |x| over the chunk of row m from input k0, and in *special whether it holds inf or NaN. */
+TARGET_AVX2 static inline __attribute__((always_inline)) float
+w4a8_chunk_amax_avx2(const W4A8Job *job, int64_t m, int64_t k0, int *special) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int64_t c = 0; c < job->chunks; c++) {
-        const int64_t k0 = c * job->C;
-        __m256 top = _mm256_setzero_ps();
-        int special = 0; /* lanes that saw inf or NaN */
-        for (int64_t k = k0; k < k0 + job->C; k += 8) {
-            const __m256 a = _mm256_and_ps(w4a8_load_x_avx2(job, m, k), magnitude);
-            special |= _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
-            top = _mm256_max_ps(a, top);
-        }
-        float lanes[8], amax = 0.0f;
-        _mm256_storeu_ps(lanes, top);
-        for (int i = 0; i < 8; i++)
-            amax = lanes[i] > amax ? lanes[i] : amax;
-        const float inv = amax > 0.0f && !special ? 127.0f / amax : 0.0f;
-        xs[c] = special ? NAN : amax / 127.0f;
-        __m256i sum = _mm256_setzero_si256();
-        for (int64_t k = k0; k < k0 + job->C; k += 16) { /* to nearest even: MXCSR's default rounding */
-            __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(w4a8_load_x_avx2(job, m, k), _mm256_set1_ps(inv)));
-            __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(w4a8_load_x_avx2(job, m, k + 8), _mm256_set1_ps(inv)));
-            const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-            q0 = _mm256_min_epi32(_mm256_max_epi32(q0, lo), hi);
-            q1 = _mm256_min_epi32(_mm256_max_epi32(q1, lo), hi);
-            sum = _mm256_add_epi32(sum, _mm256_add_epi32(q0, q1));
-            __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8); /* 16 int16 in order */
-            _mm_storeu_si128((__m128i *)(xq + k),
-                             _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
-        }
-        int32_t sums[8], total = 0;
-        _mm256_storeu_si256((__m256i *)sums, sum);
-        for (int i = 0; i < 8; i++)
-            total += sums[i];
-        seeds[c] = (job->wide ? -128 : -8) * total;
+    const int x_bf16 = job->x_dtype != DTYPE_F32;
+    __m256 top = _mm256_setzero_ps();
+    int seen = 0; /* lanes that saw inf or NaN */
+    for (int64_t k = k0; k < k0 + job->C; k += 8) {
+        const __m256 a = _mm256_and_ps(w4a8_load8_avx2(job->x, x_bf16, m * job->K + k), magnitude);
+        seen |= _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
+        top = _mm256_max_ps(a, top);
     }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    *special = seen != 0;
+    return w4a8_max_lanes(lanes, 8);
+}
+
+/* The chunk of row m from input k0 times inv, rounded to nearest even (MXCSR's default rounding) and
+   clamped to -127..127, into xq (the row's, from input 0); returns their sum. */
+TARGET_AVX2 static inline __attribute__((always_inline)) int32_t
+w4a8_chunk_quantize_avx2(const W4A8Job *job, int64_t m, int64_t k0, float inv, int8_t *xq) {
+    const int x_bf16 = job->x_dtype != DTYPE_F32;
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k0 + job->C; k += 16) {
+        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(w4a8_load8_avx2(job->x, x_bf16, m * job->K + k),
+                                                      _mm256_set1_ps(inv)));
+        __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(w4a8_load8_avx2(job->x, x_bf16, m * job->K + k + 8),
+                                                      _mm256_set1_ps(inv)));
+        q0 = _mm256_min_epi32(_mm256_max_epi32(q0, lo), hi);
+        q1 = _mm256_min_epi32(_mm256_max_epi32(q1, lo), hi);
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(q0, q1));
+        __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8); /* 16 int16 in order */
+        _mm_storeu_si128((__m128i *)(xq + k),
+                         _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+    }
+    int32_t sums[8];
+    _mm256_storeu_si256((__m256i *)sums, sum);
+    return w4a8_sum_lanes(sums, 8);
 }
 
 /* 8 fp32 as bf16 bits in the low 16 bits of each 32-bit lane, rounded to nearest even, a NaN kept and made
@@ -67,11 +66,9 @@ TARGET_AVX2 static inline __m256i w4a8_bf16_bits_avx2(__m256 v) {
     return _mm256_blendv_epi8(bits, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
 }
 
-/* y[m, n0 .. n0 + lanes) = the tile's rows 0-7 (a) and 8-15 (b) in fp32 or bf16 (rows past N not stored). */
+/* y[m, n0 .. n0 + 16) = the tile's rows 0-7 (a) and 8-15 (b) in fp32 or bf16 (rows past N not stored). */
 TARGET_AVX2 static inline void w4a8_store_avx2(const W4A8Job *job, int64_t m, int64_t n0, __m256 a, __m256 b) {
-    const int64_t lanes = job->N - n0 < 16 ? job->N - n0 : 16, size = job->y_dtype == DTYPE_F32 ? 4 : 2;
-    uint8_t *out = (uint8_t *)job->y + (m * job->N + n0) * size, tail[64];
-    uint8_t *to = lanes == 16 ? out : tail;
+    uint8_t tail[64], *to = w4a8_out(job, m, n0, tail);
     if (job->y_dtype == DTYPE_F32) {
         _mm256_storeu_ps((float *)to, a);
         _mm256_storeu_ps((float *)to + 8, b);
@@ -79,17 +76,7 @@ TARGET_AVX2 static inline void w4a8_store_avx2(const W4A8Job *job, int64_t m, in
         __m256i words = _mm256_packus_epi32(w4a8_bf16_bits_avx2(a), w4a8_bf16_bits_avx2(b));
         _mm256_storeu_si256((__m256i *)to, _mm256_permute4x64_epi64(words, 0xD8));
     }
-    if (lanes < 16)
-        memcpy(out, tail, (size_t)(lanes * size));
-}
-
-/* A half's 8 lanes of fp32 scales for chunk c of tile t (its group's; h: rows 8h..8h+7). */
-TARGET_AVX2 static inline __m256 w4a8_scales_avx2(const W4A8Job *job, int64_t t, int64_t c, int h) {
-    const int64_t i = (t * job->groups + c / job->chunks_per_group) * 16 + 8 * h;
-    if (!job->scale_bf16)
-        return _mm256_loadu_ps((const float *)job->scales + i);
-    __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)job->scales + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    w4a8_out_tail(job, m, n0, tail);
 }
 
 /* Tile t for activation rows [m0, m0 + mb): nv = C / 8 steps of 4 inputs in each half of a chunk. Its
@@ -115,7 +102,9 @@ w4a8_tile_avx2(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv, in
                 u8[v + vectors][h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
             }
         __builtin_prefetch(wc + vectors * 64 + GEMV_PREFETCH_BYTES, 0, 3);
-        const __m256 ws0 = w4a8_scales_avx2(job, t, c, 0), ws1 = w4a8_scales_avx2(job, t, c, 1);
+        const int64_t si = w4a8_scale_index(job, t, c); /* a half's 8 lanes: rows 8h .. 8h + 7 */
+        const __m256 ws0 = w4a8_load8_avx2(job->scales, job->scale_bf16, si);
+        const __m256 ws1 = w4a8_load8_avx2(job->scales, job->scale_bf16, si + 8);
         for (int64_t r = 0; r < mb; r++) {
             const uint8_t *row = job->xp + (m0 + r) * job->xp_stride;
             const int8_t *xr = (const int8_t *)(row + 8 * job->chunks) + c * job->C;
@@ -141,15 +130,4 @@ w4a8_tile_avx2(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv, in
     }
     for (int64_t r = 0; r < mb; r++)
         w4a8_store_avx2(job, m0 + r, t * W4A8_ROWS, acc[r][0], acc[r][1]);
-}
-
-TARGET_AVX2 static void w4a8_tiles_avx2(const W4A8Job *job, int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-        for (int64_t m0 = 0; m0 < job->M; m0 += W4A8_MB) {
-            const int64_t mb = job->M - m0 < W4A8_MB ? job->M - m0 : W4A8_MB;
-            if (job->C == 64)
-                job->wide ? w4a8_tile_avx2(job, t, m0, mb, 8, 1) : w4a8_tile_avx2(job, t, m0, mb, 8, 0);
-            else
-                job->wide ? w4a8_tile_avx2(job, t, m0, mb, 4, 1) : w4a8_tile_avx2(job, t, m0, mb, 4, 0);
-        }
 }

@@ -3,50 +3,47 @@
    unpacked into registers once and runs up to W4A8_MB activation rows, four at a time, two chains each
    (vpdpbusd's latency). */
 
-/* 16 activations of row m from input k as fp32 (bf16 or fp32 activations). */
-TARGET_AVX512VNNI static inline __m512 w4a8_load_x_vnni(const W4A8Job *job, int64_t m, int64_t k) {
-    const int64_t i = m * job->K + k;
-    if (job->x_dtype == DTYPE_F32)
-        return _mm512_loadu_ps((const float *)job->x + i);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)job->x + i));
+/* 16 fp32 from element i of an fp32 or bf16 array (activations, scales; bf16 widened exactly). */
+TARGET_AVX512VNNI static inline __m512 w4a8_load16_vnni(const void *p, int is_bf16, int64_t i) {
+    if (!is_bf16)
+        return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Row m's chunks quantized (_w4a8.h) into its xp row. */
-TARGET_AVX512VNNI static void w4a8_convert_row_vnni(const W4A8Job *job, int64_t m) {
-    uint8_t *row = job->xp + m * job->xp_stride;
-    float *xs = (float *)row;
-    int32_t *seeds = (int32_t *)(row + 4 * job->chunks);
-    int8_t *xq = (int8_t *)(row + 8 * job->chunks);
-    for (int64_t c = 0; c < job->chunks; c++) {
-        const int64_t k0 = c * job->C;
-        __m512 top = _mm512_setzero_ps();
-        unsigned special = 0; /* lanes that saw inf or NaN */
-        for (int64_t k = k0; k < k0 + job->C; k += 16) {
-            const __m512 a = _mm512_abs_ps(w4a8_load_x_vnni(job, m, k));
-            special |= (unsigned)_mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
-            top = _mm512_max_ps(a, top);
-        }
-        float lanes[16], amax = 0.0f;
-        _mm512_storeu_ps(lanes, top);
-        for (int i = 0; i < 16; i++)
-            amax = lanes[i] > amax ? lanes[i] : amax;
-        const float inv = amax > 0.0f && !special ? 127.0f / amax : 0.0f;
-        xs[c] = special ? NAN : amax / 127.0f;
-        __m512i sum = _mm512_setzero_si512();
-        for (int64_t k = k0; k < k0 + job->C; k += 16) {
-            __m512 scaled = _mm512_mul_ps(w4a8_load_x_vnni(job, m, k), _mm512_set1_ps(inv));
-            __m512i q = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
-            _mm_storeu_si128((__m128i *)(xq + k), _mm512_cvtepi32_epi8(q));
-            sum = _mm512_add_epi32(sum, q);
-        }
-        int32_t sums[16], total = 0;
-        _mm512_storeu_si512(sums, sum);
-        for (int i = 0; i < 16; i++)
-            total += sums[i];
-        seeds[c] = (job->wide ? -128 : -8) * total;
+/* max |x| over the chunk of row m from input k0, and in *special whether it holds inf or NaN. */
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) float
+w4a8_chunk_amax_vnni(const W4A8Job *job, int64_t m, int64_t k0, int *special) {
+    const int x_bf16 = job->x_dtype != DTYPE_F32;
+    __m512 top = _mm512_setzero_ps();
+    unsigned seen = 0; /* lanes that saw inf or NaN */
+    for (int64_t k = k0; k < k0 + job->C; k += 16) {
+        const __m512 a = _mm512_abs_ps(w4a8_load16_vnni(job->x, x_bf16, m * job->K + k));
+        seen |= (unsigned)_mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
+        top = _mm512_max_ps(a, top);
     }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, top);
+    *special = seen != 0;
+    return w4a8_max_lanes(lanes, 16);
+}
+
+/* The chunk of row m from input k0 times inv, rounded to nearest even and clamped to -127..127, into xq
+   (the row's, from input 0); returns their sum. */
+TARGET_AVX512VNNI static inline __attribute__((always_inline)) int32_t
+w4a8_chunk_quantize_vnni(const W4A8Job *job, int64_t m, int64_t k0, float inv, int8_t *xq) {
+    const int x_bf16 = job->x_dtype != DTYPE_F32;
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k0 + job->C; k += 16) {
+        __m512 scaled = _mm512_mul_ps(w4a8_load16_vnni(job->x, x_bf16, m * job->K + k), _mm512_set1_ps(inv));
+        __m512i q = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+        _mm_storeu_si128((__m128i *)(xq + k), _mm512_cvtepi32_epi8(q));
+        sum = _mm512_add_epi32(sum, q);
+    }
+    int32_t sums[16];
+    _mm512_storeu_si512(sums, sum);
+    return w4a8_sum_lanes(sums, 16);
 }
 
 /* 16 fp32 as bf16 bits: bf16_bits_avx512's rounding, a NaN kept and made quiet (as f32_to_bf16 does). */
@@ -56,26 +53,14 @@ TARGET_AVX512VNNI static inline __m256i w4a8_bf16_bits_vnni(__m512 v) {
     return _mm256_mask_mov_epi16(bf16_bits_avx512(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
 }
 
-/* y[m, n0 .. n0 + lanes) = v in fp32 or bf16 (lanes <= 16: the last tile's rows past N are not stored). */
+/* y[m, n0 .. n0 + 16) = v in fp32 or bf16 (the last tile's rows past N are not stored). */
 TARGET_AVX512VNNI static inline void w4a8_store_vnni(const W4A8Job *job, int64_t m, int64_t n0, __m512 v) {
-    const int64_t lanes = job->N - n0 < 16 ? job->N - n0 : 16, size = job->y_dtype == DTYPE_F32 ? 4 : 2;
-    uint8_t *out = (uint8_t *)job->y + (m * job->N + n0) * size, tail[64];
-    uint8_t *to = lanes == 16 ? out : tail;
+    uint8_t tail[64], *to = w4a8_out(job, m, n0, tail);
     if (job->y_dtype == DTYPE_F32)
         _mm512_storeu_ps(to, v);
     else
         _mm256_storeu_si256((__m256i *)to, w4a8_bf16_bits_vnni(v));
-    if (lanes < 16)
-        memcpy(out, tail, (size_t)(lanes * size));
-}
-
-/* The 16 rows' fp32 scales for chunk c of tile t (its group's: one column per groups' worth of chunks). */
-TARGET_AVX512VNNI static inline __m512 w4a8_scales_vnni(const W4A8Job *job, int64_t t, int64_t c) {
-    const int64_t i = (t * job->groups + c / job->chunks_per_group) * 16;
-    if (!job->scale_bf16)
-        return _mm512_loadu_ps((const float *)job->scales + i);
-    __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)job->scales + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    w4a8_out_tail(job, m, n0, tail);
 }
 
 /* acc + the lanes' u8 x s8 products of w and the 4 int8 at p broadcast to every lane: vpdpbusd with its
@@ -125,7 +110,7 @@ w4a8_tile_vnni(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv, in
                 __builtin_prefetch(wc + job->chunks * vectors * 64 + v * 64, 0, 3);
         else
             __builtin_prefetch(wc + vectors * 64 + GEMV_PREFETCH_BYTES, 0, 3);
-        const __m512 ws = w4a8_scales_vnni(job, t, c);
+        const __m512 ws = w4a8_load16_vnni(job->scales, job->scale_bf16, w4a8_scale_index(job, t, c));
         for (int64_t r = 0; r < mb; r += 4) { /* four rows' chains side by side (a short last group) */
             __m512i s[4];
             const int64_t n = mb - r < 4 ? mb - r : 4;
@@ -143,15 +128,4 @@ w4a8_tile_vnni(const W4A8Job *job, int64_t t, int64_t m0, int64_t mb, int nv, in
     }
     for (int64_t r = 0; r < mb; r++)
         w4a8_store_vnni(job, m0 + r, t * W4A8_ROWS, acc[r]);
-}
-
-TARGET_AVX512VNNI static void w4a8_tiles_vnni(const W4A8Job *job, int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-        for (int64_t m0 = 0; m0 < job->M; m0 += W4A8_MB) {
-            const int64_t mb = job->M - m0 < W4A8_MB ? job->M - m0 : W4A8_MB;
-            if (job->C == 64)
-                job->wide ? w4a8_tile_vnni(job, t, m0, mb, 8, 1) : w4a8_tile_vnni(job, t, m0, mb, 8, 0);
-            else
-                job->wide ? w4a8_tile_vnni(job, t, m0, mb, 4, 1) : w4a8_tile_vnni(job, t, m0, mb, 4, 0);
-        }
 }
