@@ -63,6 +63,19 @@ static int scale_kind(const Job *job) {
     return job->group_shift == 6 ? SCALES_BF16_G64 : job->group_shift >= 7 ? SCALES_BF16_WHOLE : SCALES_ANY;
 }
 
+/* rows(job, n0, n1, kind) with the job's scale kind as a constant: a GEMV's copy of its loops per kind. */
+#define BY_SCALE_KIND(rows, job, n0, n1)                                                                         \
+    switch (scale_kind(job)) {                                                                                   \
+    case SCALES_BF16_G64:                                                                                        \
+        rows(job, n0, n1, SCALES_BF16_G64);                                                                      \
+        break;                                                                                                   \
+    case SCALES_BF16_WHOLE:                                                                                      \
+        rows(job, n0, n1, SCALES_BF16_WHOLE);                                                                    \
+        break;                                                                                                   \
+    default:                                                                                                     \
+        rows(job, n0, n1, SCALES_ANY);                                                                           \
+    }
+
 /* A bf16 scale as 16 fp32 lanes. */
 TARGET_AVX512 static inline __m512 bf16_broadcast(const uint8_t *p) {
     uint16_t bits;
@@ -179,16 +192,7 @@ TARGET_AVX512BF16 static inline __attribute__((always_inline)) void gemv_bf16_ro
 }
 
 TARGET_AVX512BF16 static void gemv_bf16(const Job *job, int64_t n0, int64_t n1) {
-    switch (scale_kind(job)) {
-    case SCALES_BF16_G64:
-        gemv_bf16_rows(job, n0, n1, SCALES_BF16_G64);
-        break;
-    case SCALES_BF16_WHOLE:
-        gemv_bf16_rows(job, n0, n1, SCALES_BF16_WHOLE);
-        break;
-    default:
-        gemv_bf16_rows(job, n0, n1, SCALES_ANY);
-    }
+    BY_SCALE_KIND(gemv_bf16_rows, job, n0, n1);
 }
 
 /* bf16((u - 8) * s) for u = 0..15 as 16 fp32 (a quarter of scaled_planes_bf16's table). */

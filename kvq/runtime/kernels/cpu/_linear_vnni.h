@@ -209,16 +209,7 @@ TARGET_AVX512VNNI static inline __attribute__((always_inline)) void gemv_vnni_ro
 }
 
 TARGET_AVX512VNNI static void gemv_vnni(const Job *job, int64_t n0, int64_t n1) {
-    switch (scale_kind(job)) {
-    case SCALES_BF16_G64:
-        gemv_vnni_rows(job, n0, n1, SCALES_BF16_G64);
-        break;
-    case SCALES_BF16_WHOLE:
-        gemv_vnni_rows(job, n0, n1, SCALES_BF16_WHOLE);
-        break;
-    default:
-        gemv_vnni_rows(job, n0, n1, SCALES_ANY);
-    }
+    BY_SCALE_KIND(gemv_vnni_rows, job, n0, n1);
 }
 
 #define VNNI_KC 8       /* blocks per tile of 4 weight rows (nibble bytes and scales: 6 KiB, in L1) */

@@ -92,6 +92,25 @@ static int gemm_w8_amx(int threads, const W8Job *w8) {
 }
 #endif
 
+/* The job on its path (use_amx: gemm_w8_amx, else w8_run) without the GIL, under call_lock (calls from several
+   threads take turns): None, or MemoryError. */
+static PyObject *w8_run_released(int threads, W8Job *job, int use_amx) {
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&call_lock);
+#ifdef KVQ_AMX
+    status = use_amx ? gemm_w8_amx(threads, job) : w8_run(threads, job);
+#else
+    (void)use_amx;
+    status = w8_run(threads, job);
+#endif
+    pthread_mutex_unlock(&call_lock);
+    Py_END_ALLOW_THREADS;
+    if (status < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *gemm_w8(PyObject *self, PyObject *args) {
     (void)self;
     int isa, threads, x_dtype, scale_dtype, y_dtype;
@@ -104,6 +123,8 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
         return NULL;
 #ifdef KVQ_AMX
     const int use_amx = isa == ISA_AMX && M >= AMX_W8_FROM_ROWS && x_dtype == DTYPE_BF16 && K % AMX_KC == 0;
+#else
+    const int use_amx = 0;
 #endif
     if (isa == ISA_AMX)
         isa = ISA_AVX512BF16; /* fewer rows, other activations or K: avx512bf16's loops */
@@ -128,19 +149,7 @@ static PyObject *gemm_w8(PyObject *self, PyObject *args) {
         .scale = (const void *)(uintptr_t)scale,
         .y = (void *)(uintptr_t)y,
     };
-    int status;
-    Py_BEGIN_ALLOW_THREADS;
-    pthread_mutex_lock(&call_lock);
-#ifdef KVQ_AMX
-    status = use_amx ? gemm_w8_amx(threads, &job) : w8_run(threads, &job);
-#else
-    status = w8_run(threads, &job);
-#endif
-    pthread_mutex_unlock(&call_lock);
-    Py_END_ALLOW_THREADS;
-    if (status < 0)
-        return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return w8_run_released(threads, &job, use_amx);
 }
 
 static PyObject *gemv_dense(PyObject *self, PyObject *args) {
@@ -168,13 +177,5 @@ static PyObject *gemv_dense(PyObject *self, PyObject *args) {
         .w16 = (const uint16_t *)(uintptr_t)w,
         .y = (void *)(uintptr_t)y,
     };
-    int status;
-    Py_BEGIN_ALLOW_THREADS;
-    pthread_mutex_lock(&call_lock);
-    status = w8_run(threads, &job);
-    pthread_mutex_unlock(&call_lock);
-    Py_END_ALLOW_THREADS;
-    if (status < 0)
-        return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return w8_run_released(threads, &job, 0);
 }
