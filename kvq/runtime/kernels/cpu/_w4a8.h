@@ -68,19 +68,6 @@ static inline int64_t w4a8_scale_index(const W4A8Job *job, int64_t t, int64_t c)
     return (t * job->groups + c / job->chunks_per_group) * 16;
 }
 
-/* Where a tile's 16 outputs of row m (from output n0) are stored: y itself, or `tail` when the tile has
-   fewer than 16 rows left (rows past N), which w4a8_out_tail then copies to y. */
-static inline uint8_t *w4a8_out(const W4A8Job *job, int64_t m, int64_t n0, uint8_t *tail) {
-    const int64_t size = job->y_dtype == DTYPE_F32 ? 4 : 2;
-    return job->N - n0 < 16 ? tail : (uint8_t *)job->y + (m * job->N + n0) * size;
-}
-
-static inline void w4a8_out_tail(const W4A8Job *job, int64_t m, int64_t n0, const uint8_t *tail) {
-    const int64_t lanes = job->N - n0, size = job->y_dtype == DTYPE_F32 ? 4 : 2;
-    if (lanes < 16)
-        memcpy((uint8_t *)job->y + (m * job->N + n0) * size, tail, (size_t)(lanes * size));
-}
-
 #include "_w4a8_vnni.h"
 #define W4A8_ISA vnni
 #define W4A8_TARGET TARGET_AVX512VNNI

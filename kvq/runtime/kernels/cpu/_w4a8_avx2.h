@@ -66,9 +66,11 @@ TARGET_AVX2 static inline __m256i w4a8_bf16_bits_avx2(__m256 v) {
     return _mm256_blendv_epi8(bits, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
 }
 
-/* y[m, n0 .. n0 + 16) = the tile's rows 0-7 (a) and 8-15 (b) in fp32 or bf16 (rows past N not stored). */
+/* y[m, n0 .. n0 + lanes) = the tile's rows 0-7 (a) and 8-15 (b) in fp32 or bf16 (rows past N not stored). */
 TARGET_AVX2 static inline void w4a8_store_avx2(const W4A8Job *job, int64_t m, int64_t n0, __m256 a, __m256 b) {
-    uint8_t tail[64], *to = w4a8_out(job, m, n0, tail);
+    const int64_t lanes = job->N - n0 < 16 ? job->N - n0 : 16, size = job->y_dtype == DTYPE_F32 ? 4 : 2;
+    uint8_t *out = (uint8_t *)job->y + (m * job->N + n0) * size, tail[64];
+    uint8_t *to = lanes == 16 ? out : tail;
     if (job->y_dtype == DTYPE_F32) {
         _mm256_storeu_ps((float *)to, a);
         _mm256_storeu_ps((float *)to + 8, b);
@@ -76,7 +78,8 @@ TARGET_AVX2 static inline void w4a8_store_avx2(const W4A8Job *job, int64_t m, in
         __m256i words = _mm256_packus_epi32(w4a8_bf16_bits_avx2(a), w4a8_bf16_bits_avx2(b));
         _mm256_storeu_si256((__m256i *)to, _mm256_permute4x64_epi64(words, 0xD8));
     }
-    w4a8_out_tail(job, m, n0, tail);
+    if (lanes < 16)
+        memcpy(out, tail, (size_t)(lanes * size));
 }
 
 /* Tile t for activation rows [m0, m0 + mb): nv = C / 8 steps of 4 inputs in each half of a chunk. Its

@@ -53,14 +53,17 @@ TARGET_AVX512VNNI static inline __m256i w4a8_bf16_bits_vnni(__m512 v) {
     return _mm256_mask_mov_epi16(bf16_bits_avx512(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
 }
 
-/* y[m, n0 .. n0 + 16) = v in fp32 or bf16 (the last tile's rows past N are not stored). */
+/* y[m, n0 .. n0 + lanes) = v in fp32 or bf16 (lanes <= 16: the last tile's rows past N are not stored). */
 TARGET_AVX512VNNI static inline void w4a8_store_vnni(const W4A8Job *job, int64_t m, int64_t n0, __m512 v) {
-    uint8_t tail[64], *to = w4a8_out(job, m, n0, tail);
+    const int64_t lanes = job->N - n0 < 16 ? job->N - n0 : 16, size = job->y_dtype == DTYPE_F32 ? 4 : 2;
+    uint8_t *out = (uint8_t *)job->y + (m * job->N + n0) * size, tail[64];
+    uint8_t *to = lanes == 16 ? out : tail;
     if (job->y_dtype == DTYPE_F32)
         _mm512_storeu_ps(to, v);
     else
         _mm256_storeu_si256((__m256i *)to, w4a8_bf16_bits_vnni(v));
-    w4a8_out_tail(job, m, n0, tail);
+    if (lanes < 16)
+        memcpy(out, tail, (size_t)(lanes * size));
 }
 
 /* acc + the lanes' u8 x s8 products of w and the 4 int8 at p broadcast to every lane: vpdpbusd with its
