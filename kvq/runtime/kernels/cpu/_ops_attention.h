@@ -22,7 +22,7 @@ ALWAYS_INLINE float e4m3_f32(uint8_t byte) {
 #define MAX_HEAD_DIM 512
 
 /* A row of e4m3fn bytes -> fp32 e4m3(b) * 2^-8, 16 bytes at a time with F16C (its first D - D % 16; returns how
-   many it did: load_page_rows converts the rest): the byte's 7 exponent-mantissa bits placed in a binary16's low
+   many it did, E4M3_ROWS converts the rest): the byte's 7 exponent-mantissa bits placed in a binary16's low
    exponent and high mantissa bits ((b & 0x7F) << 7, sign to bit 15) make a binary16 of that value for normals and
    subnormals alike (e4m3fn's bias is 7, binary16's 15; binary16 subnormals keep the same m * 2^-k form), which
    vcvtph2ps widens exactly (in hardware: no denormal fp32 arithmetic). 0x7F / 0xFF (NaN) would read as +-480 *
@@ -64,6 +64,21 @@ e4m3_row_avx512(const uint8_t *restrict s, int64_t D, float *restrict row) {
     }
     return d;
 }
+
+/* Rows of e4m3fn bytes (n rows, src_stride bytes apart) -> fp32 rows [n, D]: a row's first bytes in
+   registers (row_fn), the rest one at a time. One call per page: the loop of the attention's FP8 loads. */
+#define E4M3_ROWS(name, target, row_fn)                                                                          \
+    target static void name(const uint8_t *restrict src, int64_t n, int64_t src_stride, int64_t D,             \
+                            float *restrict rows) {                                                              \
+        for (int64_t j = 0; j < n; j++) {                                                                        \
+            const uint8_t *restrict s = src + j * src_stride;                                                    \
+            float *restrict row = rows + j * D;                                                                  \
+            for (int64_t d = row_fn(s, D, row); d < D; d++)                                                      \
+                row[d] = e4m3_f32(s[d]) * 0x1p-8f;                                                               \
+        }                                                                                                        \
+    }
+E4M3_ROWS(e4m3_rows_f16c, __attribute__((target("avx2,f16c"))), e4m3_row_f16c)
+E4M3_ROWS(e4m3_rows_avx512, __attribute__((target("avx512f,avx512bw"))), e4m3_row_avx512)
 
 /* A bf16 row's first D - D % 16 elements as fp32 into row (one vpmovzxwd from memory, a shift and a store
    per 16: GCC's own code for the 16-lane conversion went 8 lanes at a time, through extracts and inserts,

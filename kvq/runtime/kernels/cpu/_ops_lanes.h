@@ -11,17 +11,20 @@
 ALWAYS_INLINE void LN(load_page_rows)(const Pages *p, int64_t page, int64_t n, int64_t h, int64_t D,
                                       float *restrict rows) {
     const int64_t base = page * p->page_stride + h * p->head_stride;
+#ifdef KVQ_X86_LEVELS
+    if (p->is_fp8 && p->level != LEVEL_BASE) {
+        if (p->level == LEVEL_AVX512)
+            e4m3_rows_avx512(p->base + base, n, p->slot_stride, D, rows);
+        else
+            e4m3_rows_f16c(p->base + base, n, p->slot_stride, D, rows);
+        return;
+    }
+#endif
     for (int64_t j = 0; j < n; j++) {
         float *restrict row = rows + j * D;
         if (p->is_fp8) {
             const uint8_t *restrict src = p->base + base + j * p->slot_stride;
-            int64_t d = 0;
-#if LANES_WIDE && defined(KVQ_X86_LEVELS)
-            d = e4m3_row_avx512(src, D, row);
-#elif defined(KVQ_X86_LEVELS)
-            d = p->level == LEVEL_AVX2 ? e4m3_row_f16c(src, D, row) : 0;
-#endif
-            for (; d < D; d++)
+            for (int64_t d = 0; d < D; d++)
                 row[d] = e4m3_f32(src[d]) * 0x1p-8f; /* exact, as the F16C path */
         } else {
             const uint16_t *restrict src = (const uint16_t *)p->base + base + j * p->slot_stride;
