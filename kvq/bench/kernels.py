@@ -28,9 +28,10 @@ import torch
 from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 from kvq.formats.pack_quantized import dequantize_pack_quantized
 from kvq.runtime.kernels import (
+    DecodeTables,
+    PagedKVCache,
     fused_moe_reference,
     fused_moe_w4a16,
-    paged_decode_attention,
     paged_decode_attention_reference,
     prepare_w4a16,
     w4a16_linear,
@@ -249,14 +250,16 @@ def bench_attention(cfg: BenchConfig, device: torch.device, mismatches: list[str
             context=context, batch=cfg.attn_batch, q_heads=cfg.attn_q_heads, kv_heads=cfg.attn_kv_heads
         )
         for label, k_cache, v_cache in (("bf16", k_bf16, v_bf16), ("fp8", k_fp8, v_fp8)):
-            args = (k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
-            y = paged_decode_attention(q, *args, max_seq_len=context)
-            few = (k_cache, v_cache, block_tables[:2], seq_lens[:2], k_scale, v_scale)
-            expected = paged_decode_attention_reference(q[:2], *few)
+            cache = PagedKVCache.of(k_cache, v_cache, k_scale, v_scale)
+            tables = DecodeTables(block_tables, seq_lens, max_seq_len=context)
+            y = cache.decode_attention(q, tables)
+            expected = paged_decode_attention_reference(
+                q[:2], cache, DecodeTables(block_tables[:2], seq_lens[:2])
+            )
             row[f"{label}_max_rel_err"] = check(
                 f"attention {label} ctx={context}", y[:2], expected, 2e-2, mismatches
             )
-            attention = partial(paged_decode_attention, q, *args, max_seq_len=context)
+            attention = partial(cache.decode_attention, q, tables)
             ms = time_ms(attention, device, cfg.cpu_repeats)
             row[f"{label}_time_us"] = ms * 1e3
             row[f"{label}_gbps"] = 2 * k_cache.numel() * k_cache.element_size() / ms / 1e6

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kvq.runtime.kernels import PagedDecodePlan
+from kvq.runtime.kernels import DecodeTables, PagedDecodePlan
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,10 @@ class ForwardBatch:
     `block_tables` int32 `[B, max_pages]` (padding -1) as the kernels take them; `slot_mapping` int64
     `[T]` = page * page_size + offset where each new token's K/V goes; `context_lens` = tokens each
     sequence attends to after this step; prefill: `query_lens` = new tokens per sequence (the rest of the
-    context is cached pages); decode: `decode_plan`, the torch decode path's context slots (past a
-    sequence's end: a slot of the pool's zero page) and length mask, made once for every layer that reads
-    it, when the first one does (a CPU decode plan or the Triton kernels never do).
+    context is cached pages); decode: `decode_tables`, what every layer's decode attention reads, and
+    `planned_decode_tables`, the same with `decode_plan` for the torch kernels (the context slots, past a
+    sequence's end a slot of the pool's zero page, and length mask), made once, when the first layer reads
+    it (a CPU decode plan or the Triton kernels never do).
     """
 
     is_prefill: bool
@@ -77,11 +79,14 @@ class ForwardBatch:
     query_lens: list[int]  # [B]
     logits_indices: torch.Tensor  # [B] int64: the row of each sequence's last token in [T]
     prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
+    decode_tables: (
+        DecodeTables  # (block_tables, context_lens, max_context_len) as the decode kernels read them
+    )
     decode_plan_of: Callable[[], PagedDecodePlan] | None = None  # decode only: makes `decode_plan`
     write_guard: WriteGuard | None = None  # --kv-integrity tags/full only: applied once per forward
     slot_stamps: torch.Tensor | None = None  # [T] int64, tags/full only: each new token's slot stamp
     inputs: StepInputs | None = None  # what it was made from
-    _made: dict[str, PagedDecodePlan] = field(init=False, default_factory=dict, repr=False, compare=False)
+    _made: dict[str, Any] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def guarded(self, write_guard: WriteGuard, slot_stamps: torch.Tensor | None) -> ForwardBatch:
         """This batch with a write guard and slot stamps (`TagTracker.guard`): `dataclasses.replace`'s result
@@ -98,3 +103,10 @@ class ForwardBatch:
         if "plan" not in self._made:
             self._made["plan"] = self.decode_plan_of()
         return self._made["plan"]
+
+    @property
+    def planned_decode_tables(self) -> DecodeTables:
+        """`decode_tables` with `decode_plan`, for the torch kernels (made once, when first read)."""
+        if "tables" not in self._made:
+            self._made["tables"] = self.decode_tables._replace(plan=self.decode_plan)
+        return self._made["tables"]

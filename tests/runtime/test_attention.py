@@ -97,14 +97,7 @@ def test_prefill_then_decode_is_causal_attention_over_the_stored_kv(
     seqs[0].block_table, seqs[0].num_cached_tokens, seqs[1].block_table = [7, 2, 9], PAGE, [0, 5]
     kv = [(torch.randn(10, 2, HKV, D, generator=gen) / 5).to(dtype) for _ in seqs]  # [L, K|V, Hkv, D]
     prefix_slots = torch.arange(PAGE) + 7 * PAGE  # as an earlier request's prefill left them
-    store_kv_reference(
-        *kv[0][:PAGE].unbind(1),
-        pool.caches[0].k_cache,
-        pool.caches[0].v_cache,
-        prefix_slots,
-        K_SCALE,
-        V_SCALE,
-    )
+    store_kv_reference(*kv[0][:PAGE].unbind(1), layer.kv, prefix_slots)  # the pool's pages and scales
 
     q, out = run_step(layer, runner.prepare(seqs, is_prefill=True), kv, [PAGE, 0], gen)
     assert_causal(q, out, kv, [PAGE, 0], [9, 6], cache_dtype)

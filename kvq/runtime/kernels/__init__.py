@@ -16,16 +16,14 @@ Public API
   `fused_moe_of(w13, w2)`: the same, bound once to the backend both were prepared for.
 - `PagedKVCache.of(k_cache, v_cache, k_scale, v_scale, backend=None)`: one layer's pages and scales,
   checked once and bound to a backend (the engine makes one per attention layer at bind), with
-  `.store(k [T, Hkv, D], v, slot_mapping)` (in place),
-  `.decode_attention(q [B, Hq, D], block_tables, seq_lens, sm_scale, max_seq_len=None, plan=None)
-  -> [B, Hq, D]` and `.prefill_attention(q [T, Hq, D], block_tables, query_lens, seq_lens, sm_scale)
-  -> [T, Hq, D]` (causal over each sequence's pages; torch SDPA on every backend). `plan`
-  (`plan_paged_decode`, made once per step) spares every layer's torch path the index work.
-- `store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)` and `paged_decode_attention(q,
-  k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, max_seq_len=None)`: the same
-  calls on bare tensors, checked and dispatched at every call.
-Prepared weights and KV caches carry the backend they were made for; the bare-tensor calls resolve it
-per call. Either way it comes from `backend=`, else $KVQ_KERNELS (auto|torch|triton), else the device.
+  `.store(k [T, Hkv, D], v, slot_mapping, slot_stamps=None)` (in place),
+  `.decode_attention(q [B, Hq, D], tables, sm_scale=None) -> [B, Hq, D]` and
+  `.prefill_attention(q [T, Hq, D], block_tables, query_lens, seq_lens, sm_scale) -> [T, Hq, D]` (causal
+  over each sequence's pages; torch SDPA on every backend). `tables` (`DecodeTables`: block_tables,
+  seq_lens, max_seq_len, the torch path's `plan` from `plan_paged_decode`, MLA's token_indices) is made
+  once per step and read by every layer. The references (`*_reference`) take the same objects.
+Prepared weights and KV caches carry the backend they were made for: `backend=`, else $KVQ_KERNELS
+(auto|torch|triton), else the device.
 On CPU, the engine chooses its kernels once, at load: `CpuOps.choose(EngineConfig.cpu_isa)` (else
 $KVQ_CPU_ISA: auto|amx|avx512bf16|avx512|avx2|scalar|torch; `describe_cpu_path` says which runs, for logs
 and benchmarks); W4A16 weights and KV caches carry that choice, and the layers call its methods.
@@ -44,6 +42,7 @@ from kvq.runtime.kernels.cpu.ops import CpuOps
 from kvq.runtime.kernels.cpu.path import describe_cpu_path
 from kvq.runtime.kernels.fused_moe import fused_moe_reference, fused_moe_torch
 from kvq.runtime.kernels.paged.attention import (
+    DecodeTables,
     PagedDecodePlan,
     paged_decode_attention_reference,
     plan_paged_decode,
@@ -62,6 +61,7 @@ from kvq.runtime.kernels.w4a16 import (
 __all__ = [
     "CPU_ISA_ENV",
     "CpuOps",
+    "DecodeTables",
     "KVQ_KERNELS_ENV",
     "PagedDecodePlan",
     "PagedKVCache",
@@ -70,13 +70,11 @@ __all__ = [
     "fused_moe_of",
     "fused_moe_reference",
     "fused_moe_w4a16",
-    "paged_decode_attention",
     "paged_decode_attention_reference",
     "plan_paged_decode",
     "prepare_w4a16",
     "resolve_backend",
     "resolve_cpu_isa",
-    "store_kv",
     "store_kv_reference",
     "w4a16_linear",
     "w4a16_linear_of",
@@ -151,36 +149,3 @@ def fused_moe_w4a16(
 ) -> torch.Tensor:
     """Routed experts' SiLU-gated MLP, weighted by topk_weights and summed: `[T, H]` in x.dtype."""
     return fused_moe_of(w13, w2)(x, topk_ids, topk_weights)
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-    sm_scale: float | None = None,
-    *,
-    max_seq_len: int | None = None,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """`PagedKVCache.decode_attention` over bare caches (see `kv_cache_layout`): `[B, Hq, D]` in q.dtype."""
-    kv = PagedKVCache.of(k_cache, v_cache, k_scale, v_scale, backend=backend)
-    return kv.decode_attention(q, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len)
-
-
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-    *,
-    backend: str | None = None,
-) -> None:
-    """`PagedKVCache.store` into bare caches: k, v `[T, Hkv, D]` into slots `slot_mapping` `[T]`."""
-    PagedKVCache.of(k_cache, v_cache, k_scale, v_scale, backend=backend).store(k, v, slot_mapping)

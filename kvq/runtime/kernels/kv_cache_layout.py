@@ -1,4 +1,4 @@
-"""The paged KV cache contract shared by `store_kv` and `paged_decode_attention`, and its checks.
+"""The paged KV cache contract shared by the KV store and decode attention (`PagedKVCache`), and its checks.
 
 Per layer: `k_cache`, `v_cache` `[num_pages, page_size, num_kv_heads, head_dim]`, bfloat16 or
 float8_e4m3fn (fp16/fp32 work too), innermost dim contiguous. `k_scale`/`v_scale`: fp32 per tensor
@@ -97,19 +97,6 @@ def kv_slot_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor |
         return k_cache.as_strided((2, num_pages * page_size, row), (distance, row, 1))
     except RuntimeError:
         return None
-
-
-def check_attention_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> tuple[int, int, int]:
-    """(page_size, num_kv_heads, head_dim) after checking shapes, dtypes, devices (ValueError/TypeError)."""
-    page_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_decode_queries(q, block_tables, seq_lens, k_cache)
-    return page_size, num_kv_heads, head_dim
 
 
 def check_decode_queries(

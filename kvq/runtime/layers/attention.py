@@ -46,11 +46,5 @@ class PagedAttention:
             return kv.prefill_attention(
                 q, batch.block_tables, batch.query_lens, batch.context_lens_list, self.sm_scale
             )
-        return kv.decode_attention(
-            q,
-            batch.block_tables,
-            batch.context_lens,
-            self.sm_scale,
-            max_seq_len=batch.max_context_len,
-            plan=batch.decode_plan if kv.backend == "torch" else None,  # the torch path's index work
-        )
+        tables = batch.planned_decode_tables if kv.backend == "torch" else batch.decode_tables
+        return kv.decode_attention(q, tables, self.sm_scale)

@@ -176,15 +176,10 @@ class MLAttention:
         W_UV: `[B, H, v]`."""
         kv = self.kv
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, R]
-        out_latent = kv.decode_attention(
-            torch.cat([q_latent, q_pe], dim=-1),
-            batch.block_tables,
-            batch.context_lens,
-            self.scale,
-            max_seq_len=batch.max_context_len,
-            plan=batch.decode_plan if kv.backend == "torch" else None,  # the torch path's index work
-            token_indices=token_indices,
-        )  # [B, H, R]
+        tables = batch.planned_decode_tables if kv.backend == "torch" else batch.decode_tables
+        if token_indices is not None:
+            tables = tables._replace(token_indices=token_indices)
+        out_latent = kv.decode_attention(torch.cat([q_latent, q_pe], dim=-1), tables, self.scale)  # [B, H, R]
         return torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
 
     def tensors(self) -> list[torch.Tensor]:

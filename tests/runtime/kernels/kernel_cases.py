@@ -15,6 +15,7 @@ import torch
 
 from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
 from kvq.formats.pack_quantized import pack_int4
+from kvq.runtime.kernels import DecodeTables, PagedKVCache
 from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache
 from kvq.runtime.kv_layout import LatentLayout
 
@@ -74,6 +75,13 @@ class PagedKV:
     v_scale: torch.Tensor
     k_real: list[torch.Tensor]  # per sequence [L, Hkv, D] fp32 values the cache encodes
     v_real: list[torch.Tensor]
+
+    def cache(self, backend: str | None = None) -> PagedKVCache:
+        return PagedKVCache.of(self.k_cache, self.v_cache, self.k_scale, self.v_scale, backend=backend)
+
+    @property
+    def tables(self) -> DecodeTables:
+        return DecodeTables(self.block_tables, self.seq_lens)
 
 
 def bf16_weight(packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -160,6 +168,10 @@ class PagedLatent:
     block_tables: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32
     rows: list[torch.Tensor]  # per sequence [L, R + rope] fp32 values the pages encode
+
+    @property
+    def tables(self) -> DecodeTables:
+        return DecodeTables(self.block_tables, self.seq_lens)
 
 
 def random_paged_latent(

@@ -97,8 +97,7 @@ def record_launches() -> list:
         kv = random_paged_kv([300, 17], 16, 2, 128, cache_dtype, True, gen)
         q = torch.randn(2, 16, 128).to(bf16)
         cache = PagedKVCache.of(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale, backend="triton")
-        tables = (kv.block_tables, kv.seq_lens)
-        paged_attention_triton.paged_decode_attention_triton(q, cache, *tables, num_splits=num_splits)
+        paged_attention_triton.paged_decode_attention_triton(q, cache, kv.tables, num_splits=num_splits)
         k = torch.randn(5, 2, 128).to(bf16)
         kv_store_triton.store_kv_triton(k, k, cache, torch.arange(5))
         latent = random_paged_latent([300, 17], 16, 512, 64, cache_dtype, gen, index_head_dim=128)
@@ -106,10 +105,10 @@ def record_launches() -> list:
         latent_cache = PagedLatentCache.of(
             latent.cache.latent_cache, 512, latent.cache.k_scale, backend="triton"
         )
-        tables = (latent.block_tables, latent.seq_lens)
         indices = torch.arange(64, dtype=torch.int32).expand(2, 64).contiguous() if num_splits == 1 else None
+        tables = latent.tables._replace(token_indices=indices)
         latent_attention_triton.latent_decode_attention_triton(
-            q, latent_cache, *tables, 0.1, token_indices=indices, num_splits=num_splits
+            q, latent_cache, tables, 0.1, num_splits=num_splits
         )
     return launches
 

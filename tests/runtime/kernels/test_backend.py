@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvq.errors import KvqError
-from kvq.runtime.kernels import KVQ_KERNELS_ENV, prepare_w4a16, resolve_backend, store_kv, w4a16_linear
+from kvq.runtime.kernels import KVQ_KERNELS_ENV, PagedKVCache, prepare_w4a16, resolve_backend, w4a16_linear
 from tests.runtime.kernels.kernel_cases import random_w4a16
 
 CPU = torch.device("cpu")
@@ -45,8 +45,8 @@ def test_forced_triton_on_cpu_runs_interpreted_and_agrees_with_torch() -> None:
     caches = [torch.zeros(3, 4, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(4)]
     k = torch.randn(5, 2, 64, generator=gen)
     slots = torch.tensor([0, 5, -1, 11, 2])
-    store_kv(k, k, caches[0], caches[1], slots, 0.01, 0.02, backend="torch")
-    store_kv(k, k, caches[2], caches[3], slots, 0.01, 0.02, backend="triton")
+    PagedKVCache.of(caches[0], caches[1], 0.01, 0.02, backend="torch").store(k, k, slots)
+    PagedKVCache.of(caches[2], caches[3], 0.01, 0.02, backend="triton").store(k, k, slots)
     assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
 
@@ -58,7 +58,8 @@ def test_package_imports_and_runs_without_triton() -> None:
         "import kvq.runtime.kernels as k\n"
         "assert k.resolve_backend(torch.device('cuda')) == 'torch'\n"
         "q = torch.randn(1, 2, 64); c = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)\n"
-        "k.paged_decode_attention(q, c, c, torch.tensor([[0]], dtype=torch.int32), torch.tensor([3]))\n"
+        "tables = k.DecodeTables(torch.tensor([[0]], dtype=torch.int32), torch.tensor([3]))\n"
+        "k.PagedKVCache.of(c, c).decode_attention(q, tables)\n"
         "assert not any(m == 'triton' or m.startswith('triton.') for m in sys.modules if sys.modules[m])\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -69,10 +70,10 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error() -> None:
     code = (
         "import torch\n"
         "from kvq.errors import KvqError\n"
-        "from kvq.runtime.kernels import store_kv\n"
+        "from kvq.runtime.kernels import PagedKVCache\n"
         "c = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16); k = torch.randn(1, 1, 64)\n"
         "try:\n"
-        "    store_kv(k, k, c, c, torch.tensor([0]), backend='triton')\n"
+        "    PagedKVCache.of(c, c, backend='triton').store(k, k, torch.tensor([0]))\n"
         "except KvqError as e:\n"
         "    print(e)\n"
     )

@@ -34,11 +34,10 @@ def test_decode_attention_reads_the_pages_in_place(
     q = torch.randn(len(seq_lens), 9, 64, generator=gen).bfloat16()
     tables, lens = kv.block_tables.to(index_dtype), kv.seq_lens.to(index_dtype)
     assert OPS.attention_applies(q, k_cache, tables, lens)
-    scales = PagedKVCache.of(k_cache, v_cache, kv.k_scale, kv.v_scale).stacked_scales
+    cache = PagedKVCache.of(k_cache, v_cache, kv.k_scale, kv.v_scale)
+    scales = cache.stacked_scales
     out = OPS.decode_attention(q, k_cache, v_cache, scales, tables, lens, 0.3)
-    expected = paged_decode_attention_reference(
-        q, k_cache, v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale, 0.3
-    )
+    expected = paged_decode_attention_reference(q, cache, kv.tables, 0.3)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()  # NaN in unowned slots never read
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert_close_rel(out, expected, REL_TOL[torch.bfloat16])
@@ -57,7 +56,8 @@ import os, torch
 import kvq.runtime.kernels  # the package first, as every kvq entry point imports it
 from kvq.runtime.kernels.cpu import _ops as _cpu_ops
 from kvq.runtime.kernels.cpu.ops import CpuOps
-from kvq.runtime.kernels.paged.attention import paged_decode_attention_reference
+from kvq.runtime.kernels.paged.attention import DecodeTables, paged_decode_attention_reference
+from kvq.runtime.kernels.paged.kv_cache import PagedKVCache
 torch.set_num_threads(3)
 q = torch.randn(8, 9, 64).bfloat16()
 k, v = torch.randn(2, 9, 16, 3, 64).bfloat16()
@@ -66,7 +66,7 @@ lens = torch.full((8,), 16, dtype=torch.int32)
 before = len(os.listdir("/proc/self/task"))
 out = CpuOps.choose().decode_attention(q, k, v, torch.ones(2, 3), tables, lens, 0.125)
 after = len(os.listdir("/proc/self/task"))
-ref = paged_decode_attention_reference(q, k, v, tables, lens, None, None, 0.125)
+ref = paged_decode_attention_reference(q, PagedKVCache.of(k, v), DecodeTables(tables, lens), 0.125)
 print(_cpu_ops.has_thread_pool(), after - before, float((out.float() - ref.float()).abs().max()))
 """
 

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from kvq.runtime.kernels import (
+    DecodeTables,
     fused_moe_reference,
     fused_moe_w4a16,
-    paged_decode_attention,
     paged_decode_attention_reference,
     prepare_w4a16,
-    store_kv,
     store_kv_reference,
     w4a16_linear,
     w4a16_reference,
@@ -87,9 +86,11 @@ def test_paged_decode_attention_on_cuda(
     gen = torch.Generator().manual_seed(len(seq_lens) * head_dim)
     kv = random_paged_kv(seq_lens, page_size, 2, head_dim, cache_dtype, is_per_head, gen)
     q = torch.randn(len(seq_lens), 2 * queries_per_kv, head_dim, generator=gen).to(BF16)
-    args = (kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale)
-    y = paged_decode_attention(q.to(CUDA), *(a.to(CUDA) for a in args))
-    assert_close_rel(y.cpu(), paged_decode_attention_reference(q.float(), *args), REL_TOL[BF16])
+    pages = (kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale)
+    on_cuda = PagedKVCache.of(*(a.to(CUDA) for a in pages))
+    y = on_cuda.decode_attention(q.to(CUDA), DecodeTables(kv.block_tables.to(CUDA), kv.seq_lens.to(CUDA)))
+    expected = paged_decode_attention_reference(q.float(), kv.cache(), kv.tables)
+    assert_close_rel(y.cpu(), expected, REL_TOL[BF16])
 
 
 @pytest.mark.parametrize(
@@ -104,9 +105,9 @@ def test_store_kv_fp8_on_cuda(cache_dtype: torch.dtype, is_per_head: bool) -> No
     slots[::5] = -1
     k_scale = torch.rand(num_kv_heads, generator=gen) / 40 + 0.01 if is_per_head else torch.tensor(0.02)
     caches = [torch.zeros(10, page_size, num_kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
-    store_kv_reference(k, v, *caches, slots, k_scale, 0.01)
+    store_kv_reference(k, v, PagedKVCache.of(*caches, k_scale, 0.01), slots)
     on_cuda = [torch.zeros_like(c, device=CUDA) for c in caches]
-    store_kv(k.to(CUDA), v.to(CUDA), *on_cuda, slots.to(CUDA), k_scale.to(CUDA), 0.01)
+    PagedKVCache.of(*on_cuda, k_scale.to(CUDA), 0.01).store(k.to(CUDA), v.to(CUDA), slots.to(CUDA))
     for actual, expected in zip(on_cuda, caches, strict=True):
         steps = (actual.cpu().view(torch.uint8).int() - expected.view(torch.uint8).int()).abs()
         assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3  # same sign: adjacent codes differ by 1
@@ -117,9 +118,9 @@ def test_store_kv_bf16_on_cuda_is_exact() -> None:
     k = torch.randn(9, 4, 64, generator=gen)  # fp32 input, rounded to bf16 pages
     slots = torch.tensor([0, 3, -1, 7, 8, 20, 21, 1, 2])
     expected = [torch.zeros(4, 8, 4, 64, dtype=BF16) for _ in range(2)]
-    store_kv_reference(k, k, *expected, slots)
+    store_kv_reference(k, k, PagedKVCache.of(*expected), slots)
     actual = [torch.zeros_like(c, device=CUDA) for c in expected]
-    store_kv(k.to(CUDA), k.to(CUDA), *actual, slots.to(CUDA))
+    PagedKVCache.of(*actual).store(k.to(CUDA), k.to(CUDA), slots.to(CUDA))
     assert all(torch.equal(a.cpu(), e) for a, e in zip(actual, expected, strict=True))
 
 
@@ -161,11 +162,9 @@ def test_latent_decode_attention_on_cuda(
     cache = pages.cache
     on_cuda = PagedLatentCache.of(cache.latent_cache.to(CUDA), rank, cache.k_scale.to(CUDA))
     assert on_cuda.backend == "triton"
+    tables = pages.tables._replace(token_indices=indices)
     y = on_cuda.decode_attention(
-        q.to(CUDA), pages.block_tables.to(CUDA), pages.seq_lens.to(CUDA), 0.1,
-        token_indices=None if indices is None else indices.to(CUDA),
-    )  # fmt: skip
-    expected = latent_decode_attention_reference(
-        q.float(), cache.latent_cache, rank, pages.block_tables, pages.seq_lens, 0.1, cache.k_scale, indices
+        q.to(CUDA), DecodeTables(*(a if a is None else a.to(CUDA) for a in tables)), 0.1
     )
+    expected = latent_decode_attention_reference(q.float(), cache, tables, 0.1)
     assert_close_rel(y.cpu(), expected, REL_TOL[BF16])

@@ -10,8 +10,6 @@ import torch
 
 from kvq.runtime.kernels import PagedKVCache, store_kv_reference
 from kvq.runtime.kernels.kv_cache_layout import kv_slot_rows
-from kvq.runtime.kernels.paged.kv_store import store_kv_torch
-from kvq.runtime.kernels.triton.kv_store import store_kv_triton
 
 FP8 = torch.float8_e4m3fn
 
@@ -72,8 +70,8 @@ def test_triton_writes_the_reference_bytes(
     )
     expected = _empty_caches(6, 5, num_kv_heads, head_dim, cache_dtype)
     actual = tuple(c.clone() for c in expected)
-    store_kv_reference(k, v, *expected, slot_mapping, k_scale, v_scale)
-    store_kv_triton(k, v, PagedKVCache.of(*actual, k_scale, v_scale, backend="triton"), slot_mapping)
+    store_kv_reference(k, v, PagedKVCache.of(*expected, k_scale, v_scale), slot_mapping)
+    PagedKVCache.of(*actual, k_scale, v_scale, backend="triton").store(k, v, slot_mapping)
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(_bytes(a), _bytes(e))
 
@@ -116,9 +114,9 @@ def test_torch_path_writes_the_reference_bytes(
     )
     expected = _empty_caches(6, 5, num_kv_heads, head_dim, cache_dtype)
     actual = _empty_caches(6, 5, num_kv_heads, head_dim, cache_dtype, layout)
-    store_kv_reference(k, v, *expected, slot_mapping, k_scale, v_scale)
+    store_kv_reference(k, v, PagedKVCache.of(*expected, k_scale, v_scale), slot_mapping)
     assert (kv_slot_rows(*actual) is not None) == (layout == "pool")  # one row copy, else indexed writes
-    store_kv_torch(k, v, PagedKVCache.of(*actual, k_scale, v_scale), slot_mapping)
+    PagedKVCache.of(*actual, k_scale, v_scale, backend="torch").store(k, v, slot_mapping)
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(_bytes(a), _bytes(e))
 
@@ -133,14 +131,16 @@ def test_fp8_store_rounds_every_e4m3_midpoint_to_even() -> None:
     k = probes.view(-1, 1, 8)  # [T, 1, 8]
     slot_mapping = torch.arange(k.shape[0])
     caches = _empty_caches(k.shape[0], 1, 1, 8, FP8)
-    store_kv_triton(k, k, PagedKVCache.of(*caches, 1.0, 1.0, backend="triton"), slot_mapping)
+    PagedKVCache.of(*caches, 1.0, 1.0, backend="triton").store(k, k, slot_mapping)
     assert torch.equal(_bytes(caches[0].view(-1)), _bytes(probes.to(FP8)))
 
 
 def test_reference_quantizes_with_scale_and_clamp_and_skips_negative_slots() -> None:
     k = torch.tensor([[[0.5, -1.0, 100.0, -100.0]], [[9.0, 9.0, 9.0, 9.0]]])  # [T=2, Hkv=1, D=4]
     k_cache, v_cache = _empty_caches(2, 2, 1, 4, FP8)
-    store_kv_reference(k, k, k_cache, v_cache, torch.tensor([3, -1]), torch.tensor(0.125), 0.5)
+    store_kv_reference(
+        k, k, PagedKVCache.of(k_cache, v_cache, torch.tensor(0.125), 0.5), torch.tensor([3, -1])
+    )
     assert torch.equal(
         k_cache[1, 1, 0].float() * 0.125, torch.tensor([0.5, -1.0, 56.0, -56.0])
     )  # 448 * 0.125

@@ -14,7 +14,7 @@ from kvq.runtime.kernels.paged.latent_attention import (
     latent_decode_attention_reference,
     latent_decode_attention_torch,
 )
-from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache, store_latent, store_latent_reference
+from kvq.runtime.kernels.paged.latent_cache import PagedLatentCache, store_latent_reference
 from kvq.runtime.kernels.triton.latent_attention import latent_decode_attention_triton
 from kvq.runtime.kv_layout import LatentLayout
 from tests.runtime.kernels.kernel_cases import (
@@ -47,11 +47,9 @@ def _inputs(case: tuple, gen: torch.Generator, num_seqs: int | None = None):
 
 
 def _reference(q: torch.Tensor, pages, token_indices: torch.Tensor | None = None) -> torch.Tensor:
-    cache = pages.cache
     return latent_decode_attention_reference(
-        q.float(), cache.latent_cache, cache.kv_lora_rank, pages.block_tables, pages.seq_lens, 0.3,
-        cache.k_scale, token_indices,
-    )  # fmt: skip
+        q.float(), pages.cache, pages.tables._replace(token_indices=token_indices), 0.3
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -59,7 +57,7 @@ def test_triton_matches_reference(case: tuple) -> None:
     gen = torch.Generator().manual_seed(case[0] * case[2])
     pages, q = _inputs(case, gen)
     cache = PagedLatentCache.of(pages.cache.latent_cache, case[2], pages.cache.k_scale, backend="triton")
-    y = latent_decode_attention_triton(q, cache, pages.block_tables, pages.seq_lens, 0.3, num_splits=case[-1])
+    y = latent_decode_attention_triton(q, cache, pages.tables, 0.3, num_splits=case[-1])
     assert y.dtype == q.dtype and torch.isfinite(y).all()
     assert_close_rel(y, _reference(q, pages), REL_TOL[q.dtype])
     assert torch.equal(y[-1], torch.zeros_like(y[-1]))  # the empty sequence
@@ -71,9 +69,8 @@ def test_triton_sparse_matches_reference(case: tuple) -> None:
     pages, q = _inputs(case, gen)
     indices = random_selection(pages.seq_lens, 2 * case[0] - 1, gen)
     cache = PagedLatentCache.of(pages.cache.latent_cache, case[2], pages.cache.k_scale, backend="triton")
-    y = latent_decode_attention_triton(
-        q, cache, pages.block_tables, pages.seq_lens, 0.3, token_indices=indices, num_splits=case[-1]
-    )
+    tables = pages.tables._replace(token_indices=indices)
+    y = latent_decode_attention_triton(q, cache, tables, 0.3, num_splits=case[-1])
     assert_close_rel(y, _reference(q, pages, indices), REL_TOL[q.dtype])
 
 
@@ -83,17 +80,15 @@ def test_triton_sparse_matches_reference(case: tuple) -> None:
 def test_torch_path_matches_reference(case: tuple, num_seqs: int, mode: str) -> None:
     gen = torch.Generator().manual_seed(case[0] * case[2] + num_seqs)
     pages, q = _inputs(case, gen, num_seqs)
-    args = (q, pages.cache, pages.block_tables, pages.seq_lens, 0.3)
-    indices = None
+    tables, indices = pages.tables, None
     if mode == "planned":  # the step's plan over a bound the scheduler knows, one KV head
         bound = int(pages.seq_lens.max()) + 7
         plan = plan_paged_decode(pages.block_tables, pages.seq_lens, case[0], 1, bound)
-        y = latent_decode_attention_torch(*args, max_seq_len=bound, plan=plan)
+        tables = tables._replace(max_seq_len=bound, plan=plan)
     elif mode == "sparse":
         indices = random_selection(pages.seq_lens, 5, gen)
-        y = latent_decode_attention_torch(*args, token_indices=indices)
-    else:
-        y = latent_decode_attention_torch(*args)
+        tables = tables._replace(token_indices=indices)
+    y = latent_decode_attention_torch(q, pages.cache, tables, 0.3)
     assert y.dtype == q.dtype and torch.isfinite(y).all()  # the NaN in unowned slots never leaks in
     assert_close_rel(y, _reference(q, pages, indices), REL_TOL[q.dtype])
 
@@ -134,7 +129,7 @@ def test_torch_store_writes_the_reference_bytes(cache_dtype: torch.dtype, index_
     index_k = torch.randn(7, index_dim, generator=gen) if index_dim else None
     store_latent_reference(expected, kv_c, k_pe, slot_mapping, 0.013)
     cache = PagedLatentCache.of(latent, rank, torch.tensor([0.013]), index_keys)
-    store_latent(cache, kv_c, k_pe, slot_mapping, index_k)
+    cache.store(kv_c, k_pe, slot_mapping, index_k)
     assert torch.equal(latent.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8))
     if index_keys is not None and index_k is not None:
         kept = slot_mapping >= 0
@@ -148,6 +143,4 @@ def test_torch_store_writes_the_reference_bytes(cache_dtype: torch.dtype, index_
 def test_rejects_queries_of_another_width() -> None:
     pages = random_paged_latent([3], 4, 32, 16, torch.bfloat16, torch.Generator().manual_seed(6))
     with pytest.raises(ValueError, match=r"expected \[B, H, 48\]"):
-        latent_decode_attention_torch(
-            torch.randn(1, 2, 40), pages.cache, pages.block_tables, pages.seq_lens, 0.3
-        )
+        latent_decode_attention_torch(torch.randn(1, 2, 40), pages.cache, pages.tables, 0.3)

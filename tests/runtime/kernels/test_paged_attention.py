@@ -7,12 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvq.runtime.kernels import (
-    PagedKVCache,
-    paged_decode_attention,
-    paged_decode_attention_reference,
-    plan_paged_decode,
-)
+from kvq.runtime.kernels import PagedKVCache, paged_decode_attention_reference, plan_paged_decode
 from kvq.runtime.kernels.paged.attention import paged_decode_attention_torch
 from kvq.runtime.kernels.triton.paged_attention import paged_decode_attention_triton
 from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
@@ -61,13 +56,9 @@ def test_triton_matches_reference(
         _seq_lens(page_size), page_size, num_kv_heads, head_dim, cache_dtype, is_per_head, gen
     )
     q = torch.randn(len(kv.seq_lens), num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
-    cache = PagedKVCache.of(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale, backend="triton")
-    y = paged_decode_attention_triton(
-        q, cache, kv.block_tables, kv.seq_lens, sm_scale=0.3, num_splits=num_splits
-    )
-    expected = paged_decode_attention_reference(
-        q.float(), kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale, sm_scale=0.3
-    )
+    cache = kv.cache(backend="triton")
+    y = paged_decode_attention_triton(q, cache, kv.tables, sm_scale=0.3, num_splits=num_splits)
+    expected = paged_decode_attention_reference(q.float(), cache, kv.tables, sm_scale=0.3)
     assert y.dtype == dtype and not torch.isnan(y).any()
     assert_close_rel(y, expected, REL_TOL[dtype])
 
@@ -107,17 +98,13 @@ def test_torch_path_matches_reference(
     seq_lens = (_seq_lens(page_size) * 7)[:num_seqs]
     kv = random_paged_kv(seq_lens, page_size, num_kv_heads, head_dim, cache_dtype, is_per_head, gen)
     q = torch.randn(num_seqs, num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
-    cache = PagedKVCache.of(kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale)
-    args = (q, cache, kv.block_tables, kv.seq_lens, 0.3)
+    cache, tables = kv.cache(), kv.tables
     if is_planned:  # the step's plan, over a bound the scheduler knows (it may exceed every length)
         max_seq_len = max(seq_lens) + 7
         plan = plan_paged_decode(kv.block_tables, kv.seq_lens, page_size, num_kv_heads, max_seq_len)
-        y = paged_decode_attention_torch(*args, max_seq_len=max_seq_len, plan=plan)
-    else:
-        y = paged_decode_attention_torch(*args)
-    expected = paged_decode_attention_reference(
-        q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale, 0.3
-    )
+        tables = tables._replace(max_seq_len=max_seq_len, plan=plan)
+    y = paged_decode_attention_torch(q, cache, tables, 0.3)
+    expected = paged_decode_attention_reference(q, cache, kv.tables, 0.3)
     assert y.dtype == dtype and torch.isfinite(y).all()  # the NaN in unowned slots never leaks in
     assert_close_rel(y, expected, REL_TOL[dtype])
 
@@ -128,7 +115,7 @@ def test_torch_path_rejects_a_plan_of_another_batch() -> None:
     q = torch.randn(2, 4, 64)
     cache = PagedKVCache.of(kv.k_cache, kv.v_cache)
     with pytest.raises(ValueError, match="plan has context_slots"):
-        paged_decode_attention_torch(q, cache, kv.block_tables, kv.seq_lens, plan=plan)
+        paged_decode_attention_torch(q, cache, kv.tables._replace(plan=plan))
 
 
 @pytest.mark.parametrize(("cache_dtype", "is_per_head"), [(FP8, True), (FP8, False), (torch.bfloat16, False)])
@@ -136,9 +123,7 @@ def test_reference_matches_dense_sdpa(cache_dtype: torch.dtype, is_per_head: boo
     gen = torch.Generator().manual_seed(7)
     kv = random_paged_kv(_seq_lens(16), 16, 2, 64, cache_dtype, is_per_head, gen)
     q = torch.randn(len(kv.seq_lens), 6, 64, generator=gen)
-    y = paged_decode_attention_reference(
-        q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale
-    )
+    y = paged_decode_attention_reference(q, kv.cache(), kv.tables)
     # fp8 pages hold K/V to within half an e4m3 step (2^-4 relative); compare with a matching tolerance
     rel = 0.1 if cache_dtype == FP8 else 2e-2
     for b, (k, v) in enumerate(zip(kv.k_real, kv.v_real, strict=True)):
@@ -152,9 +137,8 @@ def test_empty_sequence_gives_zeros_and_api_dispatches() -> None:
     gen = torch.Generator().manual_seed(8)
     kv = random_paged_kv([0, 5, 20], 8, 2, 64, FP8, True, gen)
     q = torch.randn(3, 4, 64, generator=gen, dtype=torch.float16)
-    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, kv.k_scale, kv.v_scale)
-    by_torch = paged_decode_attention(*args, backend="torch")
-    by_triton = paged_decode_attention(*args, backend="triton", max_seq_len=20)
+    by_torch = kv.cache(backend="torch").decode_attention(q, kv.tables)
+    by_triton = kv.cache(backend="triton").decode_attention(q, kv.tables._replace(max_seq_len=20))
     assert torch.equal(by_torch[0], torch.zeros_like(q[0])) and torch.equal(
         by_triton[0], torch.zeros_like(q[0])
     )
@@ -166,4 +150,4 @@ def test_rejects_q_heads_not_a_multiple_of_kv_heads() -> None:
     kv = random_paged_kv([3], 8, 2, 64, torch.bfloat16, False, gen)
     q = torch.randn(1, 3, 64)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, backend="torch")
+        PagedKVCache.of(kv.k_cache, kv.v_cache, backend="torch").decode_attention(q, kv.tables)

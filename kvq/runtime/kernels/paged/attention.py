@@ -17,14 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvq.formats.fp8_e4m3 import fp8_bits_to
-from kvq.runtime.kernels.kv_cache_layout import (
-    check_attention_inputs,
-    check_decode_queries,
-    default_sm_scale,
-    dequantize_kv,
-    is_fp8,
-    per_head_scale,
-)
+from kvq.runtime.kernels.kv_cache_layout import check_decode_queries, default_sm_scale, dequantize_kv, is_fp8
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
@@ -49,29 +42,38 @@ class PagedDecodePlan(NamedTuple):  # a tuple: made by every layer of a step fro
     is_empty: torch.Tensor | None = None
 
 
+class DecodeTables(
+    NamedTuple
+):  # a tuple: made once a step (`ForwardBatch.decode_tables`), read by every layer
+    """What a decode step's attention reads besides q and the pages: `block_tables` int32 `[B, max_pages]`
+    (`kv_cache_layout`), `seq_lens` `[B]` (the context each query attends to), `max_seq_len` >= every
+    seq_len (known to the scheduler; None: read from seq_lens, a device sync), `plan` (the step's
+    `plan_paged_decode`, shared by every layer: spares the torch path its index work; Triton ignores it)
+    and, for MLA only, `token_indices` `[B, K]` (DSA's selection: the positions attended to, -1 = none)."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int | None = None
+    plan: PagedDecodePlan | None = None
+    token_indices: torch.Tensor | None = None
+
+
 def paged_decode_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-    sm_scale: float | None = None,
+    q: torch.Tensor, kv: PagedKVPages, tables: DecodeTables, sm_scale: float | None = None
 ) -> torch.Tensor:
     """The spec, in fp32, one sequence at a time: `[B, Hq, D]` in q.dtype."""
-    page_size, num_kv_heads, head_dim = check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    block_tables, seq_lens = tables.block_tables, tables.seq_lens
+    check_decode_queries(q, block_tables, seq_lens, kv.k_cache)
+    _, page_size, num_kv_heads, head_dim = kv.k_cache.shape
     sm_scale = default_sm_scale(head_dim) if sm_scale is None else sm_scale
-    k_scale = per_head_scale(k_scale, num_kv_heads, q.device, "k_scale")
-    v_scale = per_head_scale(v_scale, num_kv_heads, q.device, "v_scale")
     queries_per_kv = q.shape[1] // num_kv_heads
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [B, Hq, D]
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
         pages = block_tables[b, : -(-seq_len // page_size)].long()
-        k = dequantize_kv(k_cache[pages].flatten(0, 1)[:seq_len], k_scale)  # [L, Hkv, D]
-        v = dequantize_kv(v_cache[pages].flatten(0, 1)[:seq_len], v_scale)
+        k = dequantize_kv(kv.k_cache[pages].flatten(0, 1)[:seq_len], kv.k_scale)  # [L, Hkv, D]
+        v = dequantize_kv(kv.v_cache[pages].flatten(0, 1)[:seq_len], kv.v_scale)
         k = k.repeat_interleave(queries_per_kv, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(queries_per_kv, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * sm_scale  # [Hq, L]
@@ -138,20 +140,14 @@ def _gather_kv(kv: PagedKVPages, slots: torch.Tensor) -> torch.Tensor:
 
 
 def paged_decode_attention_torch(
-    q: torch.Tensor,
-    kv: PagedKVPages,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float | None = None,
-    *,
-    max_seq_len: int | None = None,
-    plan: PagedDecodePlan | None = None,
+    q: torch.Tensor, kv: PagedKVPages, tables: DecodeTables, sm_scale: float | None = None
 ) -> torch.Tensor:
     """The torch path: every sequence at once with batched matmuls: `[B, Hq, D]` in q.dtype.
 
     FP8 pages are read by moving bits (value * 2^-120); the scale * 2^120 factors go on the (small) query
     for K and on the output for V instead of on every K/V element.
     """
+    block_tables, seq_lens, max_seq_len, plan, _ = tables
     check_decode_queries(q, block_tables, seq_lens, kv.k_cache)
     _, page_size, num_kv_heads, head_dim = kv.k_cache.shape
     ops = kv.cpu_ops

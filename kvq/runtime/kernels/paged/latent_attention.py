@@ -18,8 +18,7 @@ import torch
 
 from kvq.formats.fp8_e4m3 import fp8_bits_to
 from kvq.runtime.kernels.kv_cache_layout import is_fp8
-from kvq.runtime.kernels.paged.attention import PagedDecodePlan, plan_paged_decode
-from kvq.runtime.kernels.paged.latent_pages import latent_scale
+from kvq.runtime.kernels.paged.attention import DecodeTables, plan_paged_decode
 
 if TYPE_CHECKING:
     from kvq.runtime.kernels.paged.latent_pages import PagedLatentPages
@@ -27,14 +26,10 @@ if TYPE_CHECKING:
 _SMALL_ATTENTION = 1024  # as for GQA: up to this many queries x slots, fp32 matmuls are the fastest on CPU
 
 
-def check_latent_queries(
-    q: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    latent_cache: torch.Tensor,
-    token_indices: torch.Tensor | None = None,
-) -> None:
-    """q, block_tables, seq_lens (and token_indices) against checked latent pages (ValueError/TypeError)."""
+def check_latent_queries(q: torch.Tensor, tables: DecodeTables, latent_cache: torch.Tensor) -> None:
+    """q and the tables (block_tables, seq_lens, token_indices) against checked latent pages
+    (ValueError/TypeError)."""
+    block_tables, seq_lens, _, _, token_indices = tables
     width, num_seqs = latent_cache.shape[2], q.shape[0] if q.dim() == 3 else -1
     if q.dim() != 3 or q.shape[2] != width:
         raise ValueError(f"q has shape {tuple(q.shape)}, expected [B, H, {width}] (q_nope @ W_UK ++ q_pe)")
@@ -65,19 +60,13 @@ def selected_slots(
 
 
 def latent_decode_attention_reference(
-    q: torch.Tensor,
-    latent_cache: torch.Tensor,
-    kv_lora_rank: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    k_scale: torch.Tensor | float | None = None,
-    token_indices: torch.Tensor | None = None,
+    q: torch.Tensor, cache: PagedLatentPages, tables: DecodeTables, sm_scale: float
 ) -> torch.Tensor:
     """The spec, in fp32, one sequence at a time: `[B, H, R]` in q.dtype."""
-    check_latent_queries(q, block_tables, seq_lens, latent_cache, token_indices)
+    latent_cache, kv_lora_rank, scale = cache.latent_cache, cache.kv_lora_rank, cache.k_scale
+    check_latent_queries(q, tables, latent_cache)
+    block_tables, seq_lens, _, _, token_indices = tables
     page_size = latent_cache.shape[1]
-    scale = latent_scale(k_scale, q.device)
     out = torch.zeros(*q.shape[:2], kv_lora_rank, dtype=torch.float32, device=q.device)  # [B, H, R]
     for b, seq_len in enumerate(seq_lens.tolist()):
         if token_indices is None:
@@ -99,22 +88,15 @@ def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def latent_decode_attention_torch(
-    q: torch.Tensor,
-    cache: PagedLatentPages,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    *,
-    max_seq_len: int | None = None,
-    plan: PagedDecodePlan | None = None,
-    token_indices: torch.Tensor | None = None,
+    q: torch.Tensor, cache: PagedLatentPages, tables: DecodeTables, sm_scale: float
 ) -> torch.Tensor:
     """The torch path: every sequence at once with batched matmuls over gathered rows: `[B, H, R]`.
 
     FP8 rows are read by moving bits (value * 2^-120); scale * 2^120 goes on the query (for the scores)
     and on the output (for the values) instead of on every element.
     """
-    check_latent_queries(q, block_tables, seq_lens, cache.latent_cache, token_indices)
+    check_latent_queries(q, tables, cache.latent_cache)
+    block_tables, seq_lens, max_seq_len, plan, token_indices = tables
     num_seqs, num_heads, width = q.shape
     rank, page_size, out_dtype = cache.kv_lora_rank, cache.page_size, q.dtype
     is_empty: torch.Tensor | None = None

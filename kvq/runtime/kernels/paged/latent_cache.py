@@ -18,57 +18,12 @@ import torch
 
 from kvq.runtime.kernels.integrity.stamp_check import write_stamps
 from kvq.runtime.kernels.kv_cache_layout import is_fp8, quantize_kv
-from kvq.runtime.kernels.paged.attention import PagedDecodePlan
+from kvq.runtime.kernels.paged.attention import DecodeTables
 from kvq.runtime.kernels.paged.latent_pages import PagedLatentPages, latent_scale
 
 
-@dataclass(frozen=True, eq=False)
-class PagedLatentCache(PagedLatentPages):
-    """`PagedLatentPages` with the calls bound to its backend: store and decode attention."""
-
-    def store(
-        self,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        index_k: torch.Tensor | None = None,
-        slot_stamps: torch.Tensor | None = None,
-    ) -> None:
-        """Write rows `kv_c ++ k_pe` (`[T, R]`, `[T, rope]`) and the indexer's keys `[T, Di]` (with index
-        pages) into slots `slot_mapping` `[T]`; FP8 pages quantize with k_scale. With `slot_stamps` `[T]`
-        int64 and stamped pages, each written slot's stamp too."""
-        store_latent(self, kv_c, k_pe, slot_mapping, index_k, slot_stamps)
-
-    def decode_attention(
-        self,
-        q: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        sm_scale: float,
-        *,
-        max_seq_len: int | None = None,
-        plan: PagedDecodePlan | None = None,
-        token_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Absorbed MLA decode: q `[B, H, R + rope]` (W_UK folded in) over the latent rows -> `[B, H, R]`
-        (W_UV still to apply), softmax over each sequence's first seq_lens[b] tokens, or over the
-        positions `token_indices` `[B, K]` (DSA's selection, -1 = none). See `paged.latent_attention`."""
-        if self.backend == "torch":
-            from kvq.runtime.kernels.paged.latent_attention import latent_decode_attention_torch
-
-            return latent_decode_attention_torch(
-                q, self, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len, plan=plan,
-                token_indices=token_indices,
-            )  # fmt: skip
-        from kvq.runtime.kernels.triton.latent_attention import latent_decode_attention_triton
-
-        return latent_decode_attention_triton(
-            q, self, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len, token_indices=token_indices
-        )
-
-
 def check_new_rows(
-    cache: PagedLatentCache,
+    cache: PagedLatentPages,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -116,28 +71,47 @@ def store_latent_reference(
     )
 
 
-def store_latent(
-    cache: PagedLatentCache,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    index_k: torch.Tensor | None = None,
-    slot_stamps: torch.Tensor | None = None,
-) -> None:
-    """The torch path of `PagedLatentCache.store`: the reference's writes as one row copy (bytes for FP8,
-    which index_copy_ has no kernel for on CPU), the index keys likewise, and the slot stamps."""
-    check_new_rows(cache, kv_c, k_pe, slot_mapping, index_k)
-    if cache.stamps is not None and slot_stamps is not None:
-        write_stamps(cache.stamps, slot_mapping, slot_stamps)
-    if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # rare: drop the skipped tokens
-        kept = (slot_mapping >= 0).nonzero().squeeze(1)
-        kv_c, k_pe, slot_mapping = kv_c[kept], k_pe[kept], slot_mapping[kept]
-        index_k = None if index_k is None else index_k[kept]
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
-    rows, stored = cache.latent_rows, torch.cat([kv_c, k_pe], dim=-1)  # [T, W]
-    if is_fp8(rows):
-        stored = quantize_kv(stored, rows.dtype, cache.k_scale).view(torch.uint8)
-        rows = rows.view(torch.uint8)
-    rows.index_copy_(0, slots, stored.to(rows.dtype))
-    if index_k is not None and cache.index_rows is not None:
-        cache.index_rows.index_copy_(0, slots, index_k.to(cache.index_rows.dtype))
+@dataclass(frozen=True, eq=False)
+class PagedLatentCache(PagedLatentPages):
+    """`PagedLatentPages` with the calls bound to its backend: store and decode attention."""
+
+    def store(
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        index_k: torch.Tensor | None = None,
+        slot_stamps: torch.Tensor | None = None,
+    ) -> None:
+        """Write rows `kv_c ++ k_pe` (`[T, R]`, `[T, rope]`) and the indexer's keys `[T, Di]` (with index
+        pages) into slots `slot_mapping` `[T]` (negative: skip); FP8 pages quantize with k_scale. With
+        `slot_stamps` `[T]` int64 and stamped pages, each written slot's stamp too. One torch path on every
+        backend: the reference's writes as one row copy (bytes for FP8, which index_copy_ has no kernel for
+        on CPU), the index keys likewise, and the slot stamps."""
+        check_new_rows(self, kv_c, k_pe, slot_mapping, index_k)
+        if self.stamps is not None and slot_stamps is not None:
+            write_stamps(self.stamps, slot_mapping, slot_stamps)
+        if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # rare: drop the skipped tokens
+            kept = (slot_mapping >= 0).nonzero().squeeze(1)
+            kv_c, k_pe, slot_mapping = kv_c[kept], k_pe[kept], slot_mapping[kept]
+            index_k = None if index_k is None else index_k[kept]
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+        rows, stored = self.latent_rows, torch.cat([kv_c, k_pe], dim=-1)  # [T, W]
+        if is_fp8(rows):
+            stored = quantize_kv(stored, rows.dtype, self.k_scale).view(torch.uint8)
+            rows = rows.view(torch.uint8)
+        rows.index_copy_(0, slots, stored.to(rows.dtype))
+        if index_k is not None and self.index_rows is not None:
+            self.index_rows.index_copy_(0, slots, index_k.to(self.index_rows.dtype))
+
+    def decode_attention(self, q: torch.Tensor, tables: DecodeTables, sm_scale: float) -> torch.Tensor:
+        """Absorbed MLA decode: q `[B, H, R + rope]` (W_UK folded in) over the latent rows -> `[B, H, R]`
+        (W_UV still to apply), softmax over each sequence's first seq_lens[b] tokens, or over the positions
+        `tables.token_indices` `[B, K]` (DSA's selection, -1 = none). See `paged.latent_attention`."""
+        if self.backend == "torch":
+            from kvq.runtime.kernels.paged.latent_attention import latent_decode_attention_torch
+
+            return latent_decode_attention_torch(q, self, tables, sm_scale)
+        from kvq.runtime.kernels.triton.latent_attention import latent_decode_attention_triton
+
+        return latent_decode_attention_triton(q, self, tables, sm_scale)

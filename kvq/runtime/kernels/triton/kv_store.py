@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kvq.formats.fp8_e4m3 import FP8_E4M3_MAX
-from kvq.runtime.kernels.kv_cache_layout import check_new_kv, is_fp8
+from kvq.runtime.kernels.kv_cache_layout import is_fp8
 from kvq.runtime.kernels.triton.launch import is_interpreted, kernel_for, next_pow2
 
 if TYPE_CHECKING:
@@ -112,22 +112,18 @@ def store_kv_triton(
     v: torch.Tensor,
     kv: PagedKVPages,
     slot_mapping: torch.Tensor,
-    slot_stamps: torch.Tensor | None = None,
+    stamps: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Triton path of `PagedKVCache.store`: in place, one program per token of `slot_mapping` `[T]`; with
-    `slot_stamps` int64 `[T]` and stamped pages (`kv.stamps`), each written slot's stamp too."""
+    """Triton path of `PagedKVCache.store` (`paged.kv_store.store_kv` checked k, v and the slots): in place,
+    one program per token of `slot_mapping` `[T]`; with `stamps`, the pool's slot stamps (`kv.stamps`) and
+    the tokens' (int64 `[T]`), each written slot's stamp too."""
     k_cache, v_cache, k_scale, v_scale = kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale  # [Hkv] scales
-    check_new_kv(k, v, slot_mapping, k_cache)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    stamps = kv.stamps if slot_stamps is not None else None
-    if (
-        stamps is not None
-        and slot_stamps is not None
-        and (slot_stamps.shape != slot_mapping.shape or slot_stamps.dtype != torch.int64)
-    ):
+    pool_stamps, slot_stamps = (slot_mapping, slot_mapping) if stamps is None else stamps  # unread: none
+    if stamps is not None and (slot_stamps.shape != slot_mapping.shape or slot_stamps.dtype != torch.int64):
         raise ValueError(
             f"slot_stamps must be int64 {tuple(slot_mapping.shape)}, got {slot_stamps.dtype} "
             f"{tuple(slot_stamps.shape)}"
@@ -141,10 +137,10 @@ def store_kv_triton(
         (k_cache.stride(), v_cache.stride()),
         (k_scale.stride(), v_scale.stride()),
         slot_mapping,
-        slot_mapping if stamps is None else stamps,  # not read without stamps
-        slot_mapping if slot_stamps is None else slot_stamps,
+        pool_stamps,
+        slot_stamps,
         page_size,
-        0 if stamps is None else stamps.stride(0),
+        0 if stamps is None else pool_stamps.stride(0),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         IS_FP8=is_fp8(k_cache),

@@ -29,6 +29,7 @@ from kvq.runtime.kernels.triton.paged_attention import (
 )
 
 if TYPE_CHECKING:
+    from kvq.runtime.kernels.paged.attention import DecodeTables
     from kvq.runtime.kernels.paged.latent_pages import PagedLatentPages
 
 
@@ -127,17 +128,16 @@ def latent_decode_kernel(
 def latent_decode_attention_triton(
     q: torch.Tensor,
     cache: PagedLatentPages,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    tables: DecodeTables,
     sm_scale: float,
-    max_seq_len: int | None = None,
-    token_indices: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Triton path of `PagedLatentCache.decode_attention`; `max_seq_len` (>= every seq_len) avoids a sync."""
+    """Triton path of `PagedLatentCache.decode_attention`; `tables.max_seq_len` (>= every seq_len) avoids a
+    sync, `tables.plan` is not read."""
     latent = cache.latent_cache
-    check_latent_queries(q, block_tables, seq_lens, latent, token_indices)
+    check_latent_queries(q, tables, latent)
+    block_tables, seq_lens, max_seq_len, _, token_indices = tables
     num_seqs, num_heads, width = q.shape
     rank = cache.kv_lora_rank
     is_sparse = token_indices is not None

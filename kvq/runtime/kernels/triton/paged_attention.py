@@ -36,6 +36,7 @@ from kvq.runtime.kernels.triton.launch import (
 )
 
 if TYPE_CHECKING:
+    from kvq.runtime.kernels.paged.attention import DecodeTables
     from kvq.runtime.kernels.paged.kv_pages import PagedKVPages
 
 
@@ -280,16 +281,15 @@ def paged_decode_kernel(
 def paged_decode_attention_triton(
     q: torch.Tensor,
     kv: PagedKVPages,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    tables: DecodeTables,
     sm_scale: float | None = None,
-    max_seq_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton path of `PagedKVCache.decode_attention` (pages and scales checked when `kv` was made);
-    `max_seq_len` (>= every seq_len) avoids a device sync."""
+    `tables.max_seq_len` (>= every seq_len) avoids a device sync, `tables.plan` is not read."""
     k_cache, v_cache, k_scale, v_scale = kv.k_cache, kv.v_cache, kv.k_scale, kv.v_scale
+    block_tables, seq_lens, max_seq_len, _, _ = tables
     check_decode_queries(q, block_tables, seq_lens, k_cache)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs, num_q_heads, _ = q.shape
