@@ -273,6 +273,7 @@ static void rms_norm_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     free(s);
 }
 
+PyDoc_STRVAR(rms_norm_doc, "bf16 RMSNorm rows, optionally after a residual add (see source).");
 static PyObject *rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, res, res_out, w, out;
@@ -314,6 +315,7 @@ ALWAYS_INLINE void silu_mul_rows_impl(const SiluMul *a, int64_t first, int64_t l
 }
 KVQ_ROW_LEVELS(silu_mul, SiluMul)
 
+PyDoc_STRVAR(silu_mul_doc, "bf16 silu(gate) * up over [M, 2I] rows (see the module source).");
 static PyObject *silu_mul(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long gate_up, out;
@@ -422,6 +424,7 @@ ALWAYS_INLINE void argmax_rows_impl(const Argmax *a, int64_t first, int64_t last
 }
 KVQ_ROW_LEVELS(argmax, Argmax)
 
+PyDoc_STRVAR(argmax_doc, "torch.argmax(x, -1) of fp32 or bf16 rows, and their finiteness.");
 static PyObject *argmax(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, out, is_finite;
@@ -466,6 +469,7 @@ KVQ_LEVELS(rotary_rows,
             const uint16_t *sin, uint16_t *out),
            (x, row_stride, T, H, D, R, cos, sin, out))
 
+PyDoc_STRVAR(rotary_doc, "bf16 rotate-half rotary embedding (see the module source).");
 static PyObject *rotary(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, cos, sin, out;
@@ -516,6 +520,7 @@ ALWAYS_INLINE void quantize_e4m3_row_impl(const uint16_t *restrict src, uint8_t 
 KVQ_LEVELS(quantize_e4m3_row, (const uint16_t *restrict src, uint8_t *restrict dst, int64_t D, float scale),
            (src, dst, D, scale))
 
+PyDoc_STRVAR(store_kv_doc, "The step's K/V rows (and slot stamps) into their page slots.");
 static PyObject *store_kv(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long k, v, kc, vc, scales, slots, stamps, stamp_values;
@@ -556,11 +561,13 @@ static PyObject *store_kv(PyObject *self, PyObject *args) {
 #include "_ops_attention.h"
 #include "_ops_stamps.h"
 
+PyDoc_STRVAR(has_thread_pool_doc, "Whether calls can use the W4A16 extension's threads.");
 static PyObject *has_thread_pool(PyObject *self, PyObject *args) {
     (void)self, (void)args;
     return PyBool_FromLong(kvq_parallel_for != NULL);
 }
 
+PyDoc_STRVAR(vector_level_doc, "The vector level (0-2) that runs for a wanted one.");
 static PyObject *vector_level(PyObject *self, PyObject *args) {
     (void)self;
     int wanted;
@@ -569,20 +576,16 @@ static PyObject *vector_level(PyObject *self, PyObject *args) {
     return PyLong_FromLong(cpu_level(wanted));
 }
 
+/* A row of the method table: the function `name` with its docstring `name##_doc` (beside the function). */
+#define METHOD(name, flags) {#name, name, flags, name##_doc}
+
 static PyMethodDef methods[] = {
-    {"rms_norm", rms_norm, METH_VARARGS, "bf16 RMSNorm rows, optionally after a residual add (see source)."},
-    {"silu_mul", silu_mul, METH_VARARGS, "bf16 silu(gate) * up over [M, 2I] rows (see the module source)."},
-    {"rotary", rotary, METH_VARARGS, "bf16 rotate-half rotary embedding (see the module source)."},
-    {"store_kv", store_kv, METH_VARARGS, "The step's K/V rows (and slot stamps) into their page slots."},
-    {"check_stamps", check_stamps, METH_VARARGS, "The first slot of each row whose stamp is not its own."},
-    {"check_step", check_step, METH_VARARGS, "The step check of tags, lengths and slots (and slot stamps)."},
-    {"check_batch", check_batch, METH_VARARGS, "A checked step's whole proof on CPU: True when any part failed."},
-    {"guard_slots", guard_slots, METH_VARARGS, "The slot mapping, -1 where a page moved on since its check."},
-    {"sampled_page_hash", sampled_page_hash, METH_VARARGS, "Each page's sampled bytes, weighted and summed."},
-    {"argmax", argmax, METH_VARARGS, "torch.argmax(x, -1) of fp32 or bf16 rows, and their finiteness."},
-    {"decode_attention", decode_attention, METH_VARARGS, "Paged decode attention over bf16/FP8 pages."},
-    {"vector_level", vector_level, METH_VARARGS, "The vector level (0-2) that runs for a wanted one."},
-    {"has_thread_pool", has_thread_pool, METH_NOARGS, "Whether calls can use the W4A16 extension's threads."},
+    METHOD(rms_norm, METH_VARARGS), METHOD(silu_mul, METH_VARARGS), METHOD(rotary, METH_VARARGS),
+    METHOD(store_kv, METH_VARARGS), METHOD(check_stamps, METH_VARARGS), METHOD(check_step, METH_VARARGS),
+    METHOD(check_batch, METH_VARARGS), METHOD(guard_slots, METH_VARARGS),
+    METHOD(sampled_page_hash, METH_VARARGS), METHOD(argmax, METH_VARARGS),
+    METHOD(decode_attention, METH_VARARGS), METHOD(vector_level, METH_VARARGS),
+    METHOD(has_thread_pool, METH_NOARGS),
     {NULL, NULL, 0, NULL},
 };
 

@@ -245,6 +245,7 @@ static void attention_task(void *ctx, int64_t chunk, int64_t num_chunks) {
     }
 }
 
+PyDoc_STRVAR(decode_attention_doc, "Paged decode attention over bf16/FP8 pages.");
 static PyObject *decode_attention(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long q, k, v, scales, tables, lens, out;

@@ -38,6 +38,7 @@ static int64_t stamps_first_bad(const int64_t *stamps, int64_t num_slot_pages, i
     return is_past ? M * page_size : -1;  // reads past the table: bad there
 }
 
+PyDoc_STRVAR(check_stamps_doc, "The first slot of each row whose stamp is not its own.");
 static PyObject *check_stamps(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long stamps_p, bt_p, writers_p, lens_p, out_p;
@@ -128,6 +129,7 @@ static int step_check_pass(const StepTensors *s, const int64_t *expected_tags, c
     return any;
 }
 
+PyDoc_STRVAR(check_step_doc, "The step check of tags, lengths and slots (and slot stamps).");
 static PyObject *check_step(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long tags_p, bt_p, cl_p, pos_p, slots_p, etags_p, elens_p, rows_p, epos_p, writers_p, bad_p,
@@ -153,6 +155,7 @@ static PyObject *check_step(PyObject *self, PyObject *args) {
 /* guard_slots(page_tags, num_pages, slot_mapping, write_tags, T, page_size, out): `guard_slot_mapping` of
    step_check.py: out[t] = slot_mapping[t], or -1 where page_tags[slot / page_size] (clamped into the pool)
    is not write_tags[t]. All int64, contiguous. */
+PyDoc_STRVAR(guard_slots_doc, "The slot mapping, -1 where a page moved on since its check.");
 static PyObject *guard_slots(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long tags_p, slots_p, wtags_p, out_p;
@@ -224,6 +227,7 @@ static int page_hashes(const uint8_t *pool, int64_t L, int64_t C, int64_t stride
    pool[l, c, page_ids[n], offsets[s]] * coeffs[l, c, s]. pool uint8 with strides in bytes (a part's bytes
    contiguous), page_ids int32/int64 [N], offsets int64 [S] (in range: checked where they are made), coeffs
    int64 [L, C, S] contiguous, out int64 [N]. The sum stays below 2^63 (page_check.MAX_HASH_TERMS). */
+PyDoc_STRVAR(sampled_page_hash_doc, "Each page's sampled bytes, weighted and summed.");
 static PyObject *sampled_page_hash(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long pool_p, ids_p, offsets_p, coeffs_p, out_p;
@@ -269,6 +273,7 @@ static PyObject *sampled_page_hash(PyObject *self, PyObject *args) {
      byte_hashes[page] (int64 [num_pages], -1: not hashed yet). True when anything failed, or a sealed page is
      outside [0, num_pages): the caller then runs the separate checks, which name what failed. The passing
      step, the hot path, writes only its two outputs. */
+PyDoc_STRVAR(check_batch_doc, "A checked step's whole proof on CPU: True when any part failed.");
 static PyObject *check_batch(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long tags_p, stamps_p, pool_p, offsets_p, coeffs_p, hashes_p, bt_p, cl_p, pos_p, slots_p,
