@@ -2,6 +2,7 @@
 and host milliseconds per token early and late in one long completion.
 
     python scripts/decode_ab.py OLD_TREE NEW_TREE MODEL [--repeats 3] [--long-tokens 2048]
+        [--kv-cache-dtype bf16]
 
 Each measurement runs in a fresh process with `PYTHONPATH=<tree>`, the two trees taking turns (A B A B),
 so drift on a shared machine hits both alike; medians are printed with each tree's spread. Only the
@@ -28,11 +29,12 @@ from kvq.runtime.engine import Engine
 from kvq.runtime.sampling import SamplingParams
 
 model, new_tokens, long_tokens, window, threads = sys.argv[1], *map(int, sys.argv[2:6])
+kv_cache_dtype = sys.argv[6]
 PROMPT = "Tell me about the history of the city of Paris."
 
 
 def engine(**kwargs):
-    return Engine(EngineConfig(model=model, threads=threads, kv_cache_dtype="bf16", **kwargs))
+    return Engine(EngineConfig(model=model, threads=threads, kv_cache_dtype=kv_cache_dtype, **kwargs))
 
 
 def tok_s(batch):
@@ -76,10 +78,8 @@ print(json.dumps(result))
 def measure(tree: str, args: argparse.Namespace) -> dict[str, float]:
     tree = os.path.abspath(tree)
     env = {**os.environ, "PYTHONPATH": tree}
-    argv = [
-        str(v)
-        for v in (os.path.abspath(args.model), args.new_tokens, args.long_tokens, args.window, args.threads)
-    ]
+    numbers = (args.new_tokens, args.long_tokens, args.window, args.threads)
+    argv = [os.path.abspath(args.model), *map(str, numbers), args.kv_cache_dtype]
     # cwd = the tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH
     out = subprocess.run(
         [sys.executable, "-c", CHILD, *argv], env=env, cwd=tree, capture_output=True, text=True
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-dtype", default="bf16", help="EngineConfig.kv_cache_dtype of every run")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     start = time.perf_counter()
