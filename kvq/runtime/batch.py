@@ -79,9 +79,7 @@ class ForwardBatch:
     query_lens: list[int]  # [B]
     logits_indices: torch.Tensor  # [B] int64: the row of each sequence's last token in [T]
     prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
-    decode_tables: (
-        DecodeTables  # (block_tables, context_lens, max_context_len) as the decode kernels read them
-    )
+    decode_tables: DecodeTables  # (block_tables, context_lens, max_context_len) for the decode kernels
     decode_plan_of: Callable[[], PagedDecodePlan] | None = None  # decode only: makes `decode_plan`
     write_guard: WriteGuard | None = None  # --kv-integrity tags/full only: applied once per forward
     slot_stamps: torch.Tensor | None = None  # [T] int64, tags/full only: each new token's slot stamp
