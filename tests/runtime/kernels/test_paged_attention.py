@@ -3,6 +3,8 @@ step's plan) against the reference."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,17 +12,43 @@ import torch.nn.functional as F
 from kvq.runtime.kernels import PagedKVCache, paged_decode_attention_reference, plan_paged_decode
 from kvq.runtime.kernels.paged.attention import paged_decode_attention_torch
 from kvq.runtime.kernels.triton.paged_attention import paged_decode_attention_triton
-from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_paged_kv
+from tests.runtime.kernels.kernel_cases import REL_TOL, PagedKV, assert_close_rel, random_paged_kv
 
 FP8 = torch.float8_e4m3fn
-# (page_size, Hkv, queries per KV head, head_dim, cache dtype, per-head scales, q dtype, num_splits)
+
+
+class Shape(NamedTuple):
+    page_size: int
+    num_kv_heads: int
+    queries_per_kv: int
+    head_dim: int
+    cache_dtype: torch.dtype
+    is_per_head: bool
+    dtype: torch.dtype  # q's
+
+    def inputs(self, seq_lens: list[int], gen: torch.Generator) -> tuple[PagedKV, torch.Tensor]:
+        """Random pages holding `seq_lens` tokens (`random_paged_kv`), and a query of each sequence."""
+        kv = random_paged_kv(
+            seq_lens,
+            self.page_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.cache_dtype,
+            self.is_per_head,
+            gen,
+        )
+        q = torch.randn(len(seq_lens), self.num_kv_heads * self.queries_per_kv, self.head_dim, generator=gen)
+        return kv, q.to(self.dtype)
+
+
+# (shape, num_splits)
 ATTENTION_CASES = [
-    (16, 2, 2, 64, FP8, True, torch.float16, None),
-    (15, 2, 4, 128, FP8, False, torch.bfloat16, 3),
-    (17, 1, 3, 64, torch.bfloat16, False, torch.float16, 1),
-    (16, 2, 1, 128, torch.bfloat16, True, torch.bfloat16, 2),
-    (8, 1, 4, 64, FP8, True, torch.float32, None),
-    (1, 2, 8, 64, torch.bfloat16, False, torch.float16, 2),  # one-token pages, GQA 8
+    (Shape(16, 2, 2, 64, FP8, True, torch.float16), None),
+    (Shape(15, 2, 4, 128, FP8, False, torch.bfloat16), 3),
+    (Shape(17, 1, 3, 64, torch.bfloat16, False, torch.float16), 1),
+    (Shape(16, 2, 1, 128, torch.bfloat16, True, torch.bfloat16), 2),
+    (Shape(8, 1, 4, 64, FP8, True, torch.float32), None),
+    (Shape(1, 2, 8, 64, torch.bfloat16, False, torch.float16), 2),  # one-token pages, GQA 8
 ]
 
 
@@ -28,76 +56,31 @@ def _seq_lens(page_size: int) -> list[int]:
     return [page_size + 3, 1, page_size - 1, page_size, page_size + 1, 3 * page_size + 5]
 
 
-@pytest.mark.parametrize(
-    (
-        "page_size",
-        "num_kv_heads",
-        "queries_per_kv",
-        "head_dim",
-        "cache_dtype",
-        "is_per_head",
-        "dtype",
-        "num_splits",
-    ),
-    ATTENTION_CASES,
-)
-def test_triton_matches_reference(
-    page_size: int,
-    num_kv_heads: int,
-    queries_per_kv: int,
-    head_dim: int,
-    cache_dtype: torch.dtype,
-    is_per_head: bool,
-    dtype: torch.dtype,
-    num_splits: int | None,
-) -> None:
-    gen = torch.Generator().manual_seed(page_size * head_dim)
-    kv = random_paged_kv(
-        _seq_lens(page_size), page_size, num_kv_heads, head_dim, cache_dtype, is_per_head, gen
-    )
-    q = torch.randn(len(kv.seq_lens), num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
+@pytest.mark.parametrize("shape,num_splits", ATTENTION_CASES)
+def test_triton_matches_reference(shape: Shape, num_splits: int | None) -> None:
+    gen = torch.Generator().manual_seed(shape.page_size * shape.head_dim)
+    kv, q = shape.inputs(_seq_lens(shape.page_size), gen)
     cache = kv.cache(backend="triton")
     y = paged_decode_attention_triton(q, cache, kv.tables, sm_scale=0.3, num_splits=num_splits)
     expected = paged_decode_attention_reference(q.float(), cache, kv.tables, sm_scale=0.3)
-    assert y.dtype == dtype and not torch.isnan(y).any()
-    assert_close_rel(y, expected, REL_TOL[dtype])
+    assert y.dtype == shape.dtype and not torch.isnan(y).any()
+    assert_close_rel(y, expected, REL_TOL[shape.dtype])
 
 
-# ATTENTION_CASES on 6 sequences, and the bf16 ones on 40: over 1024 queries x keys, bf16 matmuls
-TORCH_CASES = [(*case[:-1], 6) for case in ATTENTION_CASES] + [
-    (*case[:-1], 40) for case in ATTENTION_CASES if case[6] == torch.bfloat16
+# (shape, num_seqs): ATTENTION_CASES on 6 sequences, and the bf16 ones on 40: over 1024 queries x keys, bf16
+# matmuls
+TORCH_CASES = [(shape, 6) for shape, _ in ATTENTION_CASES] + [
+    (shape, 40) for shape, _ in ATTENTION_CASES if shape.dtype == torch.bfloat16
 ]
 
 
 @pytest.mark.parametrize("is_planned", [False, True])
-@pytest.mark.parametrize(
-    (
-        "page_size",
-        "num_kv_heads",
-        "queries_per_kv",
-        "head_dim",
-        "cache_dtype",
-        "is_per_head",
-        "dtype",
-        "num_seqs",
-    ),
-    TORCH_CASES,
-)
-def test_torch_path_matches_reference(
-    page_size: int,
-    num_kv_heads: int,
-    queries_per_kv: int,
-    head_dim: int,
-    cache_dtype: torch.dtype,
-    is_per_head: bool,
-    dtype: torch.dtype,
-    num_seqs: int,
-    is_planned: bool,
-) -> None:
-    gen = torch.Generator().manual_seed(page_size * head_dim + num_seqs)
+@pytest.mark.parametrize("shape,num_seqs", TORCH_CASES)
+def test_torch_path_matches_reference(shape: Shape, num_seqs: int, is_planned: bool) -> None:
+    page_size, num_kv_heads = shape.page_size, shape.num_kv_heads
+    gen = torch.Generator().manual_seed(page_size * shape.head_dim + num_seqs)
     seq_lens = (_seq_lens(page_size) * 7)[:num_seqs]
-    kv = random_paged_kv(seq_lens, page_size, num_kv_heads, head_dim, cache_dtype, is_per_head, gen)
-    q = torch.randn(num_seqs, num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
+    kv, q = shape.inputs(seq_lens, gen)
     cache, tables = kv.cache(), kv.tables
     if is_planned:  # the step's plan, over a bound the scheduler knows (it may exceed every length)
         max_seq_len = max(seq_lens) + 7
@@ -105,8 +88,8 @@ def test_torch_path_matches_reference(
         tables = tables._replace(max_seq_len=max_seq_len, plan=plan)
     y = paged_decode_attention_torch(q, cache, tables, 0.3)
     expected = paged_decode_attention_reference(q, cache, kv.tables, 0.3)
-    assert y.dtype == dtype and torch.isfinite(y).all()  # the NaN in unowned slots never leaks in
-    assert_close_rel(y, expected, REL_TOL[dtype])
+    assert y.dtype == shape.dtype and torch.isfinite(y).all()  # the NaN in unowned slots never leaks in
+    assert_close_rel(y, expected, REL_TOL[shape.dtype])
 
 
 def test_torch_path_rejects_a_plan_of_another_batch() -> None:
