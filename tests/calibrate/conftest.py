@@ -82,6 +82,19 @@ def kvq_compressed(
     return get
 
 
+@pytest.fixture(scope="session")
+def int4_by(
+    kvq_compressed: Callable[[str], Path], int4_checkpoint: Callable[[str], Path]
+) -> Callable[[str, str], Path]:
+    """`int4_by(producer, arch)`: `kvq_compressed(arch)` for producer "kvq compress", else (`model_free_ptq`)
+    `int4_checkpoint(arch)`."""
+
+    def get(producer: str, arch: str) -> Path:
+        return kvq_compressed(arch) if producer == "kvq compress" else int4_checkpoint(arch)
+
+    return get
+
+
 def writable(src: Path, tmp_path: Path) -> Path:
     """A private copy of a shared (read-only) fixture checkpoint."""
     return Path(shutil.copytree(src, tmp_path / src.parent.name))

@@ -153,16 +153,10 @@ def test_single_file_checkpoint_gets_an_index(
 
 @pytest.mark.parametrize("producer, arch", [("kvq compress", "glm_moe_dsa"), ("model_free_ptq", "llama")])
 def test_compressed_checkpoint(
-    kvq_compressed: Callable[[str], Path],
-    int4_checkpoint: Callable[[str], Path],
-    tmp_path: Path,
-    small_dataset: Path,
-    producer: str,
-    arch: str,
+    int4_by: Callable[[str, str], Path], tmp_path: Path, small_dataset: Path, producer: str, arch: str
 ) -> None:
     """An INT4 checkpoint (glm_moe_dsa: MLA + DSA, unpatched) keeps its config groups and manifest keys."""
-    source = kvq_compressed(arch) if producer == "kvq compress" else int4_checkpoint(arch)
-    root = writable(source, tmp_path)
+    root = writable(int4_by(producer, arch), tmp_path)
     manifest_before = (
         json.loads((root / MANIFEST_NAME).read_text()) if (root / MANIFEST_NAME).exists() else {}
     )

@@ -52,11 +52,16 @@ def calibrated(
     return files(root)
 
 
+@pytest.fixture
+def root(tiny_checkpoint: TinyCheckpoint, tmp_path: Path) -> Path:
+    """A private copy of the tiny llama."""
+    return writable(tiny_checkpoint("llama", "bf16"), tmp_path)
+
+
 @pytest.mark.parametrize("at", range(1, NUM_OPERATIONS + 1))
 def test_a_failure_at_any_write_changes_nothing_and_a_rerun_completes(
-    tiny_checkpoint: TinyCheckpoint, tmp_path: Path, monkeypatch, settings, calibrated, at: int
+    root: Path, monkeypatch, settings, calibrated, at: int
 ) -> None:
-    root = writable(tiny_checkpoint("llama", "bf16"), tmp_path)
     before = files(root)
     monkeypatch.setenv(FAULT_ENV, str(at))
     with pytest.raises(KvqError, match=f"{root}: failed .*injected fault.*; nothing was changed"):
@@ -67,19 +72,13 @@ def test_a_failure_at_any_write_changes_nothing_and_a_rerun_completes(
     assert files(root) == calibrated
 
 
-def test_no_operation_past_the_last_one(
-    tiny_checkpoint: TinyCheckpoint, tmp_path: Path, monkeypatch, settings, calibrated
-) -> None:
-    root = writable(tiny_checkpoint("llama", "bf16"), tmp_path)
+def test_no_operation_past_the_last_one(root: Path, monkeypatch, settings, calibrated) -> None:
     monkeypatch.setenv(FAULT_ENV, str(NUM_OPERATIONS + 1))
     calibrate(root, settings)
     assert files(root) == calibrated
 
 
-def test_a_kill_between_renames_is_rolled_back_by_the_next_run(
-    tiny_checkpoint: TinyCheckpoint, tmp_path: Path, settings, calibrated
-) -> None:
-    root = writable(tiny_checkpoint("llama", "bf16"), tmp_path)
+def test_a_kill_between_renames_is_rolled_back_by_the_next_run(root: Path, settings, calibrated) -> None:
     before = files(root)
     env = {**os.environ, FAULT_ENV: "10:kill"}  # scales and index renamed, config.json not yet
     argv = [sys.executable, "-m", "kvq", "calibrate", str(root), "--dataset", str(settings.dataset)]
@@ -93,10 +92,7 @@ def test_a_kill_between_renames_is_rolled_back_by_the_next_run(
     assert files(root) == calibrated
 
 
-def test_an_unwritable_checkpoint_is_refused_before_any_work(
-    tiny_checkpoint: TinyCheckpoint, tmp_path: Path, monkeypatch, settings
-) -> None:
-    root = writable(tiny_checkpoint("llama", "bf16"), tmp_path)
+def test_an_unwritable_checkpoint_is_refused_before_any_work(root: Path, monkeypatch, settings) -> None:
     before = files(root)
 
     def read_only(*args, **kwargs):
@@ -113,8 +109,7 @@ def test_an_unwritable_checkpoint_is_refused_before_any_work(
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_a_read_only_checkpoint_is_refused(tiny_checkpoint: TinyCheckpoint, tmp_path: Path, settings) -> None:
-    root = writable(tiny_checkpoint("llama", "bf16"), tmp_path)
+def test_a_read_only_checkpoint_is_refused(root: Path, settings) -> None:
     root.chmod(0o555)
     try:
         with pytest.raises(KvqError, match="cannot write in"):

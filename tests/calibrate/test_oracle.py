@@ -125,14 +125,10 @@ def test_mla_latent_matches_transformers_cache(tiny_checkpoint: TinyCheckpoint, 
 
 @pytest.mark.parametrize("producer, arch", [("kvq compress", "glm_moe_dsa"), ("model_free_ptq", "glm4_moe")])
 def test_int4_checkpoint_matches_forward_of_its_dequantized_weights(
-    kvq_compressed: Callable[[str], Path],
-    int4_checkpoint: Callable[[str], Path],
-    tmp_path: Path,
-    producer: str,
-    arch: str,
+    int4_by: Callable[[str, str], Path], tmp_path: Path, producer: str, arch: str
 ) -> None:
     """On an INT4 checkpoint, streaming equals a whole-model forward of the same (dequantized) weights."""
-    model_dir = kvq_compressed(arch) if producer == "kvq compress" else int4_checkpoint(arch)
+    model_dir = int4_by(producer, arch)
     assert Checkpoint.open(model_dir).format in ("pack-quantized", "mixed")
     ids = sample_ids(model_dir)
     layout, recorder = streamed(model_dir, ids)
