@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 # Imports of calibrate/compress (compressed-tensors, llm-compressor) stay inside the fixtures: the kernel
 # tests under tests/runtime/kernels must collect on a GPU machine that has only torch, triton and
@@ -36,6 +37,13 @@ def compress(source: Path, out: Path, recipe: str, group_size: int, target: str 
 
     run(prepare(source, out, load_recipe(recipe, group_size), target), workers=1)
     return out
+
+
+@pytest.fixture(params=[torch.bfloat16, torch.float8_e4m3fn])
+def cache_dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    """Each dtype of KV pages in turn: bf16, FP8 E4M3 (a test's own parametrize of `cache_dtype` overrides
+    it)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

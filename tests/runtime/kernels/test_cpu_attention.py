@@ -21,7 +21,6 @@ from tests.runtime.kernels.test_cpu_ops import OPS, torch_threads, vector_level_
 pytestmark = pytest.mark.skipif(cpu_ops._ext is None, reason="kvq's CPU extension is not built")
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_decode_attention_reads_the_pages_in_place(
     cache_dtype: torch.dtype, index_dtype: torch.dtype
@@ -116,7 +115,6 @@ def test_decode_attention_reads_every_fp8_byte_as_torch_does(isa: str) -> None:
         assert torch.equal(head.view(torch.int16)[expected.isnan()] < 0, torch.tensor([False, True] * 2))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_every_vector_level_gives_the_same_bits(cache_dtype: torch.dtype) -> None:
     """The attention's baseline, AVX2 and AVX-512 builds (and for FP8 pages the arithmetic, F16C and
     AVX-512 BW widenings) give the same bits, at head sizes on and off the 16- and 32-byte steps and with

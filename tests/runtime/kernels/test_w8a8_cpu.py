@@ -12,16 +12,13 @@ import torch
 from kvq.runtime.kernels.cpu.w4a8 import (
     NativeW8A8,
     quantize_activations,
-    w4a8_runnable,
     w8a8_chunk,
     w8a8_pack,
     w8a8_reference,
 )
 from kvq.runtime.kernels.cpu.w8a16 import quantize_int8_rows, w8a16_reference
 from tests.runtime.kernels.kernel_cases import same_bits_on_every_path_and_thread_count
-
-PATHS = w4a8_runnable()
-pytestmark = pytest.mark.skipif(not PATHS, reason="no W4A8 kernel runs here (AVX2 and kvq's CPU extension)")
+from tests.runtime.kernels.test_w4a8_cpu import PATHS, pytestmark  # noqa: F401  (the W4A8 kernels' skip)
 
 SHAPES = [(1, 32), (15, 96), (17, 64), (33, 576), (100, 1056)]  # N off the 16-row tiles; K 64k, 32(2k+1)
 ROWS = [1, 3, 4, 5, 64, 65, 70]
