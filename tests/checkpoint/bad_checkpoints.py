@@ -13,11 +13,9 @@ import torch
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from kvq.checkpoint.hf_checkpoint import write_checkpoint
-from kvq.checkpoint.specs import checkpoint_specs
 from kvq.checkpoint.write import save_safetensors_atomic, write_json_atomic
-from kvq.fixtures.tiny_models import random_tensor, tiny_config
-from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
+from kvq.fixtures.tiny_models import tiny_config
+from tests.compress.synthetic import random_checkpoint
 
 Tensors = dict[str, torch.Tensor]
 
@@ -128,11 +126,4 @@ def heads_checkpoint(dst: Path, num_heads: int, num_kv_heads: int, vocab_size: i
     config = tiny_config("llama", vocab_size=vocab_size)
     config.num_attention_heads, config.num_key_value_heads = num_heads, num_kv_heads
     config.hidden_size = num_heads * config.head_dim  # transformers wants hidden divisible by heads
-    return write_checkpoint(
-        dst,
-        checkpoint_specs(config),
-        lambda spec: random_tensor(spec, 0),
-        fmt="bf16",
-        config=config,
-        tokenizer=tiny_tokenizer(),
-    )
+    return random_checkpoint(dst, config, "bf16")

@@ -1,10 +1,12 @@
-"""Compress-suite helpers: run kvq compress, and the modules kvq keeps (what model_free_ptq must leave alone).
+"""Compress-suite helpers: run kvq compress (or build its command line), and the modules kvq keeps (what
+model_free_ptq must leave alone).
 
 The session fixtures `compressed` and `model_free` that use them live in tests/conftest.py (tests/check
 uses them too)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from kvq.compress.recipe import load_recipe
@@ -23,6 +25,11 @@ def compress(
 ) -> Path:
     run(prepare(src, out, load_recipe(recipe, group_size), target), workers)
     return out
+
+
+def compress_argv(src: Path, out: Path, recipe: str, *args: str) -> list[str]:
+    """`python -m kvq compress SRC OUT --recipe RECIPE ARGS...`, to run in a subprocess."""
+    return [sys.executable, "-m", "kvq", "compress", str(src), str(out), "--recipe", recipe, *args]
 
 
 def kept_modules(src: Path, recipe: str, group_size: int | None) -> tuple[str, ...]:

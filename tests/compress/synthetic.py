@@ -1,4 +1,5 @@
-"""Hand-made tiny checkpoints for bad-input tests, and a snapshot of a directory's bytes."""
+"""Hand-made tiny checkpoints for bad-input tests, random ones of an edited tiny config, and a snapshot of a
+directory's bytes."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from kvq.checkpoint.fp8_block_layout import FP8_BLOCK_QUANTIZATION_CONFIG
+from kvq.checkpoint.hf_checkpoint import write_checkpoint
+from kvq.checkpoint.specs import checkpoint_specs
 from kvq.checkpoint.write import save_safetensors_atomic, write_index, write_json_atomic
+from kvq.fixtures.tiny_models import random_tensor
+from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
 from kvq.formats.fp8_block import quantize_fp8_block
 
 EXPERT = "model.layers.1.mlp.experts.0.up_proj"
@@ -34,6 +40,20 @@ def write_shards(root: Path, shards: dict[str, dict[str, torch.Tensor]], *, fp8:
         config["quantization_config"] = dict(FP8_BLOCK_QUANTIZATION_CONFIG)
     write_json_atomic(config, root / "config.json")
     return root
+
+
+def random_checkpoint(dst: Path, config: PretrainedConfig, fmt: str, **kwargs) -> Path:
+    """The random model (seed 0) of a `tiny_config` `config`, edited or not, as a `fmt` checkpoint in `dst`
+    with the fixture tokenizer; `kwargs` go to `write_checkpoint`."""
+    return write_checkpoint(
+        dst,
+        checkpoint_specs(config),
+        lambda spec: random_tensor(spec, 0),
+        fmt=fmt,
+        config=config,
+        tokenizer=tiny_tokenizer(),
+        **kwargs,
+    )
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -5,7 +5,6 @@ under the memory bound `kvq compress` prints."""
 from __future__ import annotations
 
 import ctypes
-import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ from kvq.compress.forkserver import worker_context
 from kvq.compress.pool import threads_per_worker
 from kvq.compress.recipe import load_recipe
 from kvq.compress.runner import prepare, run
+from tests.compress.conftest import compress_argv
 
 
 def test_threads_per_worker_splits_the_cores_over_what_can_still_run() -> None:
@@ -55,7 +55,7 @@ def test_peak_memory_stays_under_the_printed_bound(tiny_checkpoint, tmp_path):
 
     src, out = tiny_checkpoint("glm4_moe", "fp8-block"), tmp_path / "out"
     bound = peak_rss_bound(prepare(src, out, load_recipe("w4a16-experts")).plan, 2)
-    argv = [sys.executable, "-m", "kvq", "compress", str(src), str(out), "--recipe", "w4a16-experts"]
-    measured = run_measured([*argv, "--workers", "2", "--quiet"])  # the whole process tree, every 50 ms
+    argv = compress_argv(src, out, "w4a16-experts", "--workers", "2", "--quiet")
+    measured = run_measured(argv)  # the whole process tree, every 50 ms
     assert measured.returncode == 0, measured.output
     assert 0 < measured.peak_rss_bytes <= bound

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvq.compress.recipe import RECIPES_DIR, available_recipes, load_recipe
+from kvq.compress.recipe import RECIPES_DIR, Recipe, available_recipes, load_recipe
 from kvq.errors import KvqError
 
 NEVER_QUANTIZED = [
@@ -59,14 +59,21 @@ def test_group_size_override():
         load_recipe("w4a16-experts", 96)
 
 
+def read_by_llm_compressor(name: str) -> tuple[Recipe, object]:
+    """The built-in recipe `name`, and the one modifier llm-compressor reads from its file."""
+    from llmcompressor.recipe import Recipe as LlmCompressorRecipe
+
+    recipe = load_recipe(name)
+    (modifier,) = LlmCompressorRecipe.create_instance(str(recipe.path)).modifiers
+    return recipe, modifier
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["w4a16-experts", "w4a16-linear"])
 def test_llm_compressor_reads_the_same_file(name):
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from llmcompressor.recipe import Recipe
 
-    recipe = load_recipe(name)
-    (modifier,) = Recipe.create_instance(str(recipe.path)).modifiers
+    recipe, modifier = read_by_llm_compressor(name)
     assert isinstance(modifier, QuantizationModifier)
     config = modifier.resolve_quantization_config()
     ours = recipe.quantization_config()
@@ -180,10 +187,8 @@ def test_gptq_modifier_recipe(tmp_path):
 @pytest.mark.parametrize("name", ["w4a16-linear-gptq", "w4a16-linear-gptq-mse"])
 def test_llm_compressor_reads_the_gptq_recipe(name):
     from llmcompressor.modifiers.gptq import GPTQModifier
-    from llmcompressor.recipe import Recipe
 
-    recipe = load_recipe(name)
-    (modifier,) = Recipe.create_instance(str(recipe.path)).modifiers
+    recipe, modifier = read_by_llm_compressor(name)
     assert isinstance(modifier, GPTQModifier)
     assert (modifier.block_size, modifier.dampening_frac, modifier.actorder) == (128, 0.01, "static")
     config = modifier.resolve_quantization_config()

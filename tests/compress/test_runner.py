@@ -6,26 +6,22 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvq.checkpoint.hf_checkpoint import write_checkpoint
 from kvq.checkpoint.reader import Checkpoint, block_size
-from kvq.checkpoint.specs import checkpoint_specs
 from kvq.compress.manifest import MANIFEST_NAME
 from kvq.compress.recipe import RECIPES_DIR, load_recipe
 from kvq.compress.runner import prepare, run
 from kvq.compress.size_plan import size_plan
 from kvq.compress.tensor_plan import build_plan
 from kvq.errors import KvqError
-from kvq.fixtures.tiny_models import random_tensor, tiny_config
-from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
-from tests.compress.conftest import FIXTURES, compress
-from tests.compress.synthetic import EXPERT, fp8_expert, read_json, snapshot, write_shards
+from kvq.fixtures.tiny_models import tiny_config
+from tests.compress.conftest import FIXTURES, compress, compress_argv
+from tests.compress.synthetic import EXPERT, fp8_expert, random_checkpoint, read_json, snapshot, write_shards
 
 
 @pytest.mark.parametrize(("arch", "fmt"), FIXTURES)
@@ -89,15 +85,7 @@ def test_tampered_shard_is_redone(tiny_checkpoint, tmp_path):
 
 def many_shard_source(root: Path) -> Path:
     config = tiny_config("glm4_moe", num_layers=4)
-    src = write_checkpoint(
-        root,
-        checkpoint_specs(config),
-        lambda spec: random_tensor(spec, 0),
-        fmt="fp8-block",
-        config=config,
-        tokenizer=tiny_tokenizer(),
-        max_shard_bytes=256 * 1024,
-    )
+    src = random_checkpoint(root, config, "fp8-block", max_shard_bytes=256 * 1024)
     assert len(list(src.glob("*.safetensors"))) >= 12
     return src
 
@@ -112,19 +100,7 @@ def _default_sigint() -> None:
 def interrupt_after_first_shard(src: Path, out: Path, sig: signal.Signals, workers: int = 1) -> int:
     """Run `kvq compress` in its own session; once a shard is recorded and under its final name, send `sig`
     to the whole session."""
-    argv = [
-        sys.executable,
-        "-m",
-        "kvq",
-        "compress",
-        str(src),
-        str(out),
-        "--recipe",
-        "w4a16-experts",
-        "--workers",
-        str(workers),
-        "--quiet",
-    ]
+    argv = compress_argv(src, out, "w4a16-experts", "--workers", str(workers), "--quiet")
     proc = subprocess.Popen(
         argv,
         start_new_session=True,
@@ -291,19 +267,7 @@ def test_out_holding_a_different_job(tiny_checkpoint, tmp_path):
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvq",
-            "compress",
-            str(tmp_path / "nope"),
-            str(tmp_path / "o"),
-            "--recipe",
-            "w4a16-experts",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    argv = compress_argv(tmp_path / "nope", tmp_path / "o", "w4a16-experts")
+    result = subprocess.run(argv, capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "no such directory" in result.stderr

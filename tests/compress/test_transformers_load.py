@@ -19,13 +19,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsC
 
 from kvq.checkpoint.dense import read_dense
 from kvq.checkpoint.expert_layout import fuse_experts
-from kvq.checkpoint.hf_checkpoint import write_checkpoint
 from kvq.checkpoint.reader import Checkpoint
-from kvq.checkpoint.specs import checkpoint_specs
-from kvq.fixtures.tiny_models import random_tensor, tiny_config
-from kvq.fixtures.tiny_tokenizer import tiny_tokenizer
+from kvq.fixtures.tiny_models import tiny_config
 from kvq.formats.fp8_block import dequantize_fp8_block
 from tests.compress.conftest import compress
+from tests.compress.synthetic import random_checkpoint
 
 # Passing dequantize= overrides only that loading attribute of the config; transformers warns anyway.
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
@@ -100,14 +98,7 @@ def test_block_aligned_fp8_source_output_generates(tmp_path, arch):
     config.intermediate_size = 512
     if arch == "glm_moe_dsa":
         config.q_lora_rank = 256
-    src = write_checkpoint(
-        tmp_path / "src",
-        checkpoint_specs(config),
-        lambda spec: random_tensor(spec, 0),
-        fmt="fp8-block",
-        config=config,
-        tokenizer=tiny_tokenizer(),
-    )
+    src = random_checkpoint(tmp_path / "src", config, "fp8-block")
     out = compress(src, tmp_path / "out", "w4a16-experts")
     model = load(out)
     assert_holds_kvqs_weights(model, out)

@@ -9,7 +9,6 @@ Linear is recorded as GPTAQ'd, routed experts as GPTQ'd, and alpha 0 writes GPTQ
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from kvq.gptq.gptq_job import GptqReport, prepare_gptq, run_gptq
 from kvq.gptq.hessian import HessianSum
 from kvq.gptq.staging import STAGING_DIR, state_path
 from tests.calibrate.test_errors import snapshot
+from tests.compress.conftest import compress_argv
 from tests.conftest import TinyCheckpoint
 
 CALIBRATION = CalibrationConfig(num_samples=10, seq_len=64)
@@ -175,18 +175,24 @@ def test_gptaq_run_resumes_byte_identical_and_alpha_zero_writes_gptq(
     assert {k for k in packed if not torch.equal(a[k], c[k])} == {k for k in packed if ".layers.1." in k}
 
 
+def compress_within_printed_bound(src: Path, out: Path, recipe: str, *args: str) -> str:
+    """Run `kvq compress SRC OUT --recipe RECIPE ARGS... --workers 2 --quiet`, measured; assert it succeeds
+    with its peak RSS within the bound it printed; return its output."""
+    measured = run_measured(compress_argv(src, out, recipe, *args, "--workers", "2", "--quiet"))
+    assert measured.returncode == 0, measured.output
+    assert measured.peak_rss_bytes <= printed_bound(measured.output), measured.output
+    return measured.output
+
+
 @pytest.mark.slow
 def test_cli_on_moe_routed_experts_stay_gptq_within_the_printed_bound(
     tiny_checkpoint: TinyCheckpoint, tmp_path: Path
 ) -> None:
     """glm4_moe with every Linear targeted (q/k/v carry biases: their bias tasks share the module name)."""
     src, out = tiny_checkpoint("glm4_moe", "bf16"), tmp_path / "out"
-    argv = [sys.executable, "-m", "kvq", "compress", str(src), str(out), "--recipe", "w4a16-linear"]
-    argv += ["--group-size", "64", "--method", "gptaq", "--num-samples", "10", "--seq-len", "64"]
-    measured = run_measured([*argv, "--moe-min-tokens", "0", "--workers", "2", "--quiet"])
-    assert measured.returncode == 0, measured.output
-    assert "--method gptaq (alpha 0.25)" in measured.output and "kvq (tp 1): loads" in measured.output
-    assert measured.peak_rss_bytes <= printed_bound(measured.output), measured.output
+    args = ["--group-size", "64", "--method", "gptaq", "--num-samples", "10", "--seq-len", "64"]
+    output = compress_within_printed_bound(src, out, "w4a16-linear", *args, "--moe-min-tokens", "0")
+    assert "--method gptaq (alpha 0.25)" in output and "kvq (tp 1): loads" in output
     manifest = read_manifest(out)
     assert manifest is not None
     modules = {

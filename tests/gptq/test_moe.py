@@ -8,14 +8,11 @@ must stay under the bound it prints.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvq.bench.compress_gptq import printed_bound
-from kvq.bench.measure import run_measured
 from kvq.calibrate.calibration_config import CalibrationConfig
 from kvq.checkpoint.reader import INDEX_NAME, Checkpoint, read_json
 from kvq.compress.recipe import load_recipe
@@ -28,6 +25,7 @@ from kvq.runtime.config import EngineConfig
 from kvq.runtime.engine import Engine
 from tests.compress.test_transformers_load import assert_holds_kvqs_weights, generate, load
 from tests.conftest import TinyCheckpoint
+from tests.gptq.test_gptaq import compress_within_printed_bound
 from tests.gptq.test_oracle import oneshot_gptq
 from tests.runtime.reference import engine_greedy, hf_greedy, hf_reference
 
@@ -48,11 +46,8 @@ def test_every_expert_gptq_or_listed_and_the_output_serves(
     tiny_checkpoint: TinyCheckpoint, tmp_path: Path
 ) -> None:
     src, out = tiny_checkpoint("glm4_moe", "bf16"), tmp_path / "gptq"
-    argv = [sys.executable, "-m", "kvq", "compress", str(src), str(out), "--recipe", "w4a16-experts"]
-    argv += ["--group-size", "64", "--method", "gptq", *SAMPLES, "--moe-min-tokens", "100"]
-    measured = run_measured([*argv, "--workers", "2", "--quiet"])
-    assert measured.returncode == 0, measured.output
-    assert measured.peak_rss_bytes <= printed_bound(measured.output), measured.output
+    args = ["--group-size", "64", "--method", "gptq", *SAMPLES, "--moe-min-tokens", "100"]
+    compress_within_printed_bound(src, out, "w4a16-experts", *args)
 
     rtn = tmp_path / "rtn"
     job = prepare(src, rtn, load_recipe("w4a16-experts", 64))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from kvq.gptq.gptq_config import GptqConfig
 from kvq.gptq.gptq_job import GptqReport, prepare_gptq, run_gptq
 from kvq.gptq.staging import STAGING_DIR
 from tests.calibrate.test_errors import snapshot
+from tests.compress.conftest import compress_argv
 from tests.conftest import TinyCheckpoint
 from tests.gptq.test_gptaq import Interrupted, stop
 
@@ -161,17 +161,8 @@ def test_moe_and_mla_layers_run_true_sequential(
 
 def test_true_sequential_is_refused_for_rtn(tiny_checkpoint: TinyCheckpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint("llama", "bf16")
-    argv = [
-        sys.executable,
-        "-m",
-        "kvq",
-        "compress",
-        str(src),
-        str(tmp_path / "out"),
-        "--recipe",
-        "w4a16-linear",
-    ]
-    done = subprocess.run([*argv, "--true-sequential"], capture_output=True, text=True)
+    argv = compress_argv(src, tmp_path / "out", "w4a16-linear", "--true-sequential")
+    done = subprocess.run(argv, capture_output=True, text=True)
     assert (
         done.returncode != 0 and "--true-sequential only apply to --method gptq" in done.stderr + done.stdout
     )
