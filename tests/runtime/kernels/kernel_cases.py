@@ -204,3 +204,10 @@ def random_selection(seq_lens: torch.Tensor, k: int, gen: torch.Generator) -> to
         chosen = torch.randperm(n, generator=gen)[:k]
         rows.append(torch.cat([chosen, torch.full((k - chosen.numel(),), -1)]))
     return torch.stack(rows).to(torch.int32)
+
+
+def case_id(value: object) -> str | None:
+    """A parametrize id for a case NamedTuple: its values, e.g. `16-2-2-64-float8_e4m3fn-True-float16`."""
+    if not isinstance(value, tuple):
+        return None
+    return "-".join(str(v).removeprefix("torch.") for v in value)

@@ -11,7 +11,7 @@ from kvq.runtime.kernels import fused_moe_reference, fused_moe_w4a16, prepare_w4
 from kvq.runtime.kernels.cpu.w4a8 import NativeW4A8, w4a8_path
 from kvq.runtime.kernels.triton.fused_moe import moe_align_block_size
 from kvq.runtime.kernels.w4a16 import LAYOUT_W4A8_CPU
-from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, random_w4a16
+from tests.runtime.kernels.kernel_cases import REL_TOL, assert_close_rel, case_id, random_w4a16
 
 
 class MoeCase(NamedTuple):
@@ -47,7 +47,7 @@ MOE_CASES = [
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("case", MOE_CASES, ids=case_id)
 def test_fused_moe_matches_reference(backend: str, case: MoeCase) -> None:
     x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale = case.inputs(seed=case.num_tokens)
     w13 = prepare_w4a16(w13_packed, w13_scale, case.group_size, backend=backend)
@@ -105,7 +105,7 @@ def test_fused_moe_rejects_mismatched_experts() -> None:
 
 
 @pytest.mark.skipif(w4a8_path() is None, reason="int4_compute w4a8 needs AVX2 and kvq's CPU extension")
-@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("case", MOE_CASES, ids=case_id)
 def test_w4a8_experts_are_each_experts_w4a8_product(case: MoeCase) -> None:
     """Stacked experts in the W4A8 layout (int4_compute "w4a8"): each expert's call is that expert's own
     W4A8 kernel, bit for bit, and the MoE within int8 rounding of the reference."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kvq.runtime.kernels import PagedKVCache, paged_decode_attention_reference, plan_paged_decode
 from kvq.runtime.kernels.paged.attention import paged_decode_attention_torch
 from kvq.runtime.kernels.triton.paged_attention import paged_decode_attention_triton
-from tests.runtime.kernels.kernel_cases import REL_TOL, PagedKV, assert_close_rel, random_paged_kv
+from tests.runtime.kernels.kernel_cases import REL_TOL, PagedKV, assert_close_rel, case_id, random_paged_kv
 
 FP8 = torch.float8_e4m3fn
 
@@ -56,7 +56,7 @@ def _seq_lens(page_size: int) -> list[int]:
     return [page_size + 3, 1, page_size - 1, page_size, page_size + 1, 3 * page_size + 5]
 
 
-@pytest.mark.parametrize("shape,num_splits", ATTENTION_CASES)
+@pytest.mark.parametrize("shape,num_splits", ATTENTION_CASES, ids=case_id)
 def test_triton_matches_reference(shape: Shape, num_splits: int | None) -> None:
     gen = torch.Generator().manual_seed(shape.page_size * shape.head_dim)
     kv, q = shape.inputs(_seq_lens(shape.page_size), gen)
@@ -75,7 +75,7 @@ TORCH_CASES = [(shape, 6) for shape, _ in ATTENTION_CASES] + [
 
 
 @pytest.mark.parametrize("is_planned", [False, True])
-@pytest.mark.parametrize("shape,num_seqs", TORCH_CASES)
+@pytest.mark.parametrize("shape,num_seqs", TORCH_CASES, ids=case_id)
 def test_torch_path_matches_reference(shape: Shape, num_seqs: int, is_planned: bool) -> None:
     page_size, num_kv_heads = shape.page_size, shape.num_kv_heads
     gen = torch.Generator().manual_seed(page_size * shape.head_dim + num_seqs)
