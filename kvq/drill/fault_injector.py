@@ -22,7 +22,6 @@ import torch
 from kvq.runtime.batch import ForwardBatch
 from kvq.runtime.block_manager import ROOT_HASH, chain_hash
 from kvq.runtime.integrity.page_sample import PageSample, make_page_sample
-from kvq.runtime.kernels import DecodeTables
 from kvq.runtime.kernels.integrity.step_check import guard_slot_mapping
 from kvq.runtime.model_runner import ForwardOutput
 from kvq.runtime.request import Request
@@ -284,7 +283,6 @@ class FaultInjector:
                 context_lens=lens_t,
                 context_lens_list=lens,
                 max_context_len=max(lens),
-                decode_tables=DecodeTables(batch.block_tables, lens_t, max(lens)),
                 decode_plan_of=lambda: plan,
             )
 

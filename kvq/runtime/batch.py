@@ -62,10 +62,10 @@ class ForwardBatch:
     `block_tables` int32 `[B, max_pages]` (padding -1) as the kernels take them; `slot_mapping` int64
     `[T]` = page * page_size + offset where each new token's K/V goes; `context_lens` = tokens each
     sequence attends to after this step; prefill: `query_lens` = new tokens per sequence (the rest of the
-    context is cached pages); decode: `decode_tables`, what every layer's decode attention reads, and
-    `planned_decode_tables`, the same with `decode_plan` for the torch kernels (the context slots, past a
-    sequence's end a slot of the pool's zero page, and length mask), made once, when the first layer reads
-    it (a CPU decode plan or the Triton kernels never do).
+    context is cached pages); decode: `decode_tables(backend)`, what every layer's decode attention reads,
+    with `decode_plan` for the torch kernels (the context slots, past a sequence's end a slot of the pool's
+    zero page, and length mask), made once, when the first layer reads it (a CPU decode plan or the Triton
+    kernels never do).
     """
 
     is_prefill: bool
@@ -79,7 +79,6 @@ class ForwardBatch:
     query_lens: list[int]  # [B]
     logits_indices: torch.Tensor  # [B] int64: the row of each sequence's last token in [T]
     prompt_lens: list[int]  # [B]: the request's prompt tokens (GLM-5's indexer forms its score rows by it)
-    decode_tables: DecodeTables  # (block_tables, context_lens, max_context_len) for the decode kernels
     decode_plan_of: Callable[[], PagedDecodePlan] | None = None  # decode only: makes `decode_plan`
     write_guard: WriteGuard | None = None  # --kv-integrity tags/full only: applied once per forward
     slot_stamps: torch.Tensor | None = None  # [T] int64, tags/full only: each new token's slot stamp
@@ -102,9 +101,11 @@ class ForwardBatch:
             self._made["plan"] = self.decode_plan_of()
         return self._made["plan"]
 
-    @property
-    def planned_decode_tables(self) -> DecodeTables:
-        """`decode_tables` with `decode_plan`, for the torch kernels (made once, when first read)."""
-        if "tables" not in self._made:
-            self._made["tables"] = self.decode_tables._replace(plan=self.decode_plan)
-        return self._made["tables"]
+    def decode_tables(self, backend: str) -> DecodeTables:
+        """What decode attention on `backend`'s pages reads: the tables, with `decode_plan` for the torch
+        kernels (Triton does its own index work); made once a step, when the first layer asks."""
+        key = f"tables {backend}"
+        if key not in self._made:
+            plan = self.decode_plan if backend == "torch" else None
+            self._made[key] = DecodeTables(self.block_tables, self.context_lens, self.max_context_len, plan)
+        return self._made[key]

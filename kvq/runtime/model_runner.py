@@ -25,7 +25,7 @@ from kvq.runtime.distributed.group import STOP
 from kvq.runtime.integrity import make_tracker
 from kvq.runtime.integrity.ranks import RankCheck, RankReset, RankStep
 from kvq.runtime.integrity.tracker import TagTracker
-from kvq.runtime.kernels import DecodeTables, PagedDecodePlan, plan_paged_decode
+from kvq.runtime.kernels import PagedDecodePlan, plan_paged_decode
 from kvq.runtime.kernels.integrity.step_check import guard_slot_mapping
 from kvq.runtime.model_load import load_model, make_kv_pool
 from kvq.runtime.prompt_logprobs import PromptScores, score_prompt
@@ -142,7 +142,6 @@ class StepBatches:
                 else torch.tensor(query_lens).cumsum(0) - 1
             ).to(self.device),
             prompt_lens=inputs.prompt_lens,
-            decode_tables=DecodeTables(block_tables_t, context_lens_t, max_context_len),
             decode_plan_of=decode_plan_of,
             inputs=inputs,
         )

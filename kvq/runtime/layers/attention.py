@@ -46,5 +46,4 @@ class PagedAttention:
             return kv.prefill_attention(
                 q, batch.block_tables, batch.query_lens, batch.context_lens_list, self.sm_scale
             )
-        tables = batch.planned_decode_tables if kv.backend == "torch" else batch.decode_tables
-        return kv.decode_attention(q, tables, self.sm_scale)
+        return kv.decode_attention(q, batch.decode_tables(kv.backend), self.sm_scale)

@@ -176,7 +176,7 @@ class MLAttention:
         W_UV: `[B, H, v]`."""
         kv = self.kv
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, R]
-        tables = batch.planned_decode_tables if kv.backend == "torch" else batch.decode_tables
+        tables = batch.decode_tables(kv.backend)
         if token_indices is not None:
             tables = tables._replace(token_indices=token_indices)
         out_latent = kv.decode_attention(torch.cat([q_latent, q_pe], dim=-1), tables, self.scale)  # [B, H, R]

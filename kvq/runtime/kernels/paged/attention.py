@@ -42,11 +42,10 @@ class PagedDecodePlan(NamedTuple):  # a tuple: made by every layer of a step fro
     is_empty: torch.Tensor | None = None
 
 
-class DecodeTables(
-    NamedTuple
-):  # a tuple: made once a step (`ForwardBatch.decode_tables`), read by every layer
-    """What a decode step's attention reads besides q and the pages: `block_tables` int32 `[B, max_pages]`
-    (`kv_cache_layout`), `seq_lens` `[B]` (the context each query attends to), `max_seq_len` >= every
+class DecodeTables(NamedTuple):
+    """What a decode step's attention reads besides q and the pages, made once a step and read by every layer
+    (`ForwardBatch.decode_tables`): `block_tables` int32 `[B, max_pages]` (`kv_cache_layout`), `seq_lens`
+    `[B]` (the context each query attends to), `max_seq_len` >= every
     seq_len (known to the scheduler; None: read from seq_lens, a device sync), `plan` (the step's
     `plan_paged_decode`, shared by every layer: spares the torch path its index work; Triton ignores it)
     and, for MLA only, `token_indices` `[B, K]` (DSA's selection: the positions attended to, -1 = none)."""
